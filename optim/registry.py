@@ -1,0 +1,90 @@
+"""The optimizer registry's types: hyperparameters, specs, parameter groups."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class OptimizerConfig:
+    """Every optimizer hyperparameter; each field is a CLI flag (`--lr`, `--weight-decay`, ...).
+
+    Fields left at None take the selected optimizer's default from SPEC §2 (`OptimizerSpec.defaults`).
+    """
+
+    optimizer: str = "adamw"  # registry name: see optim.OPTIMIZERS
+    lr: float | None = None  # peak learning rate
+    weight_decay: float | None = None  # applied to matrices; see the two flags below for the rest
+    decay_embeddings: bool = False  # also decay wte/wpe (tied with lm_head)
+    decay_norms_and_biases: bool = False  # also decay LayerNorm gains/biases, linear biases, PReLU slopes
+    beta1: float | None = None  # AdamW: first-moment decay
+    beta2: float | None = None  # AdamW: second-moment decay
+    eps: float | None = None  # AdamW: denominator epsilon
+    momentum: float | None = None  # SGDM: momentum coefficient
+    nesterov: bool = True  # SGDM: Nesterov momentum
+    fused: bool = True  # use torch's fused (CUDA) or foreach implementations where available
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """How to build one registered optimizer.
+
+    build(model, cfg) returns the list of optimizers that together own every trainable parameter exactly once;
+    cfg has been resolved (no None left for the fields in `defaults`).
+    needs_loss: step() takes the global-batch loss as a device tensor (ECD).
+    reduces_gradients: under torchrun the optimizer averages gradients across ranks itself (owner-computes
+    sharding), so the trainer must not wrap the model in DistributedDataParallel.
+    """
+
+    name: str
+    build: Callable[[nn.Module, OptimizerConfig], list[torch.optim.Optimizer]]
+    defaults: dict[str, float] = field(default_factory=dict)
+    needs_loss: bool = False
+    reduces_gradients: bool = False
+    description: str = ""
+
+
+def resolve_config(cfg: OptimizerConfig, spec: OptimizerSpec) -> OptimizerConfig:
+    """Fill the None fields of `cfg` from the spec's SPEC §2 defaults."""
+    filled = {k: v for k, v in spec.defaults.items() if getattr(cfg, k) is None}
+    return dataclasses.replace(cfg, **filled)
+
+
+def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """Split trainable parameters into decayed and non-decayed groups.
+
+    Matrices of linear layers decay; embeddings decay only with `decay_embeddings`; LayerNorm parameters,
+    linear biases, PReLU slopes and learned attention biases decay only with `decay_norms_and_biases`.
+    Each group carries the parameter names (key "names") for optimizers that treat tensors by role.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        is_embedding = name.startswith(("transformer.wte", "transformer.wpe"))
+        is_matrix = param.dim() >= 2 and not is_embedding
+        if is_matrix or (is_embedding and cfg.decay_embeddings) or (not is_embedding and cfg.decay_norms_and_biases):
+            decay.append((name, param))
+        else:
+            no_decay.append((name, param))
+    weight_decay = cfg.weight_decay or 0.0
+    groups = [
+        {"params": [p for _, p in decay], "names": [n for n, _ in decay], "weight_decay": weight_decay},
+        {"params": [p for _, p in no_decay], "names": [n for n, _ in no_decay], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+    """Bytes held in optimizer state tensors on this rank (for the log's bytes-per-parameter figure)."""
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    total += value.numel() * value.element_size()
+    return total
