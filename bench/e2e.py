@@ -1,0 +1,86 @@
+"""End-to-end training throughput of a preset on the available device: tokens/s, step time, MFU.
+
+    python bench/e2e.py --preset gpt2-124m --steps 60            # CUDA: bf16 + torch.compile
+    python bench/e2e.py --preset smoke --steps 30                # CPU
+    python bench/e2e.py --preset gpt2-124m --optimizer sgdm -- --micro-batch 16   # flags after -- go to train_gpt
+
+Runs the real training loop (train_gpt.main) on random tokens written to a temporary shard, so it measures the
+model, the optimizer, the loader and the loop together. The first `--warmup` logged intervals (compilation,
+allocator warm-up) are excluded from the steady-state figures. MFU uses the datasheet dense bf16 peak of the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train_gpt  # noqa: E402
+from data.shards import write_shard  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(train_gpt.PRESETS))
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
+    parser.add_argument("--log-every", type=int, default=5, help="steps per timed interval")
+    parser.add_argument("--warmup", type=int, default=2, help="timed intervals to discard")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args, passthrough = parser.parse_known_args()
+    passthrough = [a for a in passthrough if a != "--"]
+
+    model_cfg, hp, _, _ = train_gpt.parse_config(["--preset", args.preset, *passthrough])
+    tokens_needed = (args.steps + 2) * hp.batch_tokens + hp.seq_len + 1
+    with tempfile.TemporaryDirectory() as tmp:
+        rng = np.random.default_rng(0)
+        write_shard(Path(tmp) / "bench_train_000001.bin", rng.integers(0, 50257, tokens_needed, dtype=np.uint16))
+        summary = train_gpt.main([
+            "--preset", args.preset, "--optimizer", args.optimizer, "--steps", str(args.steps),
+            "--train-files", str(Path(tmp) / "bench_train_*.bin"), "--val-every", "0",
+            "--val-tokens", str(hp.micro_batch * hp.seq_len), "--log-every", str(args.log_every),
+            "--run-dir", tmp, "--run-name", "bench", *passthrough,
+        ])
+        records = [json.loads(line) for line in (Path(tmp) / "bench" / "log.jsonl").read_text().splitlines()]
+    timed = [r for r in records if "tokens_per_s" in r and not r.get("summary")][args.warmup:]
+    if not timed:
+        raise SystemExit("no timed intervals left after warm-up: raise --steps or lower --warmup")
+    tok_s = statistics.median(r["tokens_per_s"] for r in timed)
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    result = {
+        "preset": args.preset, "optimizer": args.optimizer, "device": summary_device(),
+        "parameters": count_parameters(model_cfg),
+        "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
+        "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
+        "passthrough": passthrough, "final_val_loss": summary["val_loss"],
+    }
+    print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'tokens/s':>12} {'step ms':>9} {'MFU':>6}")
+    mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "n/a"
+    print(f"{args.preset:>12} {args.optimizer:>9} {result['device'][:24]:>24} {tok_s:>12,.0f} "
+          f"{result['step_time_ms']:>9.1f} {mfu:>6}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+
+
+def count_parameters(model_cfg: train_gpt.GPTConfig) -> int:
+    with torch.device("meta"):
+        return train_gpt.GPT(model_cfg).get_num_params()
+
+
+def summary_device() -> str:
+    import platform
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The GPT-2 model and the symmetry-breaking biases (SPEC §1–2)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import train_gpt
+from kernels.attention import attention_reference
+from train_gpt import GPT, BiasSampler, GPTConfig, mean_biases
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    base = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def test_gpt2_124m_parameter_count():
+    model_cfg, _, _, preset = train_gpt.parse_config(["--preset", "gpt2-124m"])
+    assert preset == "gpt2-124m"
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    assert model.get_num_params() == 124_119_552
+    assert model_cfg.activation == "prelu" and model_cfg.block_size == 512
+
+
+def test_gelu_preset_drops_prelu_slopes():
+    model_cfg = train_gpt.parse_config(["--preset", "gpt2-124m-gelu"])[0]
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    assert model.get_num_params() == 124_119_552 - 12 * 4 * 768
+
+
+def test_state_dict_names_follow_nanogpt():
+    names = set(GPT(tiny_config()).state_dict())
+    for expected in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
+                     "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.bias",
+                     "transformer.h.1.ln_2.bias", "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.act.weight",
+                     "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight", "lm_head.weight"]:
+        assert expected in names
+    assert not any("mean_biases" in n for n in names)
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=6, n_head=4, n_embd=256))
+    block = model.transformer.h[0]
+    assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block.mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(12), rel=0.05)
+    assert block.mlp.act.weight.mean().item() == pytest.approx(0.2, abs=0.1)
+    assert block.attn.c_attn.bias.abs().max().item() == 0.0
+
+
+def random_qkv(B=2, H=3, T=7, d=8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(B, H, T, d, generator=g, dtype=dtype) for _ in range(3)]
+
+
+def manual_attention(q, k, v):
+    T, d = q.shape[-2], q.shape[-1]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_value_bias_on_output_equals_bias_on_values(per_head):
+    q, k, v = random_qkv()
+    b_v = torch.randn(3, 8, dtype=torch.float64) if per_head else torch.randn(8, dtype=torch.float64)
+    expected = manual_attention(q, k, v + (b_v.unsqueeze(1) if per_head else b_v))
+    torch.testing.assert_close(attention_reference(q, k, v, b_v=b_v), expected)
+
+
+def test_query_bias_equals_per_key_logit_bias():
+    q, k, v = random_qkv()
+    b_q = torch.randn(8, dtype=torch.float64)
+    key_logit_bias = (k @ b_q) / math.sqrt(8)  # (B, H, T): one additive logit per key
+    causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    mask = key_logit_bias.unsqueeze(-2).masked_fill(causal, float("-inf"))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(attention_reference(q, k, v, b_q=b_q), expected)
+    assert (attention_reference(q, k, v, b_q=b_q) - attention_reference(q, k, v)).abs().max() > 1e-3
+
+
+def test_key_bias_is_a_no_op():
+    torch.manual_seed(0)
+    with_key = GPT(tiny_config(key_bias=True)).double()
+    without_key = GPT(tiny_config(key_bias=False)).double()
+    without_key.load_state_dict(with_key.state_dict())
+    idx = torch.randint(0, 97, (2, 16))
+    biases = BiasSampler(with_key.config, seed=3).sample(step=5, chunk=1).double()
+    assert biases[:, 1].abs().min() > 0  # b_K really was drawn
+    torch.testing.assert_close(with_key(idx, biases=biases)[0], without_key(idx, biases=biases)[0])
+
+
+@pytest.mark.parametrize("mode", ["bq", "bv", "bqbv"])
+def test_evaluation_uses_the_means(mode):
+    torch.manual_seed(0)
+    cfg = tiny_config(bias_mode=mode, mean_v=0.5)
+    model = GPT(cfg).double()
+    idx = torch.randint(0, 97, (2, 16))
+    at_means = model(idx, biases=mean_biases(cfg).double())[0]
+    torch.testing.assert_close(model(idx)[0], at_means)
+    sampled = model(idx, biases=BiasSampler(cfg, seed=0).sample(0, 0).double())[0]
+    assert (sampled - at_means).abs().max() > 1e-6
+
+
+def test_mean_biases_fold_into_a_standard_gpt2():
+    """At the means, q + μ_Q = x A_Q + (c_Q + μ_Q) and c_proj(y + μ_V) = c_proj(y) + W_O μ_V (SPEC §1)."""
+    torch.manual_seed(0)
+    cfg = tiny_config(bias_mode="bqbv", mean_v=0.5)
+    broken = GPT(cfg).double()
+    plain = GPT(tiny_config(bias_mode="none")).double()
+    plain.load_state_dict(broken.state_dict())
+    C = cfg.n_embd
+    with torch.no_grad():
+        for block in plain.transformer.h:
+            block.attn.c_attn.bias[:C] += cfg.mean_q
+            block.attn.c_proj.bias += block.attn.c_proj.weight @ torch.full((C,), cfg.mean_v, dtype=torch.float64)
+    idx = torch.randint(0, 97, (2, 16))
+    torch.testing.assert_close(broken(idx)[0], plain(idx)[0])
+
+
+def test_sampler_is_a_function_of_seed_step_chunk():
+    cfg = tiny_config()
+    a, b = BiasSampler(cfg, seed=7), BiasSampler(cfg, seed=7)
+    torch.testing.assert_close(a.sample(10, 3), b.sample(10, 3))
+    assert not torch.equal(a.sample(10, 3), a.sample(10, 2))
+    assert not torch.equal(a.sample(10, 3), a.sample(11, 3))
+    assert not torch.equal(a.sample(10, 3), BiasSampler(cfg, seed=8).sample(10, 3))
+    # layer i's draw does not depend on how many layers the model has
+    deeper = BiasSampler(tiny_config(n_layer=4), seed=7)
+    torch.testing.assert_close(deeper.sample(10, 3)[:2], a.sample(10, 3))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_sampler_distribution_matches_spec(per_head):
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=128, bias_per_head=per_head,
+                    mean_v=0.5, std_v_min=0.02, std_v_max=0.05)
+    sampler = BiasSampler(cfg, seed=0)
+    draws = torch.stack([sampler.sample(step, 0)[0] for step in range(3000)])  # (N, 3, [H,] d)
+    if per_head:
+        assert draws.shape == (3000, 3, 2, 64)
+        draws = draws.transpose(1, 2).reshape(6000, 3, 64)
+    std_q = torch.linspace(0.05, 0.15, 64)
+    std_v = torch.linspace(0.02, 0.05, 64)
+    torch.testing.assert_close(draws[:, 0].mean(0), torch.full((64,), 0.5), atol=0.012, rtol=0)
+    torch.testing.assert_close(draws[:, 2].mean(0), torch.full((64,), 0.5), atol=0.005, rtol=0)
+    torch.testing.assert_close(draws[:, 0].std(0), std_q, rtol=0.1, atol=0)
+    torch.testing.assert_close(draws[:, 2].std(0), std_v, rtol=0.1, atol=0)
+
+
+def test_learned_biases_are_parameters_and_get_gradients():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(bias_mode="learned", bias_per_head=True))
+    names = dict(model.named_parameters())
+    assert names["transformer.h.0.attn.b_q"].shape == (2, 8)
+    assert names["transformer.h.1.attn.b_v"].mean().item() == pytest.approx(0.0, abs=0.1)
+    idx = torch.randint(0, 97, (2, 16))
+    model(idx, idx)[1].backward()
+    assert names["transformer.h.0.attn.b_q"].grad.abs().sum() > 0
+    assert names["transformer.h.0.attn.b_v"].grad.abs().sum() > 0
+
+
+def test_symmetric_model_ignores_biases():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(bias_mode="none"))
+    idx = torch.randint(0, 97, (1, 16))
+    sampled = BiasSampler(model.config, seed=0).sample(0, 0)
+    torch.testing.assert_close(model(idx)[0], model(idx, biases=sampled)[0])
