@@ -111,9 +111,9 @@ PRESETS: dict[str, dict[str, object]] = {
     # A few minutes on a 2-core CPU: a narrow model on the embedded corpus, AdamW with warmup and cosine decay.
     "smoke": {
         "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128,
-        "seq_len": 128, "micro_batch": 16, "batch_tokens": 2048, "steps": 150,
+        "seq_len": 128, "micro_batch": 16, "batch_tokens": 2048, "steps": 100,
         "lr_schedule": "cosine", "warmup_steps": 10, "min_lr_frac": 0.1,
-        "val_every": 50, "val_tokens": 32768, "log_every": 10,
+        "val_every": 50, "val_tokens": 16384, "log_every": 10,
         "lr": 2e-3, "device": "cpu", "compile": False,
     },
 }
@@ -358,7 +358,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
     def estimate_flops_per_token(self, seq_len: int) -> float:
@@ -532,6 +532,12 @@ def resolve_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str]:
     return prepare_embedded_corpus()
 
 
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
 def print0(*args, **kwargs) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
@@ -669,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict:
                 **extra}
 
     # ---- the loop
-    val_loss = None
+    val_loss = first_val_loss = None
     last_log_time, last_log_tokens = train_time, tokens_seen
     train_loss = torch.zeros((), device=device)
     step = start_step
@@ -678,6 +684,7 @@ def main(argv: list[str] | None = None) -> dict:
         resumed_here = hp.resume and step == start_step
         if last_step or (hp.val_every and step % hp.val_every == 0 and not resumed_here):
             val_loss = evaluate(model, val_files, hp, rank, world, device, autocast)
+            first_val_loss = val_loss if first_val_loss is None else first_val_loss
             log(f"step {step}/{hp.steps} | val loss {val_loss:.4f} | train time {train_time:.1f}s")
             log_record(metrics(step, val_loss=val_loss, elapsed_s=train_time))
             if hp.target_val_loss and reached_target is None and val_loss <= hp.target_val_loss:
@@ -739,7 +746,7 @@ def main(argv: list[str] | None = None) -> dict:
             log_record(record)
             log(f"step {done}/{hp.steps} | loss {loss_value:.4f} | lr {record['lr']:.2e} | "
                 f"{tok_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
-                + f" | {train_time:.1f}s | eta {eta:.0f}s")
+                + f" | {train_time:.1f}s | eta {format_duration(eta)}")
             last_log_time, last_log_tokens = train_time, tokens_seen
         else:
             train_time += time.perf_counter() - t0
@@ -752,7 +759,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint(step, metrics(step, val_loss=val_loss))
     summary = metrics(step, val_loss=val_loss, run_dir=str(run_dir) if run_dir else None,
                       tokens_per_s=tokens_seen / train_time if train_time else None)
-    log(f"done: {step} steps, final val loss {val_loss:.4f}, {train_time:.1f}s of training"
+    log(f"done: {step} steps, val loss {first_val_loss:.4f} -> {val_loss:.4f}, {train_time:.1f}s of training"
         + (f", target reached at step {reached_target['step']}" if reached_target else ""))
     log_record({"summary": True, **summary})
     loader.close()

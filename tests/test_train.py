@@ -189,3 +189,15 @@ def test_lr_schedules():
     assert train_gpt.lr_factor(79, linear) == 1.0
     assert train_gpt.lr_factor(90, linear) == pytest.approx(0.5)
     assert train_gpt.lr_factor(50, train_gpt.Hyperparameters()) == 1.0
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgdm"])
+def test_online_dynamics_are_logged(corpus, tmp_path, optimizer):
+    train_gpt.main(tiny_args(corpus, tmp_path, optimizer, steps=4, optimizer=optimizer,
+                             **{"dynamics-every": 2, "val-every": 0}))
+    records = [r for r in read_log(tmp_path / optimizer) if "train_loss" in r]
+    with_dynamics = [r["step"] for r in records if "J_QK" in r]
+    assert with_dynamics == [2, 4]
+    for r in records:
+        if "J_QK" in r:
+            assert r["J_QK"] > 0 and 0 <= r["f_rot_QK"] <= 1 + 1e-6 and math.isfinite(r["J_VO"])

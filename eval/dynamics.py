@@ -1,0 +1,149 @@
+"""Angular momentum and rotational fraction of attention heads (SPEC §6; seed 000 §3, App. C).
+
+    python -m eval.dynamics --run runs/NAME          # every checkpoint of the run + the online log
+    python -m eval.dynamics --checkpoint FILE        # one checkpoint
+
+From a checkpoint's optimizer state (the velocity u: ECD Π/‖Π‖; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε), each
+scaled to global norm 1 — see optim.gauge) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
+paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
+`--dynamics-every N` writes the same quantities (means over heads) into log.jsonl; they are plotted over training.
+Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import train_gpt
+from eval.common import add_target_args, markdown_table, output_dir, pyplot, read_log, resolve_target, write_json
+from optim.gauge import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
+
+LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
+
+
+def _params(ckpt: dict) -> dict[str, torch.Tensor]:
+    return {plain_name(n): t for n, t in ckpt["model"].items()}
+
+
+def checkpoint_dynamics(ckpt: dict) -> dict:
+    """Per-head (L×H lists) and summary (mean over heads; J also as the total √Σ J²) diagnostics of a checkpoint."""
+    if not ckpt.get("optimizers"):
+        raise ValueError(f"checkpoint at step {ckpt.get('step')} holds no optimizer state: the velocity is unknown")
+    n_head = ckpt["config"]["model"]["n_head"]
+    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(ckpt["optimizers"]), n_head)
+    summary = {key: float(value.mean()) for key, value in per_head.items()}
+    summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
+    return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), "summary": summary,
+            "per_head": {key: value.tolist() for key, value in per_head.items()}}
+
+
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """checkpoints/step_XXXXXX.pt in step order, then latest.pt (if present)."""
+    folder = Path(run_dir) / "checkpoints"
+    steps = sorted(folder.glob("step_*.pt"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    latest = folder / "latest.pt"
+    return steps + ([latest] if latest.is_file() else [])
+
+
+def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
+    """Mean over heads of the weight drift ratio between two checkpoints (SPEC §6)."""
+    ratios = weight_drift_ratio(_params(ckpt0), _params(ckpt1), ckpt1["config"]["model"]["n_head"])
+    return {key: float(value.mean()) for key, value in ratios.items()}
+
+
+def plot_heads(result: dict, path: Path, title: str) -> None:
+    plt = pyplot()
+    keys = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO")
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    for ax, key in zip(axes, keys):
+        values = np.array(result["per_head"][key])
+        image = ax.imshow(values, cmap="magma", aspect="auto")
+        ax.set_xticks(range(values.shape[1]))
+        ax.set_yticks(range(values.shape[0]))
+        ax.set_title(f"{key} (mean {result['summary'][key]:.3g})")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(f"{title} — step {result['step']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_training(log: list[dict], checkpoints: list[dict], path: Path, title: str) -> None:
+    """|J̃| and f_rot over training: the online log (lines) and checkpoint evaluations (markers)."""
+    plt = pyplot()
+    fig, (ax_j, ax_f) = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, keys in ((ax_j, ("J_QK", "J_VO")), (ax_f, ("f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx"))):
+        for i, key in enumerate(keys):
+            color = plt.cm.tab10(i)
+            points = [(r["step"], r[key]) for r in log if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), lw=1.2, color=color, label=f"{key} (log)")
+            marks = [(c["step"], c["summary"][key]) for c in checkpoints if c["step"] is not None]
+            if marks:
+                ax.plot(*zip(*marks), "o", ms=5, color=color, label=f"{key} (checkpoints)")
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_j.set_title("angular momentum |J̃| (mean over heads)")
+    ax_f.set_title("rotational fraction f_rot (mean over heads)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(parser)
+    args = parser.parse_args(argv)
+    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
+    out = output_dir(args, run_dir)
+    paths = run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
+    results, drifts, previous = [], [], None
+    for path in paths:
+        ckpt = train_gpt.load_checkpoint(path)
+        if previous is not None and previous.get("step") == ckpt.get("step"):
+            continue  # latest.pt duplicating the last step_XXXXXX.pt
+        result = checkpoint_dynamics(ckpt)
+        result["checkpoint"] = str(path)
+        results.append(result)
+        if previous is not None:
+            drifts.append({"from_step": previous.get("step"), "to_step": ckpt.get("step"), **drift(previous, ckpt)})
+        previous = ckpt
+    log = read_log(run_dir)
+    online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
+    summary = {"checkpoints": results, "weight_drift": drifts, "online": online}
+    write_json(out / "dynamics.json", summary)
+    plot_heads(results[-1], out / "dynamics.png", run_dir.name)
+    plot_training(log, results, out / "dynamics_training.png", run_dir.name)
+    rows = [[r["step"], r["tokens"] if r["tokens"] is not None else "-"] +
+            [f"{r['summary'][k]:.4g}" for k in ("J_QK", "J_VO", "J_QK_total", "J_VO_total")] +
+            [f"{100 * r['summary'][k]:.2f}" for k in ("f_rot_QK", "f_rot_QK_approx", "f_rot_VO", "f_rot_VO_approx")]
+            for r in results]
+    text = [f"# Rotational dynamics — {run_dir.name}", "",
+            "Velocity u from the optimizer state at each checkpoint (unit global norm). |J̃| = ‖X − Xᵀ‖_F/√2 per head "
+            "(mean over heads; total = √Σ over heads); f_rot in % (exact least-squares projection; ≈ eq. 24).", "",
+            markdown_table(["step", "tokens", "|J̃_QK|", "|J̃_VO|", "|J̃_QK| total", "|J̃_VO| total", "f_rot QK %",
+                            "≈ eq.24 QK %", "f_rot VO %", "≈ eq.24 VO %"], rows), ""]
+    if drifts:
+        text += ["## Weight drift ratio (‖ΔA‖ + ‖ΔB‖)/‖Δ(ABᵀ)‖, mean over heads", "",
+                 markdown_table(["from step", "to step", "QK", "VO"],
+                                [[d["from_step"], d["to_step"], f"{d['drift_QK']:.3g}", f"{d['drift_VO']:.3g}"]
+                                 for d in drifts]), ""]
+    text += ["![per-head dynamics](dynamics.png)", "", "![dynamics over training](dynamics_training.png)", ""]
+    (out / "dynamics.md").write_text("\n".join(text))
+    last = results[-1]["summary"]
+    print(f"step {results[-1]['step']}: |J_QK| {last['J_QK']:.3g}  |J_VO| {last['J_VO']:.3g}  "
+          f"f_rot QK {last['f_rot_QK']:.3g}  VO {last['f_rot_VO']:.3g}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Validation loss on a fixed token budget (SPEC §2 note): the same tokens for every model, mean biases (SPEC §1).
+
+    python -m eval.val_loss --run runs/NAME [--val-tokens 10485760] [--val-files 'data/x_val_*.bin']
+
+The budget is the first `val_tokens` tokens of the validation stream (`data.loader.validation_batches`: contiguous
+sequences in sorted shard order), so every model sees identical data without any randomness. Writes
+`val_loss.json`, `val_loss.png` (the run's loss curves with this evaluation marked) and `val_loss.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import train_gpt
+from data.loader import validation_batches
+from eval.common import (
+    add_target_args,
+    load_model,
+    output_dir,
+    pyplot,
+    read_log,
+    resolve_device,
+    resolve_target,
+    write_json,
+)
+
+
+@torch.no_grad()
+def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: int, seq_len: int, micro_batch: int,
+                    device: torch.device, autocast_dtype: torch.dtype | None = None) -> dict:
+    """Mean cross-entropy over the budget (each batch holds micro_batch × seq_len tokens, so batches weigh equally)."""
+    model.eval()
+    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    batches = 0
+    for x, y in validation_batches(files, micro_batch, seq_len, num_tokens, vocab_size=model.config.vocab_size,
+                                   device=device):
+        with autocast:
+            total += model(x, y)[1].double()
+        batches += 1
+    loss = (total / batches).item()
+    return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": batches * micro_batch * seq_len,
+            "seq_len": seq_len, "micro_batch": micro_batch}
+
+
+def validation_files(config: dict) -> str:
+    """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
+    fields = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
+    hp = train_gpt.Hyperparameters(**{k: v for k, v in config.get("train", {}).items() if k in fields})
+    if hp.val_files:
+        return hp.val_files
+    return train_gpt.resolve_data_files(hp, is_master=True)[1]
+
+
+def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | None = None, title: str = "") -> None:
+    """Train and validation loss against tokens (or steps) from log.jsonl; `marker` = (x, loss) of an evaluation."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    x_key = "tokens" if log and all("tokens" in r for r in log) else "step"
+    train = [(r[x_key], r["train_loss"]) for r in log if r.get("train_loss") is not None]
+    val = [(r[x_key], r["val_loss"]) for r in log if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), lw=1, alpha=0.8, label="train")
+    if val:
+        ax.plot(*zip(*val), "o-", ms=3, label="validation (trainer)")
+    if marker is not None:
+        ax.plot([marker[0]], [marker[1]], "r*", ms=12, label=f"fixed-budget eval {marker[1]:.4f}")
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(parser)
+    parser.add_argument("--val-files", default=None, help="validation shard glob (default: the run's config)")
+    parser.add_argument("--val-tokens", type=int, default=None, help="token budget (default: the run's val_tokens)")
+    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's seq_len")
+    parser.add_argument("--micro-batch", type=int, default=None, help="default: the run's micro_batch")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype on CUDA")
+    args = parser.parse_args(argv)
+    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
+    out = output_dir(args, run_dir)
+    device = resolve_device(args.device)
+    ckpt = train_gpt.load_checkpoint(ckpt_path)
+    train_cfg = ckpt["config"].get("train", {})
+    files = args.val_files or validation_files(ckpt["config"])
+    seq_len = args.seq_len or train_cfg.get("seq_len", 512)
+    micro_batch = args.micro_batch or train_cfg.get("micro_batch", 8)
+    num_tokens = args.val_tokens or train_cfg.get("val_tokens", 1 << 20)
+    model = load_model(ckpt, device)
+    dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
+    start = time.perf_counter()
+    result = validation_loss(model, files, num_tokens, seq_len, micro_batch, device, dtype)
+    result.update(checkpoint=str(ckpt_path), step=ckpt.get("step"), val_files=files,
+                  seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
+    write_json(out / "val_loss.json", result)
+    log = read_log(run_dir)
+    x = ckpt.get("metrics", {}).get("tokens") or (log[-1].get("tokens") if log else 0) or 0
+    plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]), title=run_dir.name)
+    (out / "val_loss.md").write_text(
+        f"# Validation loss — {run_dir.name}\n\n"
+        f"- checkpoint `{ckpt_path}` (step {result['step']})\n"
+        f"- **val loss {result['val_loss']:.4f}** (perplexity {result['perplexity']:.2f}) on the first "
+        f"{result['tokens']:,} tokens of `{files}` (seq_len {seq_len}, {result['dtype']}, mean biases)\n\n"
+        "![loss curves](val_loss.png)\n")
+    print(f"val_loss {result['val_loss']:.4f} on {result['tokens']:,} tokens -> {out / 'val_loss.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
