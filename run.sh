@@ -56,8 +56,8 @@ fi
 if have_cuda; then
     gpus=$(nvidia-smi -L | wc -l)
     if ! python -c "from data.fineweb_edu import fineweb_shards_present as p; raise SystemExit(0 if p() else 1)"; then
-        echo "[data] FineWeb-Edu shards missing: downloading (python -m data.fineweb_edu; see README for --chunks)"
-        python -m data.fineweb_edu || echo "[data] download failed: training on the embedded corpus instead"
+        echo "[data] FineWeb-Edu shards missing: downloading val + ${FINEWEB_CHUNKS:-6} x 100M train tokens"
+        python -m data.fineweb_edu --chunks "${FINEWEB_CHUNKS:-6}" || echo "[data] download failed: training on the embedded corpus instead"
     fi
     echo "[train] gpt2-124m on $gpus GPU(s)"
     exec torchrun --standalone --nproc_per_node="$gpus" train_gpt.py --preset gpt2-124m "$@"

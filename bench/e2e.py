@@ -1,8 +1,8 @@
 """End-to-end training throughput of a preset on the available device: tokens/s, step time, MFU.
 
-    python bench/e2e.py --preset gpt2-124m --steps 60            # CUDA: bf16 + torch.compile
-    python bench/e2e.py --preset smoke --steps 30                # CPU
-    python bench/e2e.py --preset gpt2-124m --optimizer sgdm -- --micro-batch 16   # flags after -- go to train_gpt
+    python -m bench.e2e --preset gpt2-124m --steps 60            # CUDA: bf16 + torch.compile
+    python -m bench.e2e --preset smoke --steps 30                # CPU
+    python -m bench.e2e --preset gpt2-124m --optimizer sgdm -- --micro-batch 16   # flags after -- go to train_gpt
 
 Runs the real training loop (train_gpt.main) on random tokens written to a temporary shard, so it measures the
 model, the optimizer, the loader and the loop together. The first `--warmup` logged intervals (compilation,
@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import train_gpt  # noqa: E402
-from data.shards import write_shard  # noqa: E402
+import train_gpt
+from data.shards import write_shard
 
 
 def main() -> None:

@@ -1,0 +1,169 @@
+"""The GPT-2 tokenizer (tiktoken `r50k_base`, SPEC §10), working without internet access.
+
+tiktoken normally downloads the BPE rank file from a blob store. We keep a verified copy in our cache
+(`<repo>/data/cache/tiktoken/`, or `$SYMGPT_CACHE/tiktoken/`) and fill it from, in order:
+  1. tiktoken's own download cache, if it already holds the file;
+  2. the `openai-whisper` source distribution on PyPI (fetched with `pip download`), which ships the same bytes as
+     `whisper/assets/gpt2.tiktoken`;
+  3. tiktoken's public URL (short timeout).
+Every copy is checked against the sha256 in SPEC §10 before use.
+
+    python -m data.tokenizer            # fetch + verify, print the path
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import tiktoken
+from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+WHISPER_SDIST = "openai-whisper==20250625"
+WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
+RANKS_FILENAME = "r50k_base.tiktoken"
+EOT_ID = 50256
+N_VOCAB = 50257
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class TokenizerSetupError(RuntimeError):
+    """The GPT-2 rank file could not be found, fetched or verified."""
+
+
+def cache_root() -> Path:
+    """Root of our caches: `$SYMGPT_CACHE` if set, else `<repo>/data/cache`."""
+    env = os.environ.get("SYMGPT_CACHE")
+    return Path(env) if env else REPO_ROOT / "data" / "cache"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _from_tiktoken_cache() -> bytes | None:
+    """The rank file from tiktoken's download cache (same lookup rules as tiktoken.load.read_file_cached)."""
+    base = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+    base = base or os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    path = Path(base) / hashlib.sha1(GPT2_RANKS_URL.encode()).hexdigest()
+    return path.read_bytes() if path.is_file() else None
+
+
+def _from_whisper_sdist() -> bytes:
+    """Download the openai-whisper sdist with pip and read `whisper/assets/gpt2.tiktoken` out of it."""
+    with tempfile.TemporaryDirectory(prefix="symgpt-whisper-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--timeout", "20", "--retries", "1", "-d", tmp, WHISPER_SDIST]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise OSError(f"`{' '.join(cmd[2:])}` failed: {result.stderr.strip()[-500:]}")
+        sdists = sorted(Path(tmp).glob("*.tar.gz"))
+        if not sdists:
+            raise OSError(f"pip download of {WHISPER_SDIST} produced no .tar.gz")
+        with tarfile.open(sdists[0]) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith("/" + WHISPER_MEMBER)), None)
+            if member is None:
+                raise OSError(f"{sdists[0].name} has no {WHISPER_MEMBER}")
+            return tar.extractfile(member).read()
+
+
+def _from_url() -> bytes:
+    with urllib.request.urlopen(GPT2_RANKS_URL, timeout=10) as response:
+        return response.read()
+
+
+def ensure_gpt2_ranks(cache_dir: Path | None = None) -> Path:
+    """Path of a verified GPT-2 rank file in `cache_dir` (default `cache_root()/tiktoken`), fetching it if absent.
+
+    A cached file whose sha256 differs from SPEC §10 is rejected (never silently used or overwritten).
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else cache_root() / "tiktoken"
+    path = cache_dir / RANKS_FILENAME
+    if path.is_file():
+        digest = _sha256(path.read_bytes())
+        if digest != GPT2_RANKS_SHA256:
+            raise TokenizerSetupError(
+                f"{path}: sha256 {digest} does not match the GPT-2 rank file ({GPT2_RANKS_SHA256}); "
+                "the file is corrupt or not r50k_base — delete it and run `python -m data.tokenizer` to fetch it "
+                "again"
+            )
+        return path
+    failures = []
+    sources = [("tiktoken cache", _from_tiktoken_cache), (f"PyPI sdist {WHISPER_SDIST}", _from_whisper_sdist),
+               (GPT2_RANKS_URL, _from_url)]
+    for source, fetch in sources:
+        try:
+            data = fetch()
+        except (OSError, subprocess.SubprocessError, tarfile.TarError) as e:
+            failures.append(f"{source}: {e}")
+            continue
+        if data is None:
+            failures.append(f"{source}: not present")
+        elif _sha256(data) != GPT2_RANKS_SHA256:
+            failures.append(f"{source}: sha256 mismatch ({_sha256(data)})")
+        else:
+            _write_atomic(path, data)
+            return path
+    raise TokenizerSetupError(
+        f"could not obtain the GPT-2 rank file ({RANKS_FILENAME}, sha256 {GPT2_RANKS_SHA256}):\n  "
+        + "\n  ".join(failures)
+        + f"\nFix: copy `whisper/assets/gpt2.tiktoken` from the {WHISPER_SDIST} sdist (or tiktoken's "
+        f"r50k_base.tiktoken) to {path}, or set SYMGPT_CACHE to a directory whose tiktoken/ subfolder holds it."
+    )
+
+
+def load_gpt2_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a verified tiktoken rank file (lines `base64(token) rank`)."""
+    data = Path(path).read_bytes()
+    if _sha256(data) != GPT2_RANKS_SHA256:
+        raise TokenizerSetupError(f"{path}: sha256 mismatch; not the GPT-2 rank file — delete it and rerun")
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@functools.cache
+def gpt2_tokenizer() -> tiktoken.Encoding:
+    """The GPT-2 BPE encoding, identical to tiktoken's `r50k_base` (built once per process)."""
+    return tiktoken.Encoding(
+        name="r50k_base",
+        pat_str=r50k_pat_str,
+        mergeable_ranks=load_gpt2_ranks(ensure_gpt2_ranks()),
+        special_tokens={ENDOFTEXT: EOT_ID},
+        explicit_n_vocab=N_VOCAB,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Fetch and verify the GPT-2 BPE rank file; print its path.")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="default: $SYMGPT_CACHE/tiktoken or data/cache/tiktoken")
+    args = parser.parse_args(argv)
+    try:
+        print(ensure_gpt2_ranks(args.cache_dir))
+    except TokenizerSetupError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

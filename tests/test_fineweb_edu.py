@@ -1,0 +1,193 @@
+"""The FineWeb-Edu downloader (data/fineweb_edu.py) against a fake Hub on 127.0.0.1."""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import fineweb_edu
+from data.fineweb_edu import DownloadError, download_shards, fineweb_shards_present, shard_names
+from data.shards import GPT2_VOCAB, open_shard, write_shard
+
+REPO = "someone/fake-shards"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub:
+    """Serves `files` at the Hub's resolve URLs (HEAD + GET with Range) and its tree listing, with scripted faults.
+
+    truncate: names whose next GET sends half the body and drops the connection (once each).
+    fail: names whose next GET answers 500 (once each).
+    corrupt: name -> how many GETs serve the tokens reversed (valid header and ids: only the sha256 can tell).
+    """
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.gets: Counter[str] = Counter()
+        self.truncate: set[str] = set()
+        self.fail: set[str] = set()
+        self.corrupt: Counter[str] = Counter()
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _name(self) -> str | None:
+                prefix = f"/datasets/{REPO}/resolve/main/"
+                name = self.path.split("?")[0][len(prefix):] if self.path.startswith(prefix) else None
+                return name if name in hub.files else None
+
+            def _headers(self, name: str, status: int, length: int, extra: dict | None = None) -> None:
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("ETag", f'"{hashlib.sha256(hub.files[name]).hexdigest()}"')
+                self.send_header("Content-Length", str(length))
+                self.send_header("Accept-Ranges", "bytes")
+                for key, value in (extra or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+
+            def do_HEAD(self):
+                name = self._name()
+                if name is None:
+                    self.send_error(404)
+                    return
+                self._headers(name, 200, len(hub.files[name]))
+
+            def do_GET(self):
+                if self.path.startswith(f"/api/datasets/{REPO}/tree/main"):
+                    listing = json.dumps([{"type": "file", "path": n, "size": len(b),
+                                           "oid": hashlib.sha1(b).hexdigest()} for n, b in hub.files.items()]).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(listing)))
+                    self.end_headers()
+                    self.wfile.write(listing)
+                    return
+                name = self._name()
+                if name is None:
+                    self.send_error(404)
+                    return
+                hub.gets[name] += 1
+                if name in hub.fail:
+                    hub.fail.discard(name)
+                    self.send_error(500)
+                    return
+                body = hub.files[name]
+                if hub.corrupt[name] > 0:
+                    hub.corrupt[name] -= 1
+                    body = body[:1024] + np.frombuffer(body[1024:], dtype="<u2")[::-1].tobytes()
+                start = 0
+                if "Range" in self.headers:
+                    start = int(self.headers["Range"].split("=")[1].split("-")[0])
+                    self._headers(name, 206, len(body) - start,
+                                  {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
+                else:
+                    self._headers(name, 200, len(body))
+                if name in hub.truncate:
+                    hub.truncate.discard(name)
+                    self.wfile.write(body[start:len(body) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(body[start:])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def shard_bytes(tmp: Path, name: str, seed: int, n: int) -> bytes:
+    tokens = np.random.default_rng(seed).integers(0, GPT2_VOCAB, size=n)
+    write_shard(tmp / name, tokens)
+    return (tmp / name).read_bytes()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    names = shard_names(3)
+    made = tmp_path / "made"
+    made.mkdir()
+    server = FakeHub({name: shard_bytes(made, name, seed, 3000 + 17 * seed) for seed, name in enumerate(names)})
+    yield server
+    server.close()
+
+
+def download(dest: Path, hub: FakeHub, chunks: int) -> list[Path]:
+    return download_shards(dest, chunks, repo=REPO, endpoint=hub.endpoint, progress=False)
+
+
+def test_download_prefix_then_resume(tmp_path, hub):
+    dest = tmp_path / "dest"
+    assert not fineweb_shards_present(dest)
+    paths = download(dest, hub, 1)
+    assert [p.name for p in paths] == ["finewebedu_val_000000.bin", "finewebedu_train_000001.bin"]
+    assert fineweb_shards_present(dest)
+    for path in paths:
+        assert path.read_bytes() == hub.files[path.name]
+        open_shard(path, vocab_size=GPT2_VOCAB)
+    # An interrupted run (server error on train 2) keeps what it fetched; the rerun fetches only the rest, and a
+    # transfer cut mid-file is retried by huggingface_hub within the run.
+    hub.fail.add("finewebedu_train_000002.bin")
+    with pytest.raises(DownloadError, match=r"(?s)finewebedu_train_000002.bin.*rerun to resume"):
+        download(dest, hub, 3)
+    hub.truncate.add("finewebedu_train_000003.bin")
+    paths = download(dest, hub, 3)
+    assert len(paths) == 4 and all(p.read_bytes() == hub.files[p.name] for p in paths)
+    assert hub.gets == Counter({name: 1 for name in shard_names(1)} | {name: 2 for name in shard_names(3)[2:]})
+    # Idempotent: nothing more is fetched.
+    download(dest, hub, 3)
+    assert sum(hub.gets.values()) == 6
+
+
+def test_corrupt_files_are_replaced_or_reported(tmp_path, hub):
+    dest = tmp_path / "dest"
+    download(dest, hub, 2)
+    # A local file with a bad header is downloaded again.
+    bad = dest / "finewebedu_train_000002.bin"
+    bad.write_bytes(bad.read_bytes()[:-7])
+    assert not fineweb_shards_present(dest)
+    download(dest, hub, 2)
+    assert bad.read_bytes() == hub.files[bad.name] and hub.gets[bad.name] == 2
+    # Bytes corrupted in transit fail the sha256 check: fetched once more ...
+    hub.corrupt["finewebedu_train_000003.bin"] = 1
+    download(dest, hub, 3)
+    assert hub.gets["finewebedu_train_000003.bin"] == 2
+    assert (dest / "finewebedu_train_000003.bin").read_bytes() == hub.files["finewebedu_train_000003.bin"]
+    # ... and a file that stays corrupt is removed and reported by name.
+    (dest / "finewebedu_train_000003.bin").unlink()
+    hub.corrupt["finewebedu_train_000003.bin"] = 5
+    with pytest.raises(DownloadError, match=r"(?s)finewebedu_train_000003.bin.*corrupt"):
+        download(dest, hub, 3)
+    assert not (dest / "finewebedu_train_000003.bin").exists()
+
+
+def test_offline_fails_fast_with_advice(tmp_path):
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(DownloadError, match="embedded corpus") as info:
+        download_shards(tmp_path, 2, repo=REPO, endpoint=f"http://127.0.0.1:{port}", progress=False)
+    assert time.monotonic() - start < 15
+    assert "data.tokenize" in str(info.value) and str(tmp_path) in str(info.value)
+
+
+def test_default_patterns_and_names():
+    assert fineweb_edu.DEFAULT_TRAIN_PATTERN.endswith("data/fineweb_edu/finewebedu_train_*.bin")
+    assert fineweb_edu.DEFAULT_VAL_PATTERN.endswith("data/fineweb_edu/finewebedu_val_*.bin")
+    assert shard_names(2) == ["finewebedu_val_000000.bin", "finewebedu_train_000001.bin", "finewebedu_train_000002.bin"]

@@ -1,0 +1,181 @@
+"""Raw text -> shards (data/tokenize.py): round trip, SPEC §10 bytes, loader, determinism, bad input, Hub files."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data import tokenize as tok
+from data.shards import EOT_TOKEN, GPT2_VOCAB, find_shards
+from data.tokenize import CorpusStats, TokenizeError, documents_to_shards, iter_documents, resolve_sources
+from data.tokenizer import gpt2_tokenizer
+
+WORDS = ["the", "gauge", "orbit", "bias", "Ω", "naïve", "日本語", "😀", "don't", "3.14", "\n", "\t", "  ",
+         "<|endoftext|>"]
+
+
+def make_docs(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["x" + "".join(rng.choice(WORDS) + rng.choice(" \n") for _ in range(rng.randrange(5, 80))) for _ in range(n)]
+
+
+def expected_stream(docs: list[str]) -> np.ndarray:
+    enc = gpt2_tokenizer()
+    return np.concatenate([np.array([EOT_TOKEN] + enc.encode_ordinary(d), dtype=np.uint16) for d in docs])
+
+
+def spec_bytes(tokens: np.ndarray) -> bytes:
+    """SPEC §10 written out independently of data.shards: 256 int32 header, then uint16 tokens, little-endian."""
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [20240520, 1, tokens.size]
+    return header.tobytes() + tokens.astype("<u2").tobytes()
+
+
+def write_corpus(root: Path, seed: int) -> tuple[list[str], list[str]]:
+    """.txt files, a .jsonl and a .parquet (text in "content"); returns (CLI inputs, documents in reading order)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    txt, jsonl, parquet = make_docs(seed, 5), make_docs(seed + 1, 12), make_docs(seed + 2, 9)
+    (root / "txt").mkdir(parents=True)
+    for i, doc in enumerate(txt):
+        (root / "txt" / f"doc{i}.txt").write_text(doc, encoding="utf-8")
+    with open(root / "b.jsonl", "w", encoding="utf-8") as f:
+        for i, doc in enumerate(jsonl):
+            f.write(json.dumps({"id": i, "content": doc}) + "\n")
+    pq.write_table(pa.table({"content": parquet, "n": list(range(len(parquet)))}), root / "c.parquet", row_group_size=4)
+    return [str(root / "txt" / "*.txt"), str(root / "b.jsonl"), str(root / "c.parquet")], txt + jsonl + parquet
+
+
+def test_round_trip_split_manifest_and_spec_bytes(tmp_path, monkeypatch):
+    inputs, docs = write_corpus(tmp_path / "in", seed=0)
+    out = tmp_path / "out"
+    monkeypatch.setattr(tok, "BATCH_CHARS", 300)  # many worker tasks: their order must be kept
+    tok.main(inputs + ["--out", str(out), "--prefix", "t", "--text-field", "content", "--shard-tokens", "500",
+                       "--val-tokens", "300", "--workers", "2"])
+    stream = expected_stream(docs)
+    shards = sorted(find_shards(str(out / "t_*.bin")), key=lambda p: p.name[-10:])  # by index: val first
+    names = [p.name for p in shards]
+    assert names[0] == "t_val_000000.bin" and names[1:] == [f"t_train_{i:06d}.bin" for i in range(1, len(names))]
+    sizes = [300] + [500] * (len(names) - 2) + [stream.size - 300 - 500 * (len(names) - 2)]
+    assert 0 < sizes[-1] <= 500
+    offsets = np.cumsum([0] + sizes)
+    for path, lo, hi in zip(shards, offsets[:-1], offsets[1:]):
+        assert path.read_bytes() == spec_bytes(stream[lo:hi])
+
+    # Document boundaries: one <|endoftext|> before each document, and each segment decodes to its document.
+    starts = np.flatnonzero(stream == EOT_TOKEN)
+    assert starts.size == len(docs)
+    segments = np.split(stream, starts[1:])
+    assert [gpt2_tokenizer().decode(s[1:].tolist()) for s in segments] == docs
+
+    manifest = json.loads((out / "t_manifest.json").read_text())
+    assert manifest["tokens"] == stream.size and manifest["val_tokens"] == 300 and manifest["shard_tokens"] == 500
+    assert manifest["counts"]["documents"] == len(docs) and manifest["counts"]["files"] == 7
+    assert manifest["sources"] == [str(p) for p in resolve_sources(inputs)]
+    assert [(s["name"], s["split"], s["tokens"]) for s in manifest["shards"]] == [
+        (n, "val" if i == 0 else "train", sizes[i]) for i, n in enumerate(names)]
+    assert all(s["sha256"] == hashlib.sha256((out / s["name"]).read_bytes()).hexdigest() for s in manifest["shards"])
+
+
+def test_readable_by_trainer_loader(tmp_path):
+    loader_module = pytest.importorskip("data.loader")
+    docs = make_docs(3, 60)
+    documents_to_shards(docs, tmp_path, "t", shard_tokens=2000, val_tokens=500, workers=1)
+    stream = expected_stream(docs)
+    loader = loader_module.DistributedTokenLoader(str(tmp_path / "t_train_*.bin"), 2, 16, vocab_size=GPT2_VOCAB,
+                                                  prefetch=0)
+    x, y, chunk = loader.next_batch()
+    train = stream[500:2500].astype(np.int64)
+    assert chunk == 0
+    assert np.array_equal(x.numpy(), train[:32].reshape(2, 16))
+    assert np.array_equal(y.numpy(), train[1:33].reshape(2, 16))
+
+
+def test_output_independent_of_workers(tmp_path, monkeypatch):
+    docs = make_docs(4, 80)
+    monkeypatch.setattr(tok, "BATCH_CHARS", 500)
+    for workers in (1, 2):
+        documents_to_shards(docs, tmp_path / str(workers), "t", shard_tokens=700, val_tokens=300, workers=workers)
+    one, two = sorted((tmp_path / "1").iterdir()), sorted((tmp_path / "2").iterdir())
+    assert [p.name for p in one] == [p.name for p in two] and len(one) > 3
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(one, two))
+
+
+def test_bad_inputs_are_counted_and_named(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "latin1.txt").write_bytes("café olé".encode("latin-1"))
+    (tmp_path / "good.txt").write_text("fine text", encoding="utf-8")
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "one"}\n{"other": "x"}\n{oops\n\n{"text": 5}\n'
+                                       b'{"text": "caf\xe9"}\n{"text": "   "}\n["text"]\n')
+    (tmp_path / "garbage.parquet").write_bytes(b"this is not parquet" * 10)
+    pq.write_table(pa.table({"body": ["no text column"]}), tmp_path / "nocol.parquet")
+    pq.write_table(pa.table({"text": ["kept", None, "also kept"]}), tmp_path / "nulls.parquet")
+    order = ["empty.txt", "latin1.txt", "good.txt", "d.jsonl", "garbage.parquet", "nocol.parquet", "nulls.parquet"]
+    paths = [tmp_path / n for n in order]
+
+    stats = CorpusStats()
+    docs = list(iter_documents(paths, stats, utf8_errors="replace"))
+    assert docs == ["caf\ufffd ol\ufffd", "fine text", "one", "caf\ufffd", "kept", "also kept"]
+    assert (stats.files, stats.documents, stats.empty_files, stats.invalid_utf8_replaced, stats.bad_json_lines,
+            stats.missing_field, stats.empty_documents, stats.unreadable_files) == (7, 6, 1, 2, 1, 4, 1, 2)
+    problems = "\n".join(stats.problems)
+    named = ["empty.txt", "latin1.txt", "d.jsonl:2", "d.jsonl:3", "garbage.parquet", "nocol.parquet", "nulls.parquet"]
+    assert all(name in problems for name in named)
+
+    stats = CorpusStats()
+    docs = list(iter_documents(paths, stats, utf8_errors="skip"))
+    assert docs == ["fine text", "one", "kept", "also kept"] and stats.invalid_utf8_skipped == 2
+
+    (tmp_path / "table.csv").write_text("a,b\n")
+    for bad, message in [("table.csv", "unsupported file type"), ("missing.txt", "no such file"),
+                         ("nothing*.jsonl", "matches no files")]:
+        with pytest.raises(TokenizeError, match=message):
+            resolve_sources([str(tmp_path / bad)])
+    with pytest.raises(SystemExit, match="error: .*table.csv"):
+        tok.main([str(tmp_path / "table.csv"), "--out", str(tmp_path / "out")])
+
+
+def test_small_corpus_and_existing_outputs(tmp_path):
+    docs = make_docs(5, 20)
+    with pytest.raises(TokenizeError, match="smaller --val-tokens"):
+        documents_to_shards(docs, tmp_path, "t", workers=1)  # default val shard: 100M tokens
+    assert not list(tmp_path.glob("t_*"))
+    documents_to_shards(docs, tmp_path, "t", shard_tokens=100, val_tokens=100, workers=1)
+    many = sorted(tmp_path.glob("t_train_*.bin"))
+    with pytest.raises(TokenizeError, match="--overwrite"):
+        documents_to_shards(docs, tmp_path, "t", shard_tokens=10_000, val_tokens=100, workers=1)
+    documents_to_shards(docs, tmp_path, "t", shard_tokens=10_000, val_tokens=100, workers=1, overwrite=True)
+    assert len(many) > 1 and [p.name for p in tmp_path.glob("t_train_*.bin")] == ["t_train_000001.bin"]
+
+
+def test_hub_dataset_files(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+    from test_fineweb_edu import REPO, FakeHub
+
+    docs = make_docs(6, 10)
+    files = {}
+    for name, part in [("sample/10BT/001.parquet", docs[5:]), ("sample/10BT/000.parquet", docs[:5]),
+                       ("other/000.parquet", ["not wanted"])]:
+        pq.write_table(pa.table({"text": part}), tmp_path / "t.parquet")
+        files[name] = (tmp_path / "t.parquet").read_bytes()
+    hub = FakeHub(files)
+    try:
+        fetched = tok.fetch_hub_files(REPO, "sample/10BT/*.parquet", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+        assert [name for name, _ in fetched] == ["sample/10BT/000.parquet", "sample/10BT/001.parquet"]
+        stats = CorpusStats()
+        assert list(iter_documents([path for _, path in fetched], stats)) == docs
+        assert tok.fetch_hub_files(REPO, "sample/*", 1, endpoint=hub.endpoint, cache_dir=tmp_path / "hf") == fetched[:1]
+        assert sum(hub.gets.values()) == 2  # the second call is served from the cache
+        with pytest.raises(TokenizeError, match="match"):
+            tok.fetch_hub_files(REPO, "nothing/*", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+    finally:
+        hub.close()
