@@ -5,14 +5,37 @@ b_q and b_v are None, (d,) shared across heads, or (H, d) per head. Semantics: s
 softmax (causal mask), output = softmax(·)(v + b_V). Because each softmax row sums to one, adding b_V to the
 values equals adding it to the output, which is what the implementations do.
 
-`attention_reference` is the PyTorch SDPA implementation: it runs on every device and is the oracle the kernel
-tests compare against.
+Two implementations live here, kernel next to its oracle:
+- `attention_reference`: PyTorch SDPA with the biases applied outside. Runs on every device; the tests' oracle.
+- `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
+  tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
+  key blocks and a separate dQ pass over query blocks, so no atomics). b_Q is added to each q tile as it is
+  loaded (in fp32, then rounded to the input dtype as the reference does; dK is taken against q + b_Q), b_V is
+  added to the output in the epilogue (and subtracted again where the backward needs softmax·v alone). It is
+  registered as the custom op `symgpt::attention_fwd` / `symgpt::attention_bwd` so torch.compile traces it
+  without a graph break. Gradients of b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time.
+
+`attention` uses the Triton op for CUDA tensors in fp16/bf16 with d in {64, 128} and the reference otherwise.
+The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
+model's `y.transpose(1, 2).contiguous()` is free. Tests: tests/test_attention_kernel.py (CPU through Triton's
+interpreter, CUDA in-process); benchmark: bench/attention.py.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2_E = 1.4426950408889634
+
+
+# -----------------------------------------------------------------------------
+# Reference (oracle)
 
 def _broadcast_bias(bias: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
     """Return the bias shaped (1, H, 1, d) or (1, 1, 1, d) so it broadcasts over (B, H, T, d)."""
@@ -41,6 +64,496 @@ def attention_reference(
     return out
 
 
+# -----------------------------------------------------------------------------
+# Triton kernels. Logits are kept in base 2: s = q·k · (log2(e)/√d), so the softmax uses exp2 and the saved
+# log-sum-exp is lse2 = m + log2(l). Each pass splits its loop into blocks that need no mask (the bulk of the
+# work) and the few that do: the causal diagonal and the ragged tail where T is not a multiple of the block.
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T, qk_scale,
+                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr):
+    """Online softmax over the key blocks starting in [lo, hi); K, V point at this (batch, head)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_ptrs = K + cols[:, None] * stride_kt + offs_d[None, :]  # rebuilt per block: a (BLOCK_N, d) tensor
+        v_ptrs = V + cols[:, None] * stride_vt + offs_d[None, :]  # of 64-bit pointers kept live costs registers
+        if BOUNDS:
+            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if CAUSAL_MASK:
+            s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        if BOUNDS:
+            s = tl.where(cols[None, :] < T, s, float("-inf"))
+        # every row sees at least one unmasked key in its first block, so m_new is finite and no NaN appears
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, BQ, BV, O, LSE,
+              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+              stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+              stride_bqh, stride_bvh, H, T, qk_scale,
+              HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr, HAS_BV: tl.constexpr,
+              INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: BLOCK_M query rows of one (batch, head). Writes O = softmax((q + b_Q)kᵀ/√d)v + b_V and lse2."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # launch the longest rows first so the last wave is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < T
+
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=row_ok, other=0.0)
+    if HAS_BQ:
+        b_q = tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)
+        q = (q.to(tl.float32) + b_q[None, :]).to(Q.dtype.element_ty)
+    K += off_b * stride_kb + off_h * stride_kh
+    V += off_b * stride_vb + off_h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CAUSAL:
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        0, start_m, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        start_m, min(start_m + BLOCK_M, T), T, qk_scale,
+                                        BLOCK_N, True, True, INPUT_PRECISION)
+    else:
+        t_full = (T // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        0, t_full, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        t_full, T, T, qk_scale, BLOCK_N, False, True, INPUT_PRECISION)
+
+    out = acc / l_i[:, None]
+    if HAS_BV:
+        out += tl.load(BV + off_h * stride_bvh + offs_d).to(tl.float32)[None, :]
+    tl.store(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok)
+    tl.store(LSE + off_bh * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
+
+
+@triton.jit
+def _attn_bwd_preprocess(O, DO, BV, DELTA,
+                         stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_bvh, H, T,
+                         HEAD_DIM: tl.constexpr, HAS_BV: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = Σ_j P_ij dP_ij = dO_i · (O_i − b_V): the softmax-backward row term (b_V is not part of P·V)."""
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < T
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+                mask=row_ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=row_ok, other=0.0).to(tl.float32)
+    if HAS_BV:
+        o -= tl.load(BV + off_h * stride_bvh + offs_d).to(tl.float32)[None, :]
+    tl.store(DELTA + off_bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                         offs_n, offs_m, offs_d, lo, hi, T, qk_scale,
+                         BLOCK_M: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                         BOUNDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """Accumulate dK, dV of one key block over the query blocks starting in [lo, hi) (transposed: keys are rows)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        rows = start_m + offs_m
+        q_ptrs = Q + rows[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = DO + rows[:, None] * stride_dot + offs_d[None, :]
+        if BOUNDS:
+            q = tl.load(q_ptrs, mask=rows[:, None] < T, other=0.0)
+            do = tl.load(do_ptrs, mask=rows[:, None] < T, other=0.0)
+            lse = tl.load(LSE + rows, mask=rows < T, other=float("inf"))  # P = 0 on rows past T
+            delta = tl.load(DELTA + rows, mask=rows < T, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(LSE + rows)
+            delta = tl.load(DELTA + rows)
+        if HAS_BQ:
+            q = (q.to(tl.float32) + b_q[None, :]).to(k.dtype)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale - lse[None, :])
+        if CAUSAL_MASK:
+            p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(Q, K, V, BQ, DO, LSE, DELTA, DK, DV,
+                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                   stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                   stride_gb, stride_gh, stride_gt, stride_bqh, H, T, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dK = Σ dSᵀ(q + b_Q)/√d and dV = Σ Pᵀ dO for BLOCK_N keys of one (batch, head)."""
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < T
+
+    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
+                mask=key_ok, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
+                mask=key_ok, other=0.0)
+    if HAS_BQ:
+        b_q = tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)
+    else:
+        b_q = tl.zeros([HEAD_DIM], tl.float32)
+    Q += off_b * stride_qb + off_h * stride_qh
+    DO += off_b * stride_dob + off_h * stride_doh
+    LSE += off_bh * T
+    DELTA += off_bh * T
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    t_full = (T // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        diag_end = start_n + BLOCK_N  # a multiple of BLOCK_M: the unmasked blocks start there
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                      offs_n, offs_m, offs_d, start_n, min(diag_end, T), T, qk_scale,
+                                      BLOCK_M, HAS_BQ, True, True, INPUT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                      offs_n, offs_m, offs_d, diag_end, t_full, T, qk_scale,
+                                      BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                      offs_n, offs_m, offs_d, max(t_full, diag_end), T, T, qk_scale,
+                                      BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
+    else:
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                      offs_n, offs_m, offs_d, 0, t_full, T, qk_scale,
+                                      BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                      offs_n, offs_m, offs_d, t_full, T, T, qk_scale,
+                                      BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
+
+    out_offs = off_b * stride_gb + off_h * stride_gh + offs_n[:, None] * stride_gt + offs_d[None, :]
+    tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=key_ok)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T,
+                       qk_scale, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS: tl.constexpr,
+                       INPUT_PRECISION: tl.constexpr):
+    """Accumulate dQ of one query block over the key blocks starting in [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        k_ptrs = K + cols[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = V + cols[:, None] * stride_vt + offs_d[None, :]
+        if BOUNDS:
+            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale - lse[:, None])
+        if CAUSAL_MASK:
+            p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
+        if BOUNDS:
+            p = tl.where(cols[None, :] < T, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(Q, K, V, BQ, DO, LSE, DELTA, DQ,
+                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+                 stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
+                 stride_gb, stride_gh, stride_gt, stride_bqh, H, T, qk_scale, sm_scale,
+                 HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program: dQ = Σ dS k/√d for BLOCK_M query rows of one (batch, head); also the gradient of q + b_Q."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m[:, None] < T
+
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=row_ok, other=0.0)
+    if HAS_BQ:
+        b_q = tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)
+        q = (q.to(tl.float32) + b_q[None, :]).to(Q.dtype.element_ty)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=row_ok, other=0.0)
+    lse = tl.load(LSE + off_bh * T + offs_m, mask=offs_m < T, other=float("inf"))
+    delta = tl.load(DELTA + off_bh * T + offs_m, mask=offs_m < T, other=0.0)
+    K += off_b * stride_kb + off_h * stride_kh
+    V += off_b * stride_vb + off_h * stride_vh
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CAUSAL:
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                0, start_m, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                start_m, min(start_m + BLOCK_M, T), T, qk_scale,
+                                BLOCK_N, True, True, INPUT_PRECISION)
+    else:
+        t_full = (T // BLOCK_N) * BLOCK_N
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                0, t_full, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                t_full, T, T, qk_scale, BLOCK_N, False, True, INPUT_PRECISION)
+
+    tl.store(DQ + off_b * stride_gb + off_h * stride_gh + offs_m[:, None] * stride_gt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok)
+
+
+# -----------------------------------------------------------------------------
+# Autotuning, keyed by (T, d, causal) plus the dtypes of the tensor arguments (Triton adds those to every key).
+# On Hopper every config compiles to wgmma (HGMMA). Which warp count avoids register spills depends on the tile
+# and d (offline sm_90 compile of every config: at d = 64, 4 warps spill only on the largest tiles and 8 never;
+# at d = 128 the dK/dV pass spills a little in most configs, least with 8 warps), so both counts are tried.
+
+def _configs(pairs: list[tuple[int, int]], stages: tuple[int, ...]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            for m, n in pairs for s in stages for w in (4, 8)]
+
+
+def _prune_small_t(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop tiles taller or wider than the sequence (their extra rows are pure masking) unless nothing is left."""
+    t = max(16, triton.next_power_of_2(named_args["T"]))
+    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= t]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+_TUNE_KEY = ["T", "HEAD_DIM", "CAUSAL"]
+_PRUNE = {"early_config_prune": _prune_small_t}
+# forward and dQ: BLOCK_M query rows per program, BLOCK_N keys per step (BLOCK_M % BLOCK_N == 0);
+# dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step (BLOCK_N % BLOCK_M == 0).
+_attn_fwd_tuned = triton.autotune(
+    _configs([(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)], (3, 4)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
+)(_attn_fwd)
+_attn_bwd_dkdv_tuned = triton.autotune(
+    _configs([(32, 64), (64, 64), (32, 128), (64, 128)], (2, 3)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
+)(_attn_bwd_dkdv)
+_attn_bwd_dq_tuned = triton.autotune(
+    _configs([(64, 32), (64, 64), (128, 32), (128, 64)], (2, 3)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
+)(_attn_bwd_dq)
+_PREPROCESS_BLOCK = 64
+
+
+# -----------------------------------------------------------------------------
+# Launchers and the custom op
+
+def _token_major_empty(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped like x (B, H, T, d) whose memory is laid out (B, T, H, d)."""
+    b, h, t, d = x.shape
+    return x.new_empty((b, t, h, d)).transpose(1, 2)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _bias_arg(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The pointer and per-head stride for a bias; a (d,) bias is read with head stride 0."""
+    if bias is None:
+        return dummy, 0
+    bias = bias.contiguous()
+    return bias, (bias.shape[-1] if bias.dim() == 2 else 0)
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _launch_meta(q: torch.Tensor) -> dict:
+    return {"HEAD_DIM": q.shape[-1], "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
+             b_v: torch.Tensor | None, causal: bool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    B, H, T, D = q.shape
+    o = _token_major_empty(q)
+    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    bq, stride_bqh = _bias_arg(b_q, q)
+    bv, stride_bvh = _bias_arg(b_v, q)
+    args = (q, k, v, bq, bv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            stride_bqh, stride_bvh, H, T, LOG2_E / math.sqrt(D))
+    meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
+    if blocks:
+        _attn_fwd[(triton.cdiv(T, blocks[0]), B * H)](*args, **meta, BLOCK_M=blocks[0], BLOCK_N=blocks[1])
+    else:
+        _attn_fwd_tuned[lambda cfg: (triton.cdiv(T, cfg["BLOCK_M"]), B * H)](*args, **meta)
+    return o, lse
+
+
+def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool,
+              blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do, q, k, v = (_last_dim_contiguous(x) for x in (do, q, k, v))
+    B, H, T, D = q.shape
+    sm_scale = 1.0 / math.sqrt(D)
+    meta = _launch_meta(q)
+    bq, stride_bqh = _bias_arg(b_q, q)
+    bv, stride_bvh = _bias_arg(b_v, q)
+
+    delta = torch.empty_like(lse)
+    _attn_bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK), B * H)](
+        o, do, bv, delta, *_strides(o), *_strides(do), stride_bvh, H, T,
+        HEAD_DIM=D, HAS_BV=b_v is not None, BLOCK_M=_PREPROCESS_BLOCK)
+
+    dq, dk, dv = _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), stride_bqh, H, T,
+              sm_scale * LOG2_E, sm_scale)
+    meta.update(CAUSAL=causal, HAS_BQ=b_q is not None)
+    if blocks:
+        _attn_bwd_dkdv[(triton.cdiv(T, blocks[0]), B * H)](
+            q, k, v, bq, do, lse, delta, dk, dv, *common, **meta, BLOCK_M=blocks[1], BLOCK_N=blocks[0])
+        _attn_bwd_dq[(triton.cdiv(T, blocks[0]), B * H)](
+            q, k, v, bq, do, lse, delta, dq, *common, **meta, BLOCK_M=blocks[0], BLOCK_N=blocks[1])
+    else:
+        _attn_bwd_dkdv_tuned[lambda cfg: (triton.cdiv(T, cfg["BLOCK_N"]), B * H)](
+            q, k, v, bq, do, lse, delta, dk, dv, *common, **meta)
+        _attn_bwd_dq_tuned[lambda cfg: (triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
+            q, k, v, bq, do, lse, delta, dq, *common, **meta)
+    return dq, dk, dv
+
+
+@torch.library.custom_op("symgpt::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
+                      b_v: torch.Tensor | None, causal: bool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse2); blocks = [] autotunes, [BLOCK_M, BLOCK_N] forces the tile shape (tests, interpreter)."""
+    return _forward(q, k, v, b_q, b_v, causal, blocks)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, b_q, b_v, causal, blocks):
+    B, H, T, _ = q.shape
+    return _token_major_empty(q), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("symgpt::attention_bwd", mutates_args=())
+def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool,
+                      blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); dq is also the gradient of q + b_Q."""
+    return _backward(do, q, k, v, o, lse, b_q, b_v, causal, blocks)
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, b_q, b_v, causal, blocks):
+    return _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
+
+
+def _bias_grad(grad: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Σ over batch and time of a (B, H, T, d) gradient, per head for an (H, d) bias, over heads for (d,)."""
+    g = grad.sum(dim=(0, 2), dtype=torch.float32)
+    return (g if bias.dim() == 2 else g.sum(0)).to(bias.dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, b_q, b_v, causal, blocks = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, b_q, b_v)
+    ctx.causal, ctx.blocks = causal, blocks
+
+
+def _attention_backward(ctx, grad_out, grad_lse):
+    q, k, v, o, lse, b_q, b_v = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(grad_out, q, k, v, o, lse, b_q, b_v, ctx.causal, ctx.blocks)
+    db_q = _bias_grad(dq, b_q) if b_q is not None and ctx.needs_input_grad[3] else None
+    db_v = _bias_grad(grad_out, b_v) if b_v is not None and ctx.needs_input_grad[4] else None
+    return dq, dk, dv, db_q, db_v, None, None
+
+
+_attention_fwd_op.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+# -----------------------------------------------------------------------------
+# Public entry points
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
+                  b_v: torch.Tensor | None, blocks: tuple[int, int] | None) -> None:
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"attention_triton: q, k, v must share one (B, H, T, d) shape; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"attention_triton: q, k, v must share one dtype in {DTYPES}; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype} (use attention_reference for others)")
+    _, num_heads, _, head_dim = q.shape
+    if q.numel() >= 2**31:
+        raise ValueError(f"attention_triton: q has {q.numel()} elements; the kernel's int32 offsets need fewer than "
+                         "2**31 (split the batch)")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"attention_triton: head dim {head_dim} is not supported; the kernel handles {HEAD_DIMS} "
+                         "(use attention_reference for others)")
+    for name, bias in (("b_q", b_q), ("b_v", b_v)):
+        if bias is not None:
+            if bias.shape not in ((head_dim,), (num_heads, head_dim)):
+                raise ValueError(f"attention_triton: {name} has shape {tuple(bias.shape)}; it must be ({head_dim},) "
+                                 f"shared across heads or ({num_heads}, {head_dim}) per head")
+            if bias.device != q.device:
+                raise ValueError(f"attention_triton: {name} is on {bias.device} but q is on {q.device}")
+    if blocks is not None:
+        m, n = blocks
+        if not all(x >= 16 and x & (x - 1) == 0 for x in (m, n)) or m % n:
+            raise ValueError(f"attention_triton: blocks={blocks} must be powers of two >= 16 with "
+                             "BLOCK_M a multiple of BLOCK_N, e.g. (32, 16)")
+
+
+def attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b_q: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    causal: bool = True,
+    blocks: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The Triton kernel on any device Triton runs on (CUDA, or the CPU interpreter with TRITON_INTERPRET=1).
+
+    blocks=None autotunes the tile shapes; (BLOCK_M, BLOCK_N) forces them (query rows per program and keys per
+    step in the forward and dQ passes, swapped for the dK/dV pass), which tests use to exercise multi-block and
+    ragged-tail paths on tiny inputs.
+    """
+    _check_inputs(q, k, v, b_q, b_v, blocks)
+    out, _ = torch.ops.symgpt.attention_fwd(q, k, v, b_q, b_v, causal, list(blocks or ()))
+    return out
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -49,5 +562,13 @@ def attention(
     b_v: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """Attention with optional symmetry-breaking biases; the model's only attention call."""
+    """Attention with optional symmetry-breaking biases; the model's only attention call.
+
+    CUDA fp16/bf16 inputs with d in {64, 128} run the Triton kernel; everything else (CPU, fp32, other head
+    dims) runs the SDPA reference.
+    """
+    use_kernel = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+                  and k.dtype == q.dtype and v.dtype == q.dtype)
+    if use_kernel:
+        return attention_triton(q, k, v, b_q, b_v, causal)
     return attention_reference(q, k, v, b_q, b_v, causal)
