@@ -1,7 +1,7 @@
 """Attention kernel benchmark: the Triton kernel against PyTorch SDPA backends and FlexAttention (CUDA only).
 
-    python bench/attention.py                                  # both GPT-2 shapes, writes runs/bench/attention.json
-    python bench/attention.py --shapes 16x12x1024x64 --out my.json
+    python -m bench.attention                                  # both GPT-2 shapes, writes runs/bench/attention.json
+    python -m bench.attention --shapes 16x12x1024x64 --out my.json
 
 For each shape (B x H x T x d; causal; bf16) it times, forward and forward+backward (median of
 triton.testing.do_bench, CUDA events, after a warm-up that also runs autotuning and compilation):

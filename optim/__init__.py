@@ -14,9 +14,12 @@ from optim.registry import (
     parameter_groups,
     resolve_config,
 )
+from optim.ecd import ECD_SPEC
+from optim.muon import MUON_SPEC
+from optim.soap import SOAP_SPEC
 from optim.torch_optimizers import ADAMW, SGDM
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ADAMW, SGDM)}
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ECD_SPEC, SOAP_SPEC, MUON_SPEC, ADAMW, SGDM)}
 
 __all__ = [
     "OPTIMIZERS",

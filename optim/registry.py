@@ -27,6 +27,22 @@ class OptimizerConfig:
     momentum: float | None = None  # SGDM: momentum coefficient
     nesterov: bool = True  # SGDM: Nesterov momentum
     fused: bool = True  # use torch's fused (CUDA) or foreach implementations where available
+    optim_state_dtype: str = "fp32"  # ECD/SOAP/Muon: dtype of Π and the moments (fp32 | bf16)
+    optim_seed: int = 0  # ECD: seed of the momentum noise
+    ecd_eta: float | None = None  # ECD: η, concentration of the measure near low loss (position step lr/sqrt(η))
+    ecd_f0: float | None = None  # ECD: F0, must stay below the training loss
+    ecd_nu: float | None = None  # ECD: ν, chaos (momentum noise) strength
+    ecd_energy_conservation: bool = True  # ECD: renormalise Π to unit norm every step
+    ecd_projection: str = "global"  # ECD: Π·g over all parameters (global) or per tensor (published code)
+    soap_precondition_frequency: int | None = None  # SOAP: steps between eigenbasis refreshes
+    soap_max_precond_dim: int | None = None  # SOAP: dims larger than this get no rotation
+    soap_merge_dims: bool = False  # SOAP: merge small dims before preconditioning
+    soap_precondition_1d: bool = False  # SOAP: also rotate 1-D parameters
+    soap_shampoo_beta: float | None = None  # SOAP: decay of the Kronecker factors (None: beta2)
+    muon_lr: float | None = None  # Muon: learning rate of the hidden matrices (the rest uses --lr with AdamW)
+    muon_momentum: float | None = None  # Muon: momentum coefficient
+    muon_nesterov: bool = True  # Muon: Nesterov momentum
+    muon_ns_steps: int | None = None  # Muon: Newton-Schulz iterations
 
 
 @dataclass(frozen=True)
@@ -42,7 +58,7 @@ class OptimizerSpec:
 
     name: str
     build: Callable[[nn.Module, OptimizerConfig], list[torch.optim.Optimizer]]
-    defaults: dict[str, float] = field(default_factory=dict)
+    defaults: dict[str, float | int] = field(default_factory=dict)
     needs_loss: bool = False
     reduces_gradients: bool = False
     description: str = ""
@@ -77,6 +93,14 @@ def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
         {"params": [p for _, p in no_decay], "names": [n for n, _ in no_decay], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+def state_dtype(cfg: OptimizerConfig) -> torch.dtype:
+    """--optim-state-dtype as a torch dtype: fp32 | bf16 (ECD's Π, SOAP's and Adam's moments)."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if cfg.optim_state_dtype not in dtypes:
+        raise ValueError(f"--optim-state-dtype must be one of {sorted(dtypes)}, got {cfg.optim_state_dtype!r}")
+    return dtypes[cfg.optim_state_dtype]
 
 
 def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:

@@ -1,0 +1,257 @@
+"""Owner-computes sharding: parameters, gradients and optimizer state as views into flat buffers.
+
+The optimizers that average gradients themselves (ECD, SOAP, Muon: `OptimizerSpec.reduces_gradients`) lay their
+parameters out in `Region`s, one flat buffer per (dtype, ownership mode), and rebind every `param.data` and
+`param.grad` to a view of it. Each rank owns one equal-sized chunk of every region:
+- element regions concatenate their parameters and split the elements evenly (elementwise rules: ECD, Adam);
+- tensor regions give each parameter whole to one rank, balanced by size (SOAP's eigenbases, Muon's
+  orthogonalisation), so the expensive per-matrix work is spread over ranks.
+A step is: reduce-scatter the gradients (mean over ranks), update the owned chunk, all-gather the parameters.
+Elementwise state lives in chunk-sized buffers aligned with the owned chunk, which is what a fused kernel wants.
+Without torch.distributed (or with one process) every collective is skipped.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) when torch.distributed is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(tensor: Tensor) -> Tensor:
+    """Sum `tensor` over ranks in place (no-op on one process)."""
+    if rank_and_world_size()[1] > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, stop) of parameter `index` (flattened), owned by this rank at `offset` in its chunk."""
+
+    index: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    def of(self, local: Tensor) -> Tensor:
+        """This piece's 1-D view into a chunk-sized local buffer."""
+        return local[self.offset : self.offset + self.numel]
+
+
+class Region:
+    """Parameters of one dtype and ownership mode in one flat buffer of world_size equal chunks."""
+
+    def __init__(self, params: list[tuple[int, Tensor]], tensor_owned: bool, rank: int, world_size: int) -> None:
+        self.rank, self.world_size, self.tensor_owned = rank, world_size, tensor_owned
+        self.indices = [i for i, _ in params]
+        numels = [p.numel() for _, p in params]
+        if tensor_owned:
+            load, owner = [0] * world_size, {}
+            for k in sorted(range(len(params)), key=lambda k: -numels[k]):  # largest first, least-loaded rank
+                owner[k] = min(range(world_size), key=lambda r: load[r])
+                load[owner[k]] += numels[k]
+            self.chunk = max(load)
+            fill, starts = [0] * world_size, []
+            for k, n in enumerate(numels):
+                starts.append(owner[k] * self.chunk + fill[owner[k]])
+                fill[owner[k]] += n
+            self.owner = {params[k][0]: owner[k] for k in range(len(params))}
+        else:
+            self.chunk = -(-sum(numels) // world_size)
+            starts = list(itertools.accumulate([0] + numels[:-1]))
+            self.owner = {}
+        self.numel = sum(numels)
+        self.offset = {i: s for (i, _), s in zip(params, starts)}
+        first = params[0][1]
+        self.params = torch.zeros(world_size * self.chunk, dtype=first.dtype, device=first.device)
+        self.grads = torch.zeros_like(self.params)
+        self._grad_views: list[tuple[Tensor, Tensor]] = []
+        lo, hi = rank * self.chunk, (rank + 1) * self.chunk
+        self.pieces: list[Piece] = []
+        for (i, p), start in zip(params, starts):
+            a, b = max(start, lo), min(start + p.numel(), hi)
+            if a < b:
+                self.pieces.append(Piece(i, a - start, b - start, a - lo))
+            view = self.params[start : start + p.numel()].view_as(p)
+            view.copy_(p.detach())
+            p.data = view
+            p.grad = self.grads[start : start + p.numel()].view_as(p)
+            self._grad_views.append((p, p.grad))
+
+    @property
+    def local_params(self) -> Tensor:
+        """This rank's chunk of the parameter buffer (a view: writing it updates the model on this rank)."""
+        return self.params[self.rank * self.chunk : (self.rank + 1) * self.chunk]
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        self._adopt_gradients()
+
+    def _adopt_gradients(self) -> None:
+        """Put gradients that autograd allocated elsewhere (after set_to_none) back into the flat buffer."""
+        for p, view in self._grad_views:
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def reduce_gradients(self) -> Tensor:
+        """The mean over ranks of the gradients in this rank's chunk (reduce-scatter; the buffer itself on 1 rank)."""
+        self._adopt_gradients()
+        if self.world_size == 1:
+            return self.grads
+        out = torch.empty(self.chunk, dtype=self.grads.dtype, device=self.grads.device)
+        dist.reduce_scatter_single(out, self.grads)
+        return out.div_(self.world_size)
+
+    def gather_params(self) -> None:
+        """All-gather the updated chunks so every rank holds the full parameters again."""
+        if self.world_size > 1:
+            dist.all_gather_single(self.params, self.local_params)
+
+    def gather(self, local: Tensor) -> Tensor:
+        """Full flat buffer (world_size * chunk) from every rank's chunk-aligned `local` buffer (collective)."""
+        if self.world_size == 1:
+            return local
+        full = torch.empty(self.world_size * self.chunk, dtype=local.dtype, device=local.device)
+        dist.all_gather_single(full, local)
+        return full
+
+    def full_view(self, full: Tensor, index: int, shape: torch.Size) -> Tensor:
+        """Parameter `index`'s slice of a full flat buffer laid out like the parameters."""
+        start = self.offset[index]
+        return full[start : start + shape.numel()].view(shape)
+
+    def scatter(self, local: Tensor, index: int, value: Tensor) -> None:
+        """Copy this rank's pieces of a full parameter-shaped `value` into the chunk-aligned `local` buffer."""
+        flat = value.reshape(-1)
+        for piece in self.pieces:
+            if piece.index == index:
+                piece.of(local).copy_(flat[piece.start : piece.stop])
+
+
+def build_regions(params: list[Tensor], tensor_owned: list[bool]) -> list[Region]:
+    """Lay `params` out in regions by (dtype, tensor_owned) and rebind them to views (see module docstring)."""
+    rank, world_size = rank_and_world_size()
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"sharded optimizers need every parameter on one device; got {sorted(map(str, devices))}")
+    keys = sorted({(str(p.dtype), owned) for p, owned in zip(params, tensor_owned)})
+    regions = []
+    for dtype, owned in keys:
+        members = [(i, p) for i, (p, o) in enumerate(zip(params, tensor_owned)) if str(p.dtype) == dtype and o == owned]
+        regions.append(Region(members, owned, rank, world_size))
+    return regions
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base of the owner-computes optimizers: flat layout, zero_grad on the buffers, consolidated state dicts.
+
+    Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
+    has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
+    Kronecker factors) and `_global_state` / `_load_global_state` for optimizer-wide scalars.
+    state_dict() is a collective: every rank must call it; every rank returns the full state in torch's layout
+    ({"state": {index: {name: tensor}}, "param_groups": [...]}), loadable under any world size.
+    """
+
+    def __init__(self, params, defaults: dict, tensor_owned) -> None:
+        super().__init__(params, defaults)
+        self.params_in_order = [p for group in self.param_groups for p in group["params"]]
+        self.names: list[str] = []
+        for group in self.param_groups:
+            self.names += group.get("names") or [f"param{len(self.names) + k}" for k in range(len(group["params"]))]
+        self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        if len({id(p) for p in self.params_in_order}) != len(self.params_in_order):
+            raise ValueError("a parameter appears twice in the optimizer's parameter groups")
+        self.regions = build_regions(self.params_in_order, [tensor_owned(i) for i in range(len(self.params_in_order))])
+        self.region_of = {i: region for region in self.regions for i in region.indices}
+        self.flat_state: dict[str, list[Tensor | None]] = {}
+
+    def new_flat_state(self, name: str, dtype: torch.dtype | None, regions=None) -> None:
+        """Allocate chunk-aligned zero buffers for state `name` (dtype None: the parameters' dtype)."""
+        self.flat_state[name] = [
+            torch.zeros(r.chunk, dtype=dtype or r.params.dtype, device=r.params.device)
+            if regions is None or r in regions
+            else None
+            for r in self.regions
+        ]
+        for r, buf in zip(self.regions, self.flat_state[name]):
+            if buf is not None:
+                for piece in r.pieces:
+                    self.state[self.params_in_order[piece.index]][name] = piece.of(buf)
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers (gradients stay views into them, whatever `set_to_none` says)."""
+        for region in self.regions:
+            region.zero_grad()
+
+    def _tensor_state(self, index: int) -> dict:
+        return {}
+
+    def _load_tensor_state(self, index: int, state: dict) -> None:
+        pass
+
+    def _global_state(self) -> dict:
+        return {}
+
+    def _load_global_state(self, state: dict) -> None:
+        pass
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        state: dict[int, dict] = {i: {} for i in range(len(self.params_in_order))}
+        for name, buffers in self.flat_state.items():
+            for region, buf in zip(self.regions, buffers):
+                if buf is None:
+                    continue
+                full = region.gather(buf)
+                for i in region.indices:
+                    state[i][name] = region.full_view(full, i, self.params_in_order[i].shape).clone()
+        for i in range(len(self.params_in_order)):
+            state[i].update(self._tensor_state(i))
+        groups, start = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups, "global": self._global_state()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in groups] != sizes:
+            raise ValueError(
+                f"optimizer state has parameter groups of sizes {[len(g['params']) for g in groups]}, "
+                f"this optimizer has {sizes}: the checkpoint was written for a different model or optimizer setup"
+            )
+        for group, saved in zip(self.param_groups, groups):
+            if "names" in saved and "names" in group and saved["names"] != group["names"]:
+                raise ValueError("optimizer state parameter names differ from this model's: wrong checkpoint?")
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for name, buffers in self.flat_state.items():
+            for region, buf in zip(self.regions, buffers):
+                if buf is None:
+                    continue
+                for i in region.indices:
+                    region.scatter(buf, i, state_dict["state"][i][name].to(buf.device))
+        for i in range(len(self.params_in_order)):
+            self._load_tensor_state(i, state_dict["state"][i])
+        self._load_global_state(state_dict.get("global", {}))

@@ -1,0 +1,327 @@
+"""ECD q=1, Energy Conserving Descent (seed 000 App. B; De Luca et al. 2025), exactly as SPEC §3.
+
+State: one vector Π over all parameters (memory 2N with the parameters). Elementwise work is sharded by
+element across ranks (`optim.distributed`); the scalars the update needs (loss, ‖θ‖², θ·g, ‖g‖², Π·g, Π·θ, ‖Π‖²,
+per weight-decay group or per tensor) are summed over ranks in ONE all-reduce per step, and everything derived
+from them stays on the device: the loss arrives as a device tensor and the host never waits.
+
+Π is stored up to a positive scale that is resolved lazily: after the noise step (SPEC §3 step 4) the state is
+Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
+costs no second collective. state_dict() and unit_velocity() return the logical Π.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from optim.distributed import ShardedOptimizer, all_reduce_sum, rank_and_world_size
+from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+
+PROJECTIONS = ("global", "per_tensor")
+NOISE_BLOCK = 1 << 20
+
+
+def ecd_noise(seed: int, call: int, stream: int, start: int, stop: int, dtype: torch.dtype, device) -> Tensor:
+    """z ~ N(0, I) for elements [start, stop) of a region's parameter vector at optimizer call `call`.
+
+    Drawn in fixed blocks seeded by (seed, call, stream, block), so the noise for an element does not depend on
+    how the elements are sharded: a run on any number of ranks, or a resumed run, sees the same z (SPEC §3.4).
+    """
+    out = torch.empty(stop - start, dtype=dtype, device=device)
+    gen = torch.Generator(device=device)
+    for block in range(start // NOISE_BLOCK, -(-stop // NOISE_BLOCK)):
+        gen.manual_seed(((((seed * 1_000_003) + call) * 1_000_003 + stream) * 1_000_003 + block) % (1 << 63))
+        z = torch.randn(NOISE_BLOCK, generator=gen, dtype=dtype, device=device)
+        lo, hi = max(start, block * NOISE_BLOCK), min(stop, (block + 1) * NOISE_BLOCK)
+        out[lo - start : hi - start] = z[lo - block * NOISE_BLOCK : hi - block * NOISE_BLOCK]
+    return out
+
+
+class _DeferredFlag:
+    """A device counter read without a host sync: copied to pinned memory and inspected one step later."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.value = torch.zeros((), dtype=torch.int64, device=device)
+        self.on_cuda = self.value.is_cuda
+        self.host = torch.zeros((), dtype=torch.int64, pin_memory=self.on_cuda)
+        self.event = torch.cuda.Event() if self.on_cuda else None
+
+    def publish(self) -> None:
+        self.host.copy_(self.value, non_blocking=True)
+        if self.on_cuda:
+            self.event.record()
+
+    def read(self) -> int:
+        """The counter as of the last publish, or 0 while that copy is still in flight."""
+        if self.on_cuda and not self.event.query():
+            return 0
+        return int(self.host)
+
+
+class ECD(ShardedOptimizer):
+    """ECD q=1 (SPEC §3). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
+
+    lr is the user's ℓ (the position step is h = ℓ/√η); weight_decay λ enters the loss, F̃ = F + ½λ‖θ‖²;
+    projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
+    (the published implementation). state_dtype stores Π in another dtype (bf16) and computes in fp32.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1.0,
+        eta: float = 100.0,
+        F0: float = 2.0,
+        nu: float = 0.0,
+        weight_decay: float = 0.0,
+        energy_conservation: bool = True,
+        projection: str = "global",
+        seed: int = 0,
+        state_dtype: torch.dtype | None = None,
+        eps1: float = 1e-10,
+        eps2: float = 1e-40,
+    ) -> None:
+        if eta <= 0:
+            raise ValueError(f"ECD: eta must be > 0 (--ecd-eta), got {eta}")
+        if lr < 0:
+            raise ValueError(f"ECD: lr must be >= 0 (--lr), got {lr}")
+        if nu < 0:
+            raise ValueError(f"ECD: nu must be >= 0 (--ecd-nu), got {nu}")
+        if projection not in PROJECTIONS:
+            raise ValueError(f"ECD: projection must be one of {PROJECTIONS} (--ecd-projection), got {projection!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), tensor_owned=lambda i: False)
+        self.eta, self.F0, self.nu, self.seed = eta, F0, nu, seed
+        self.energy_conservation, self.projection = energy_conservation, projection
+        self.eps1, self.eps2 = eps1, eps2
+        self.D = sum(p.numel() for p in self.params_in_order)
+        if self.D < 2:
+            raise ValueError("ECD needs at least 2 parameters (κ has D/(D-1))")
+        self.world_size = rank_and_world_size()[1]
+        device = self.params_in_order[0].device
+        self.new_flat_state("pi", state_dtype)
+        # A key per weight-decay group ("global") or per tensor ("per_tensor"); the all-reduced sums are per key.
+        per_tensor = projection == "per_tensor"
+        self.num_keys = len(self.params_in_order) if per_tensor else len(self.param_groups)
+        self.key_of = list(range(len(self.params_in_order))) if per_tensor else self.group_of
+        self.ranges = [self._ranges(region) for region in self.regions]
+        self.range_keys = torch.tensor([k for rs in self.ranges for k, _, _ in rs], dtype=torch.long, device=device)
+        self.calls = 0
+        self.pending = torch.zeros((), dtype=torch.bool, device=device)  # logical Π = σ·Π/‖Π‖ (True) or Π
+        self.sigma = torch.ones((), dtype=torch.float64, device=device)
+        self.skipped = _DeferredFlag(device)
+        self.warned = False
+        self._lam_cache: tuple[tuple[float, ...], Tensor] | None = None
+
+    def _ranges(self, region) -> list[tuple[int, int, int]]:
+        """(key, lo, hi) runs of this rank's chunk that share a key (whole weight-decay groups, or tensors)."""
+        runs: list[tuple[int, int, int]] = []
+        for piece in region.pieces:
+            key = self.key_of[piece.index]
+            if runs and runs[-1][0] == key and runs[-1][2] == piece.offset:
+                runs[-1] = (key, runs[-1][1], piece.offset + piece.numel)
+            else:
+                runs.append((key, piece.offset, piece.offset + piece.numel))
+        return runs
+
+    def _lam(self, device) -> Tensor:
+        """Weight decay λ per key as a float64 device vector (rebuilt only when a group's value changes)."""
+        per_group = tuple(float(g["weight_decay"]) for g in self.param_groups)
+        if self._lam_cache is None or self._lam_cache[0] != per_group:
+            if self.projection == "per_tensor":
+                values = [per_group[g] for g in self.group_of]
+            else:
+                values = list(per_group)
+            self._lam_cache = (per_group, torch.tensor(values, dtype=torch.float64, device=device))
+        return self._lam_cache[1]
+
+    def _lr(self) -> float:
+        lrs = {float(g["lr"]) for g in self.param_groups}
+        if len(lrs) != 1:
+            raise ValueError(f"ECD moves all parameters with one step size; param groups have lr {sorted(lrs)}")
+        return lrs.pop()
+
+    def _logical_scale(self, pp_total: Tensor) -> Tensor:
+        """c with logical Π = c·(stored Π), from the stored ‖Π‖² (see module docstring)."""
+        return torch.where(self.pending, self.sigma / pp_total.clamp_min(1e-300).sqrt(), 1.0)
+
+    def _check_skipped(self) -> None:
+        if not self.warned and self.skipped.read() > 0:
+            self.warned = True
+            warnings.warn(
+                f"ECD: the loss (plus weight decay) fell to F0={self.F0} or below; those steps leave θ and Π "
+                "unchanged. Lower --ecd-f0 below the losses this run reaches.",
+                stacklevel=4,
+            )
+
+    @torch.no_grad()
+    def step(self, loss=None):
+        """One ECD step (SPEC §3). `loss` is this rank's mean loss (tensor or float) or a closure returning it."""
+        if callable(loss):
+            with torch.enable_grad():
+                loss = loss()
+        if loss is None:
+            raise ValueError("ECD.step needs the training loss: call opt.step(loss) or opt.step(closure)")
+        self._check_skipped()
+        device = self.pending.device
+        loss_t = torch.as_tensor(loss).detach().to(device=device, dtype=torch.float64).reshape(1)
+        h = self._lr() / math.sqrt(self.eta)
+        kappa = 0.5 * h * self.eta * self.D / (self.D - 1)
+        first = self.calls == 0
+        if first:
+            self.pending.fill_(True)
+            self.sigma.fill_(1.0)
+
+        grads, pis, rows = [], [], []
+        for region, stored, ranges in zip(self.regions, self.flat_state["pi"], self.ranges):
+            g = region.reduce_gradients()
+            theta = region.local_params
+            compute = torch.promote_types(theta.dtype, torch.float32)
+            pi = stored if stored.dtype == compute else stored.to(compute)
+            if first:
+                pi.copy_(g).neg_()
+            for _, lo, hi in ranges:
+                t, gr, p = theta[lo:hi].to(compute), g[lo:hi].to(compute), pi[lo:hi]
+                dots = [t.dot(t), t.dot(gr), gr.dot(gr), p.dot(gr), p.dot(t), p.dot(p)]
+                rows.append(torch.stack(dots).double())
+            grads.append(g)
+            pis.append(pi)
+        sums = torch.zeros(self.num_keys, 6, dtype=torch.float64, device=device)
+        if rows:
+            sums.index_add_(0, self.range_keys, torch.stack(rows))
+        vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
+        coef = self._coefficients(vec, h, kappa)
+
+        for j, (region, stored, ranges) in enumerate(zip(self.regions, self.flat_state["pi"], self.ranges)):
+            g, pi, theta = grads[j], pis[j], region.local_params
+            z = None
+            if self.nu > 0:
+                lo0 = region.rank * region.chunk
+                z = ecd_noise(self.seed, self.calls, j, lo0, lo0 + region.chunk, pi.dtype, pi.device)
+            for key, lo, hi in ranges:
+                p, gr, t = pi[lo:hi], g[lo:hi], theta[lo:hi]
+                # step 2: Π ← Π − κ/(F̃−F0)·(g̃ − Π(Π·g̃)), with the renormalisation folded into A
+                p.mul_(coef["A"][key]).addcmul_(gr.to(p.dtype), coef["neg_k"])
+                lam = self._lam_host(key)
+                if lam:
+                    p.addcmul_(t.to(p.dtype), coef["neg_k"] * lam)
+                t.addcmul_(p, coef["h"])  # step 3: θ ← θ + hΠ
+                if z is not None:  # step 4: Π ← Π/s + ν̂z (the rescale by s/‖Π‖ is resolved next step)
+                    p.mul_(coef["inv_s"]).addcmul_(z[lo:hi], coef["nu"])
+            if pi is not stored:
+                stored.copy_(pi)
+            region.gather_params()
+
+        active = coef["active"]
+        noisy = self.nu > 0
+        self.sigma.copy_(torch.where(active & noisy, coef["s"], self.sigma))
+        self.pending.copy_(torch.where(active, noisy, self.pending))
+        self.skipped.value.add_((~active).long())
+        self.skipped.publish()
+        self.calls += 1
+        return loss
+
+    def _lam_host(self, key: int) -> float:
+        group = self.group_of[key] if self.projection == "per_tensor" else key
+        return float(self.param_groups[group]["weight_decay"])
+
+    def _coefficients(self, vec: Tensor, h: float, kappa: float) -> dict[str, Tensor]:
+        """SPEC §3 scalars from the all-reduced sums, all on device in float64 (no host sync)."""
+        loss = vec[0] / self.world_size
+        tt, tg, gg, pg, pt, pp = vec[1:].view(self.num_keys, 6).unbind(1)
+        lam = self._lam(vec.device)
+        gap = loss + 0.5 * (lam * tt).sum() - self.F0  # F̃ − F0
+        active = gap > self.eps2
+        pp_total = pp.sum()
+        c = self._logical_scale(pp_total)
+        norm2 = c * c * pp_total  # ‖Π‖² of the logical Π
+        a = torch.ones_like(norm2)
+        if self.energy_conservation:  # step 1: Π ← Π/‖Π‖ unless already unit
+            a = torch.where((norm2 - 1).abs() < self.eps1, 1.0, norm2.clamp_min(1e-300).rsqrt())
+        m = a * c  # Π1 = m · stored Π
+        pg1 = m * (pg + lam * pt)  # Π1·g̃ per key
+        n1 = m * m * pp
+        gg1 = gg + 2 * lam * tg + lam * lam * tt  # ‖g̃‖² per key
+        proj = pg1.sum().expand_as(pg1) if self.projection == "global" else pg1
+        k = torch.where(active, kappa / torch.where(active, gap, 1.0), 0.0)
+        b = 1 + k * proj
+        s = (b * b * n1 - 2 * k * b * pg1 + k * k * gg1).sum().clamp_min(1e-300).sqrt()  # ‖Π2‖
+        on = active.to(torch.float64)
+        return {
+            "active": active,
+            "A": torch.where(active, b * m, 1.0),
+            "neg_k": -k,
+            "h": on * h,
+            "s": s,
+            "inv_s": torch.where(active, 1 / s, 1.0),
+            "nu": on * (self.nu / math.sqrt(self.D)),
+        }
+
+    @torch.no_grad()
+    def _stored_norm2(self) -> Tensor:
+        local = sum(buf.double().square().sum() for buf in self.flat_state["pi"])
+        return all_reduce_sum(local.reshape(1))[0]
+
+    @torch.no_grad()
+    def _materialise(self) -> None:
+        """Fold the pending scale into the stored Π so that stored = logical (collective)."""
+        c = self._logical_scale(self._stored_norm2())
+        for buf in self.flat_state["pi"]:
+            buf.mul_(c.to(buf.dtype))
+        self.pending.fill_(False)
+
+    @torch.no_grad()
+    def unit_velocity(self) -> dict[str, Tensor]:
+        """u = Π/‖Π‖_global restricted to each parameter, full tensors keyed by parameter name (collective; §6)."""
+        inv_norm = self._stored_norm2().clamp_min(1e-300).rsqrt()
+        out = {}
+        for region, buf in zip(self.regions, self.flat_state["pi"]):
+            full = region.gather(buf)
+            for i in region.indices:
+                view = region.full_view(full, i, self.params_in_order[i].shape)
+                out[self.names[i]] = (view.double() * inv_norm).to(view.dtype)
+        return out
+
+    def state_dict(self) -> dict:
+        if self.calls > 0:
+            self._materialise()
+        return super().state_dict()
+
+    def _global_state(self) -> dict:
+        return {"calls": self.calls, "seed": self.seed, "skipped": int(self.skipped.value.cpu())}
+
+    def _load_global_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+        self.seed = state["seed"]
+        self.skipped.value.fill_(state["skipped"])
+        self.pending.fill_(False)
+        self.sigma.fill_(1.0)
+
+
+def build_ecd(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+    return [
+        ECD(
+            parameter_groups(model, cfg),
+            lr=cfg.lr,
+            eta=cfg.ecd_eta,
+            F0=cfg.ecd_f0,
+            nu=cfg.ecd_nu,
+            weight_decay=cfg.weight_decay,
+            energy_conservation=cfg.ecd_energy_conservation,
+            projection=cfg.ecd_projection,
+            seed=cfg.optim_seed,
+            state_dtype=state_dtype(cfg),
+        )
+    ]
+
+
+ECD_SPEC = OptimizerSpec(
+    name="ecd",
+    build=build_ecd,
+    defaults={"lr": 1.0, "weight_decay": 0.0, "ecd_eta": 100.0, "ecd_f0": 2.0, "ecd_nu": 0.0},
+    needs_loss=True,
+    reduces_gradients=True,
+    description="ECD q=1 (SPEC §3); SPEC §2 defaults lr 1.0, eta 100, F0 2, nu 0, wd 0",
+)

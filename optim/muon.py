@@ -1,0 +1,195 @@
+"""Muon for the hidden matrices with AdamW for everything else: the speedrunner's baseline (Jordan et al. 2024).
+
+Muon (github.com/KellerJordan/Muon, modded-nanogpt): Nesterov momentum, then the update is orthogonalised by
+5 quintic Newton–Schulz iterations in bf16 with coefficients (3.4445, −4.7750, 2.0315) and scaled by
+sqrt(max(1, rows/cols)). The fused QKV matrix (`attn.c_attn.weight`, 3C×C) is orthogonalised as three C×C blocks,
+as the speedrun does with its separate q, k, v. Embeddings, the (tied) head, gains, biases and PReLU slopes use
+AdamW (torch's formula). Matrices are owned whole by one rank; the AdamW parameters are split by element.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from optim.distributed import ShardedOptimizer
+from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5) -> Tensor:
+    """Approximate U Vᵀ of g = U S Vᵀ (batched over leading dims) with the quintic Newton–Schulz iteration in bf16.
+
+    The iteration maps singular values into roughly [0.7, 1.2] rather than exactly 1: the speedrun's trade of
+    accuracy for a steep slope at zero.
+    """
+    a, b, c = NS_COEFFICIENTS
+    x = g.bfloat16()
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.mT if tall else x
+
+
+def is_hidden_matrix(name: str, param: Tensor) -> bool:
+    """Muon's share: weight matrices that are neither embeddings nor the head (per-head biases (H, d) are not)."""
+    embedding_or_head = name.startswith(("transformer.wte", "transformer.wpe", "lm_head"))
+    return param.dim() >= 2 and name.endswith(".weight") and not embedding_or_head
+
+
+class Muon(ShardedOptimizer):
+    """Muon + AdamW in one optimizer: groups with use_muon=True hold 2-D hidden matrices, the rest use AdamW."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 3e-4,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-10,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not 0 <= momentum < 1:
+            raise ValueError(f"Muon: --muon-momentum must lie in [0, 1), got {momentum}")
+        if ns_steps < 1:
+            raise ValueError(f"Muon: --muon-ns-steps must be >= 1, got {ns_steps}")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"Muon: AdamW betas must lie in [0, 1) (--beta1/--beta2), got {betas}")
+        self.momentum, self.nesterov, self.ns_steps, self.betas, self.eps = momentum, nesterov, ns_steps, betas, eps
+        super().__init__(
+            params,
+            dict(lr=lr, weight_decay=weight_decay, use_muon=False),
+            tensor_owned=lambda i: self.param_groups[self.group_of[i]]["use_muon"],
+        )
+        for group in self.param_groups:
+            if group["use_muon"] and any(p.dim() < 2 for p in group["params"]):
+                raise ValueError("Muon: use_muon groups may only hold matrices (dim >= 2)")
+        self.blocks = [3 if n.endswith("attn.c_attn.weight") and p.shape[0] == 3 * p.shape[1] else 1
+                       for n, p in zip(self.names, self.params_in_order)]
+        muon = [r for r in self.regions if r.tensor_owned]
+        adam = [r for r in self.regions if not r.tensor_owned]
+        self.new_flat_state("momentum_buffer", state_dtype, muon)
+        self.new_flat_state("exp_avg", state_dtype, adam)
+        self.new_flat_state("exp_avg_sq", state_dtype, adam)
+        self.calls = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.calls += 1
+        for j, region in enumerate(self.regions):
+            g = region.reduce_gradients()
+            if region.tensor_owned:
+                self._muon(region, g, self.flat_state["momentum_buffer"][j])
+            else:
+                self._adamw(region, g, self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j])
+            region.gather_params()
+        return loss
+
+    def _muon(self, region, g: Tensor, buf_state: Tensor) -> None:
+        compute = torch.promote_types(g.dtype, torch.float32)
+        buf, gc = buf_state.to(compute), g.to(compute)
+        buf.lerp_(gc, 1 - self.momentum)
+        update = torch.lerp(gc, buf, self.momentum) if self.nesterov else buf
+        if buf is not buf_state:
+            buf_state.copy_(buf)
+        batches: dict[tuple[int, ...], list] = {}
+        for piece in region.pieces:
+            shape = self.params_in_order[piece.index].shape
+            u = piece.of(update).view(self.blocks[piece.index], -1, shape[-1])
+            batches.setdefault(tuple(u.shape[1:]), []).append((piece, u))
+        theta = region.local_params
+        for (rows, cols), members in batches.items():
+            ortho = zeropower_via_newtonschulz5(torch.cat([u for _, u in members]), self.ns_steps)
+            ortho = ortho * max(1.0, rows / cols) ** 0.5
+            start = 0
+            for piece, u in members:
+                group = self.param_groups[self.group_of[piece.index]]
+                p = piece.of(theta)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(ortho[start : start + u.shape[0]].reshape(-1), alpha=-group["lr"])
+                start += u.shape[0]
+
+    def _adamw(self, region, g: Tensor, m_state: Tensor, v_state: Tensor) -> None:
+        compute = torch.promote_types(g.dtype, torch.float32)
+        beta1, beta2 = self.betas
+        m, v, gc = m_state.to(compute), v_state.to(compute), g.to(compute)
+        m.lerp_(gc, 1 - beta1)
+        v.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
+        direction = m / (v.sqrt() / (1 - beta2**self.calls) ** 0.5 + self.eps)
+        if m is not m_state:
+            m_state.copy_(m)
+            v_state.copy_(v)
+        theta = region.local_params
+        for piece in region.pieces:
+            group = self.param_groups[self.group_of[piece.index]]
+            p = piece.of(theta)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(piece.of(direction), alpha=-group["lr"] / (1 - beta1**self.calls))
+
+    def _global_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def _load_global_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+
+def muon_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """`parameter_groups` split into a Muon part (hidden matrices, lr = muon_lr) and an AdamW part (lr = lr)."""
+    groups = []
+    for group in parameter_groups(model, cfg):
+        for use_muon in (True, False):
+            members = [(n, p) for n, p in zip(group["names"], group["params"]) if is_hidden_matrix(n, p) == use_muon]
+            if members:
+                groups.append({
+                    "params": [p for _, p in members],
+                    "names": [n for n, _ in members],
+                    "weight_decay": group["weight_decay"],
+                    "lr": cfg.muon_lr if use_muon else cfg.lr,
+                    "use_muon": use_muon,
+                })
+    return groups
+
+
+def build_muon(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+    return [
+        Muon(
+            muon_groups(model, cfg),
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            ns_steps=cfg.muon_ns_steps,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+            state_dtype=state_dtype(cfg),
+        )
+    ]
+
+
+MUON_SPEC = OptimizerSpec(
+    name="muon",
+    build=build_muon,
+    defaults={
+        "lr": 3e-4,
+        "weight_decay": 0.01,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "eps": 1e-10,
+        "muon_lr": 0.02,
+        "muon_momentum": 0.95,
+        "muon_ns_steps": 5,
+    },
+    reduces_gradients=True,
+    description="Muon (NS5 in bf16) for hidden matrices + AdamW for the rest; KellerJordan/Muon recipe defaults",
+)

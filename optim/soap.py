@@ -1,0 +1,279 @@
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024), exactly as SPEC §4.
+
+Behaviour of the published implementation: the first step only accumulates the Kronecker factors L = E[GGᵀ],
+R = E[GᵀG] and takes their eigenbases (no parameter update); later steps run Adam on G' = Q_Lᵀ G Q_R, map the
+normalised moment back, apply decoupled weight decay, then update L, R with the current gradient; every
+`precondition_frequency` steps the bases are refreshed by one sorted power-iteration step + QR.
+Sharding: tensors with a rotated dim are owned whole by one rank (so the eigenbasis work is spread over ranks),
+tensors without one are plain Adam and are split by element (`optim.distributed`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from optim.distributed import ShardedOptimizer
+from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+
+
+def merged_shape(shape: torch.Size, max_precond_dim: int) -> tuple[int, ...]:
+    """The published `merge_dims`: fuse consecutive dims while their product stays <= max_precond_dim."""
+    merged, current = [], 1
+    for size in shape:
+        if current * size > max_precond_dim:
+            if current > 1:
+                merged.append(current)
+                current = size
+            else:
+                merged.append(size)
+                current = 1
+        else:
+            current *= size
+    if current > 1 or not merged:
+        merged.append(current)
+    return tuple(merged)
+
+
+def project(x: Tensor, bases: list[Tensor | None]) -> Tensor:
+    """x → x ×_k Q_kᵀ along every dim k (identity where Q_k is None); dims come back in order."""
+    for q in bases:
+        x = torch.tensordot(x, q, dims=([0], [0])) if q is not None else x.permute(*range(1, x.dim()), 0)
+    return x
+
+
+def project_back(x: Tensor, bases: list[Tensor | None]) -> Tensor:
+    """Inverse of `project`: x → x ×_k Q_k along every dim k."""
+    for q in bases:
+        x = torch.tensordot(x, q, dims=([0], [1])) if q is not None else x.permute(*range(1, x.dim()), 0)
+    return x
+
+
+def gram(x: Tensor, dim: int) -> Tensor:
+    """Contract x with itself over every dim but `dim` (GGᵀ for dim 0 of a matrix, GᵀG for dim 1)."""
+    others = [k for k in range(x.dim()) if k != dim]
+    return torch.tensordot(x, x, dims=(others, others))
+
+
+def eigenbasis(factor: Tensor) -> Tensor:
+    """Eigenvectors of a symmetric factor, columns by descending eigenvalue (float64 retry if eigh fails)."""
+    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
+    try:
+        _, q = torch.linalg.eigh(factor + 1e-30 * eye)
+    except RuntimeError:
+        _, q = torch.linalg.eigh(factor.double() + 1e-30 * eye.double())
+        q = q.to(factor.dtype)
+    return torch.flip(q, [1])
+
+
+class SOAP(ShardedOptimizer):
+    """SOAP (SPEC §4). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are global."""
+
+    def __init__(
+        self,
+        params,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.95, 0.95),
+        shampoo_beta: float | None = None,
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        precondition_frequency: int = 10,
+        max_precond_dim: int = 10000,
+        merge_dims: bool = False,
+        precondition_1d: bool = False,
+        state_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"SOAP: betas must lie in [0, 1) (--beta1/--beta2), got {betas}")
+        if precondition_frequency < 1:
+            raise ValueError(f"SOAP: --soap-precondition-frequency must be >= 1, got {precondition_frequency}")
+        if max_precond_dim < 0:
+            raise ValueError(f"SOAP: --soap-max-precond-dim must be >= 0, got {max_precond_dim}")
+        if eps <= 0:
+            raise ValueError(f"SOAP: eps must be > 0 (--eps), got {eps}")
+        self.betas, self.eps = betas, eps
+        self.shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
+        self.precondition_frequency, self.max_precond_dim = precondition_frequency, max_precond_dim
+        self.merge_dims, self.precondition_1d = merge_dims, precondition_1d
+        super().__init__(
+            params,
+            dict(lr=lr, weight_decay=weight_decay),
+            tensor_owned=lambda i: any(self._rotated(self.params_in_order[i].shape)),
+        )
+        self.shapes = [self._shape(p.shape) for p in self.params_in_order]
+        self.new_flat_state("exp_avg", state_dtype)
+        self.new_flat_state("exp_avg_sq", state_dtype)
+        self.factors: dict[int, list[Tensor | None]] = {}  # L, R per owned rotated tensor (None: no rotation)
+        self.bases: dict[int, list[Tensor | None]] = {}  # Q_L, Q_R
+        self.calls = 0
+
+    def _shape(self, shape: torch.Size) -> tuple[int, ...]:
+        if self.merge_dims and len(shape) > 1:
+            return merged_shape(shape, self.max_precond_dim)
+        return tuple(shape)
+
+    def _rotated(self, shape: torch.Size) -> list[bool]:
+        if len(shape) == 0:
+            return []
+        if len(shape) == 1:
+            return [self.precondition_1d and shape.numel() <= self.max_precond_dim]
+        return [size <= self.max_precond_dim for size in self._shape(shape)]
+
+    def _owned_rotated(self):
+        """(index, gradient chunk index, piece) of the rotated tensors this rank owns."""
+        for j, region in enumerate(self.regions):
+            if region.tensor_owned:
+                for piece in region.pieces:
+                    yield piece.index, j, piece
+
+    def _update_factors(self, i: int, g: Tensor) -> None:
+        for dim, factor in enumerate(self.factors[i]):
+            if factor is not None:
+                factor.lerp_(gram(g, dim), 1 - self.shampoo_beta)
+
+    def _refresh(self, i: int, m: Tensor, v: Tensor) -> None:
+        """Sorted power iteration + QR on each basis; m moves to the new basis, v is re-indexed (SPEC §4)."""
+        m_original = project_back(m, self.bases[i])
+        for dim, (factor, q) in enumerate(zip(self.factors[i], self.bases[i])):
+            if factor is None:
+                continue
+            order = torch.argsort(torch.diag(q.T @ factor @ q), descending=True)
+            v.copy_(v.index_select(dim, order))
+            self.bases[i][dim] = torch.linalg.qr(factor @ q[:, order]).Q
+        m.copy_(project(m_original, self.bases[i]))
+        self._expose(i)
+
+    def _expose(self, i: int) -> None:
+        state = self.state[self.params_in_order[i]]
+        for dim, (factor, q) in enumerate(zip(self.factors[i], self.bases[i])):
+            if factor is not None:
+                state[f"GG{dim}"], state[f"Q{dim}"] = factor, q
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [region.reduce_gradients() for region in self.regions]
+        if self.calls == 0:  # accumulate the factors and take eigenbases; no update (published behaviour)
+            for i, j, piece in self._owned_rotated():
+                g = piece.of(grads[j]).view(self.shapes[i]).to(torch.promote_types(grads[j].dtype, torch.float32))
+                self.factors[i] = [
+                    torch.zeros(size, size, dtype=g.dtype, device=g.device) if rot else None
+                    for size, rot in zip(self.shapes[i], self._rotated(self.params_in_order[i].shape))
+                ]
+                self._update_factors(i, g)
+                self.bases[i] = [eigenbasis(f) if f is not None else None for f in self.factors[i]]
+                self._expose(i)
+            self.calls = 1
+            return loss
+        t = self.calls
+        beta1, beta2 = self.betas
+        scale = math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        for j, region in enumerate(self.regions):
+            g = grads[j]
+            compute = torch.promote_types(g.dtype, torch.float32)
+            m_state, v_state = self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j]
+            m, v = m_state.to(compute), v_state.to(compute)
+            rotated = [(i, piece) for i, jj, piece in self._owned_rotated() if jj == j]
+            g_rot = g.to(compute, copy=bool(rotated))
+            for i, piece in rotated:
+                piece.of(g_rot).copy_(project(piece.of(g).view(self.shapes[i]).to(compute), self.bases[i]).reshape(-1))
+            m.mul_(beta1).add_(g_rot, alpha=1 - beta1)
+            v.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
+            direction = m / (v.sqrt() + self.eps)
+            for i, piece in rotated:
+                d = piece.of(direction)
+                d.copy_(project_back(d.view(self.shapes[i]), self.bases[i]).reshape(-1))
+            theta = region.local_params
+            for piece in region.pieces:
+                group = self.param_groups[self.group_of[piece.index]]
+                p = piece.of(theta)
+                p.add_(piece.of(direction).to(p.dtype), alpha=-group["lr"] * scale)
+                if group["weight_decay"] > 0:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+            for i, piece in rotated:
+                self._update_factors(i, piece.of(g).view(self.shapes[i]).to(compute))
+                if t % self.precondition_frequency == 0:
+                    self._refresh(i, piece.of(m).view(self.shapes[i]), piece.of(v).view(self.shapes[i]))
+            if m is not m_state:
+                m_state.copy_(m)
+                v_state.copy_(v)
+            region.gather_params()
+        self.calls += 1
+        return loss
+
+    def _tensor_state(self, index: int) -> dict:
+        region = self.region_of[index]
+        if not region.tensor_owned or self.calls == 0:
+            return {}
+        owner, mine = region.owner[index], region.owner[index] == region.rank
+        out = {}
+        dtype = torch.promote_types(region.params.dtype, torch.float32)
+        for dim, (size, rot) in enumerate(zip(self.shapes[index], self._rotated(self.params_in_order[index].shape))):
+            if not rot:
+                continue
+            for name, source in ((f"GG{dim}", self.factors), (f"Q{dim}", self.bases)):
+                if mine:  # contiguous: QR returns column-major Q and collectives send raw memory
+                    tensor = source[index][dim].clone(memory_format=torch.contiguous_format)
+                else:
+                    tensor = torch.empty(size, size, dtype=dtype, device=region.params.device)
+                if region.world_size > 1:
+                    dist.broadcast(tensor, src=owner)
+                out[name] = tensor
+        return out
+
+    def _load_tensor_state(self, index: int, state: dict) -> None:
+        region = self.region_of[index]
+        saved = any(key.startswith("GG") for key in state)  # absent when saved before the first step
+        if not region.tensor_owned or region.owner[index] != region.rank or not saved:
+            return
+        device, dtype = region.params.device, torch.promote_types(region.params.dtype, torch.float32)
+        rotated = self._rotated(self.params_in_order[index].shape)
+        self.factors[index] = [state[f"GG{d}"].to(device, dtype).clone() if r else None for d, r in enumerate(rotated)]
+        self.bases[index] = [state[f"Q{d}"].to(device, dtype).clone() if r else None for d, r in enumerate(rotated)]
+        self._expose(index)
+
+    def _global_state(self) -> dict:
+        return {"calls": self.calls}
+
+    def _load_global_state(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+
+def build_soap(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+    return [
+        SOAP(
+            parameter_groups(model, cfg),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            shampoo_beta=cfg.soap_shampoo_beta,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            precondition_frequency=cfg.soap_precondition_frequency,
+            max_precond_dim=cfg.soap_max_precond_dim,
+            merge_dims=cfg.soap_merge_dims,
+            precondition_1d=cfg.soap_precondition_1d,
+            state_dtype=state_dtype(cfg),
+        )
+    ]
+
+
+SOAP_SPEC = OptimizerSpec(
+    name="soap",
+    build=build_soap,
+    defaults={
+        "lr": 3e-4,
+        "weight_decay": 0.01,
+        "beta1": 0.95,
+        "beta2": 0.95,
+        "eps": 1e-8,
+        "soap_precondition_frequency": 10,
+        "soap_max_precond_dim": 10000,
+    },
+    reduces_gradients=True,
+    description="SOAP (SPEC §4); SPEC §2 defaults lr 3e-4, betas (0.95, 0.95), frequency 10, max dim 10000, wd 0.01",
+)
