@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data.loader import DistributedTokenLoader, validation_batches
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config
 
@@ -124,6 +125,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lr_schedule": ("constant", "cosine", "linear"),
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("bf16", "fp32"),
+    "ecd_projection": ("global", "per_tensor"),
+    "optim_state_dtype": ("fp32", "bf16"),
 }
 CONFIG_CLASSES = {"model": GPTConfig, "train": Hyperparameters, "optim": OptimizerConfig}
 
@@ -547,8 +550,6 @@ def print0(*args, **kwargs) -> None:
 def evaluate(model: GPT, val_files: str, hp: Hyperparameters, rank: int, world: int, device: torch.device,
              autocast: contextlib.AbstractContextManager) -> float:
     """Mean loss over the fixed validation budget, with the mean biases (SPEC §1), averaged over ranks."""
-    from data.loader import validation_batches
-
     model.eval()
     total = torch.zeros((), device=device)
     count = 0
@@ -626,8 +627,6 @@ def main(argv: list[str] | None = None) -> dict:
             group.setdefault("initial_lr", group["lr"])
     loader_kwargs = dict(rank=rank, world_size=world, grad_accum_steps=grad_accum,
                          vocab_size=model_cfg.vocab_size, align_to_eot=hp.align_to_eot, device=device)
-    from data.loader import DistributedTokenLoader
-
     loader = DistributedTokenLoader(train_files, hp.micro_batch, hp.seq_len, **loader_kwargs)
     sampler = BiasSampler(model_cfg, hp.seed)
     start_step, train_time, tokens_seen, reached_target = 0, 0.0, 0, None
@@ -657,8 +656,11 @@ def main(argv: list[str] | None = None) -> dict:
     peak = peak_flops(device)
 
     def checkpoint(step: int, metrics: dict) -> None:
+        # Copies: sharded optimizers make parameters views into padded flat buffers, which torch.save would
+        # otherwise write whole.
+        model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         state = {
-            "format": CHECKPOINT_FORMAT, "step": step, "config": config_dict, "model": model.state_dict(),
+            "format": CHECKPOINT_FORMAT, "step": step, "config": config_dict, "model": model_state,
             "optimizers": [opt.state_dict() for opt in optimizers],  # a collective for sharded optimizers
             "loader": loader.state_dict(), "sampler": sampler.state_dict(),
             "rng": {"torch": torch.get_rng_state()}, "metrics": metrics,
@@ -675,16 +677,16 @@ def main(argv: list[str] | None = None) -> dict:
                 **extra}
 
     # ---- the loop
-    val_loss = first_val_loss = None
+    val_loss = start_val_loss = None
     last_log_time, last_log_tokens = train_time, tokens_seen
-    train_loss = torch.zeros((), device=device)
     step = start_step
     for step in range(start_step, hp.steps + 1):
         last_step = step == hp.steps
         resumed_here = hp.resume and step == start_step
         if last_step or (hp.val_every and step % hp.val_every == 0 and not resumed_here):
             val_loss = evaluate(model, val_files, hp, rank, world, device, autocast)
-            first_val_loss = val_loss if first_val_loss is None else first_val_loss
+            if step == start_step:
+                start_val_loss = val_loss
             log(f"step {step}/{hp.steps} | val loss {val_loss:.4f} | train time {train_time:.1f}s")
             log_record(metrics(step, val_loss=val_loss, elapsed_s=train_time))
             if hp.target_val_loss and reached_target is None and val_loss <= hp.target_val_loss:
@@ -759,7 +761,8 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint(step, metrics(step, val_loss=val_loss))
     summary = metrics(step, val_loss=val_loss, run_dir=str(run_dir) if run_dir else None,
                       tokens_per_s=tokens_seen / train_time if train_time else None)
-    log(f"done: {step} steps, val loss {first_val_loss:.4f} -> {val_loss:.4f}, {train_time:.1f}s of training"
+    log(f"done: {step} steps, val loss " + (f"{start_val_loss:.4f} at step {start_step} -> " if start_val_loss else "")
+        + f"{val_loss:.4f} at step {step}, {train_time:.1f}s of training"
         + (f", target reached at step {reached_target['step']}" if reached_target else ""))
     log_record({"summary": True, **summary})
     loader.close()

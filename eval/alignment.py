@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import train_gpt
 from data.loader import validation_batches
-from data.shards import GPT2_VOCAB
+from data.shards import GPT2_VOCAB, find_shards, read_shard_header
 from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
@@ -347,13 +347,18 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = train_gpt.load_checkpoint(ckpt_path)
     model = load_model(ckpt, device)
     train_cfg = ckpt["config"].get("train", {})
-    files = None
+    files, residual_tokens = None, args.residual_tokens
     if "residual" in args.modes:
         files = args.val_files or validation_files(ckpt["config"])
+        available = sum(read_shard_header(path) for path in find_shards(files)) - 1
+        if available < residual_tokens:
+            print(f"residual: the validation shards hold {available + 1:,} tokens; using them all "
+                  f"instead of --residual-tokens {residual_tokens:,}")
+            residual_tokens = available
     seq_len = min(train_cfg.get("seq_len", 512), model.config.block_size)
     results = []
     for mode in args.modes:
-        result = evaluate_alignment(model, mode, device, files, args.residual_tokens, seq_len,
+        result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len,
                                     train_cfg.get("micro_batch", 8))
         plot_alignment(result, out / f"alignment_{mode}.png", title=run_dir.name)
         results.append(result)

@@ -82,7 +82,8 @@ def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
         if not param.requires_grad:
             continue
         is_embedding = name.startswith(("transformer.wte", "transformer.wpe"))
-        is_matrix = param.dim() >= 2 and not is_embedding
+        is_attention_bias = name.endswith((".attn.b_q", ".attn.b_v"))  # learned mode, (d,) or (H, d)
+        is_matrix = param.dim() >= 2 and not is_embedding and not is_attention_bias
         if is_matrix or (is_embedding and cfg.decay_embeddings) or (not is_embedding and cfg.decay_norms_and_biases):
             decay.append((name, param))
         else:

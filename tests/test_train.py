@@ -201,3 +201,11 @@ def test_online_dynamics_are_logged(corpus, tmp_path, optimizer):
     for r in records:
         if "J_QK" in r:
             assert r["J_QK"] > 0 and 0 <= r["f_rot_QK"] <= 1 + 1e-6 and math.isfinite(r["J_VO"])
+
+
+def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "ecd", steps=2, optimizer="ecd", lr=0.5, **{"val-every": 0}))
+    ckpt = train_gpt.load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
+    for name, tensor in ckpt["model"].items():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+    assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
