@@ -33,11 +33,9 @@ from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
     load_model,
+    open_target,
     markdown_table,
-    output_dir,
     pyplot,
-    resolve_device,
-    resolve_target,
     write_json,
 )
 from eval.val_loss import validation_files
@@ -341,10 +339,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="text for mode residual (default: the run's validation files)")
     parser.add_argument("--residual-tokens", type=int, default=262_144, help="tokens of text for mode residual")
     args = parser.parse_args(argv)
-    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
-    out = output_dir(args, run_dir)
-    device = resolve_device(args.device)
-    ckpt = train_gpt.load_checkpoint(ckpt_path)
+    target = open_target(args)
+    run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
+                                             target.device)
     model = load_model(ckpt, device)
     train_cfg = ckpt["config"].get("train", {})
     files, residual_tokens = None, args.residual_tokens

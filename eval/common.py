@@ -5,6 +5,7 @@ Outputs go to `<run>/eval/` (override with `--out`); a checkpoint outside a run 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +53,24 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+@dataclasses.dataclass
+class Target:
+    """What an evaluation CLI works on: the run, its checkpoint (loaded), where to write, the device."""
+
+    run_dir: Path
+    checkpoint_path: Path
+    checkpoint: dict
+    out: Path
+    device: torch.device
+
+
+def open_target(args: argparse.Namespace) -> Target:
+    """Resolve `--run/--checkpoint`, `--out` and `--device` (see add_target_args) and load the checkpoint."""
+    run_dir, checkpoint_path = resolve_target(args.run, args.checkpoint)
+    return Target(run_dir, checkpoint_path, train_gpt.load_checkpoint(checkpoint_path), output_dir(args, run_dir),
+                  resolve_device(args.device))
 
 
 def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:

@@ -28,12 +28,10 @@ from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
     load_model,
+    open_target,
     markdown_table,
     mean_interval,
-    output_dir,
     pyplot,
-    resolve_device,
-    resolve_target,
     wilson_interval,
     write_json,
 )
@@ -316,10 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-generated", action="store_true", help="skip the generated suite")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per forward pass")
     args = parser.parse_args(argv)
-    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
-    out = output_dir(args, run_dir)
-    device = resolve_device(args.device)
-    ckpt = train_gpt.load_checkpoint(ckpt_path)
+    target = open_target(args)
+    run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
+                                             target.device)
     model = load_model(ckpt, device)
     suites = [load_suite(p) for p in (args.suite or [FIXED_SUITE])]
     if not args.no_generated:

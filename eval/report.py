@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from eval import alignment, dynamics, logic_puzzles, val_loss
-from eval.common import EVAL_DIRNAME, add_target_args, markdown_table, read_config, read_log, resolve_target, write_json
+from eval.common import add_target_args, markdown_table, output_dir, read_config, read_log, resolve_target, write_json
 from eval.val_loss import plot_loss_curves
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
@@ -60,8 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-missing", action="store_true", help="do not run missing evaluations")
     args = parser.parse_args(argv)
     run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
-    eval_dir = Path(args.out) if args.out is not None else run_dir / EVAL_DIRNAME
-    eval_dir.mkdir(parents=True, exist_ok=True)
+    eval_dir = output_dir(args, run_dir)
     target = ["--run", str(run_dir)] if args.run is not None else ["--checkpoint", str(ckpt_path)]
     results, failures = {}, {}
     for name, evaluate in EVALUATIONS.items():
@@ -83,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [f"# Run report — {run_dir.name}", "",
              f"Checkpoint `{ckpt_path}`. Model {model.get('n_layer')}L/{model.get('n_head')}H/{model.get('n_embd')}C, "
              f"{model.get('activation')}, bias mode **{model.get('bias_mode')}**; "
-             f"optimizer **{optim.get('optimizer')}** (lr {optim.get('lr')}); seed {train.get('seed')}. Full configuration: `config.json`; code: `code/`.", ""]
+             f"optimizer **{optim.get('optimizer')}** (lr {optim.get('lr')}); seed {train.get('seed')}. "
+             "Full configuration: `config.json`; code: `code/`.", ""]
     if summary:
         rows = [[k, f"{v:.4g}" if isinstance(v, float) else v] for k, v in summary.items() if v is not None]
         lines += ["## Training", "", markdown_table(["", "value"], rows), "",

@@ -22,11 +22,9 @@ from data.loader import validation_batches
 from eval.common import (
     add_target_args,
     load_model,
-    output_dir,
+    open_target,
     pyplot,
     read_log,
-    resolve_device,
-    resolve_target,
     write_json,
 )
 
@@ -91,10 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the run's micro_batch")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype on CUDA")
     args = parser.parse_args(argv)
-    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
-    out = output_dir(args, run_dir)
-    device = resolve_device(args.device)
-    ckpt = train_gpt.load_checkpoint(ckpt_path)
+    target = open_target(args)
+    run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
+                                             target.device)
     train_cfg = ckpt["config"].get("train", {})
     files = args.val_files or validation_files(ckpt["config"])
     seq_len = args.seq_len or train_cfg.get("seq_len", 512)

@@ -101,6 +101,30 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n
 
 
 @triton.jit
+def _query_block(H, T, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """This program's (batch·head, batch, head, first row, row/key/dim offsets, valid-row mask) for a query block."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # launch the longest rows first so the last wave is short
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    off_bh = tl.program_id(1)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    return (off_bh, off_bh // H, off_bh % H, start_m, offs_m, tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM),
+            offs_m[:, None] < T)
+
+
+@triton.jit
+def _load_biased_q(Q_head, BQ_head, stride_qt, offs_m, offs_d, row_ok, HAS_BQ: tl.constexpr):
+    """A q tile with b_Q added in fp32 and rounded to the input dtype, exactly as the reference forms q + b_Q."""
+    q = tl.load(Q_head + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok, other=0.0)
+    if HAS_BQ:
+        b_q = tl.load(BQ_head + offs_d).to(tl.float32)
+        q = (q.to(tl.float32) + b_q[None, :]).to(Q_head.dtype.element_ty)
+    return q
+
+
+@triton.jit
 def _attn_fwd(Q, K, V, BQ, BV, O, LSE,
               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
               stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
@@ -108,23 +132,10 @@ def _attn_fwd(Q, K, V, BQ, BV, O, LSE,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr, HAS_BV: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head). Writes O = softmax((q + b_Q)kᵀ/√d)v + b_V and lse2."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:  # launch the longest rows first so the last wave is short
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < T
-
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok, other=0.0)
-    if HAS_BQ:
-        b_q = tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)
-        q = (q.to(tl.float32) + b_q[None, :]).to(Q.dtype.element_ty)
+    off_bh, off_b, off_h, start_m, offs_m, offs_n, offs_d, row_ok = _query_block(H, T, CAUSAL, HEAD_DIM, BLOCK_M,
+                                                                                 BLOCK_N)
+    q = _load_biased_q(Q + off_b * stride_qb + off_h * stride_qh, BQ + off_h * stride_bqh, stride_qt, offs_m,
+                       offs_d, row_ok, HAS_BQ)
     K += off_b * stride_kb + off_h * stride_kh
     V += off_b * stride_vb + off_h * stride_vh
 
@@ -297,23 +308,10 @@ def _attn_bwd_dq(Q, K, V, BQ, DO, LSE, DELTA, DQ,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ = Σ dS k/√d for BLOCK_M query rows of one (batch, head); also the gradient of q + b_Q."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < T
-
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok, other=0.0)
-    if HAS_BQ:
-        b_q = tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)
-        q = (q.to(tl.float32) + b_q[None, :]).to(Q.dtype.element_ty)
+    off_bh, off_b, off_h, start_m, offs_m, offs_n, offs_d, row_ok = _query_block(H, T, CAUSAL, HEAD_DIM, BLOCK_M,
+                                                                                 BLOCK_N)
+    q = _load_biased_q(Q + off_b * stride_qb + off_h * stride_qh, BQ + off_h * stride_bqh, stride_qt, offs_m,
+                       offs_d, row_ok, HAS_BQ)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=row_ok, other=0.0)
     lse = tl.load(LSE + off_bh * T + offs_m, mask=offs_m < T, other=float("inf"))
