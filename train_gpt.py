@@ -645,13 +645,12 @@ def main(argv: list[str] | None = None) -> dict:
     log(f"model: {num_params:,} parameters | optimizer {spec.name} | grad accumulation {grad_accum} | "
         f"{hp.batch_tokens:,} tokens per step")
 
-    train_model: nn.Module = model
+    # nanoGPT's order: compile first, then wrap in DDP (whose no_sync skips all-reduces during accumulation)
+    train_model: nn.Module = torch.compile(model) if use_cuda and hp.compile else model
     ddp_model = None
     if distributed and not spec.reduces_gradients:
-        ddp_model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
+        ddp_model = nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if use_cuda else None)
         train_model = ddp_model
-    if use_cuda and hp.compile:
-        train_model = torch.compile(train_model)
     flops_per_step = model.estimate_flops_per_token(hp.seq_len) * hp.batch_tokens
     peak = peak_flops(device)
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (see /work/.library/device/METHOD.md): correctness first, then every benchmark.
+# Results (at most 8 files) go to $OUT (the device tool's folder) or runs/gpu. Record the tables in BENCHMARKS.md.
+#   bash bench/gpu_session.sh
+# The tokenizer tests need data/cache/tiktoken (carry it: the GPU machine has no package registry).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-runs/gpu}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+{ nvidia-smi; git rev-parse --short HEAD 2>/dev/null; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } 2>&1 | tee "$OUT/env.txt"
+python -m pytest -q -m cuda tests/ 2>&1 | tee "$OUT/cuda_tests.txt"
+python -m bench.attention --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.txt"
+{
+    python -m bench.e2e --preset gpt2-124m --steps 60 --out "$OUT/e2e_paper.json"
+    python -m bench.e2e --preset gpt2-124m --steps 40 --out "$OUT/e2e_large_batch.json" -- \
+        --micro-batch 64 --batch-tokens 32768
+} 2>&1 | grep -v "^step " | tee "$OUT/e2e.txt"
+python -m bench.optim 2>&1 | tee "$OUT/optim.txt"
