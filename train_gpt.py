@@ -585,8 +585,12 @@ def main(argv: list[str] | None = None) -> dict:
     is_master = rank == 0
     per_step_micro = hp.batch_tokens // (hp.micro_batch * hp.seq_len)
     if per_step_micro % world:
-        raise SystemExit(f"--batch-tokens {hp.batch_tokens} is not divisible by --micro-batch x --seq-len x "
-                         f"world size = {hp.micro_batch * hp.seq_len * world}")
+        sequences_per_rank, rest = divmod(hp.batch_tokens, hp.seq_len * world)
+        keep = f"--micro-batch {sequences_per_rank} keeps the global batch, or " if sequences_per_rank and not rest \
+            else ""
+        raise SystemExit(f"--batch-tokens {hp.batch_tokens} does not split into micro-batches of --micro-batch "
+                         f"{hp.micro_batch} x --seq-len {hp.seq_len} over {world} processes: {keep}set --batch-tokens "
+                         f"to a multiple of {hp.micro_batch * hp.seq_len * world}")
     grad_accum = per_step_micro // world
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and hp.dtype == "bf16"
                 else contextlib.nullcontext())

@@ -209,3 +209,13 @@ def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_p
     for name, tensor in ckpt["model"].items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
     assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
+
+
+def test_batch_that_does_not_split_over_ranks_names_the_fix(corpus, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = tiny_args(corpus, tmp_path, "split", **{"batch-tokens": 128})  # one micro-batch, two ranks
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(ROOT / "train_gpt.py"), *args], env=env, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "--micro-batch 2 keeps the global batch" in result.stderr + result.stdout
