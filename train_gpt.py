@@ -431,13 +431,14 @@ class BiasSampler:
 # Checkpoints and run directories.
 
 
-def resolve_checkpoint_path(path: str | os.PathLike) -> Path:
-    """A checkpoint file, or a run directory (→ its checkpoints/latest.pt); an error naming what is missing."""
+def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> Path:
+    """A checkpoint file, or a run directory (→ its checkpoints/latest.pt); an error naming the flag and file."""
     path = Path(path)
     if path.is_dir():
         path = path / "checkpoints" / "latest.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"--resume: no checkpoint at {path}")
+        raise FileNotFoundError(f"{flag}: no checkpoint at {path}; a run writes one at its end and every "
+                                "--checkpoint-every steps")
     return path
 
 
@@ -529,10 +530,10 @@ def resolve_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str]:
 
     if is_master:
         print0("no --train-files and no FineWeb-Edu shards: using the embedded corpus (Python docstrings)")
-        prepare_embedded_corpus()
+        files = prepare_embedded_corpus()
     if dist.is_initialized():
         dist.barrier()
-    return prepare_embedded_corpus()
+    return files if is_master else prepare_embedded_corpus()  # the other ranks find the master's cache
 
 
 def format_duration(seconds: float) -> str:

@@ -30,11 +30,8 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
 def resolve_target(run: Path | None, checkpoint: Path | None) -> tuple[Path, Path]:
     """(run directory, checkpoint file) from `--run` or `--checkpoint`, with errors naming what is missing."""
     if run is not None:
-        checkpoint = Path(run) / "checkpoints" / "latest.pt"
-        if not checkpoint.is_file():
-            raise FileNotFoundError(f"--run {run}: no checkpoint at {checkpoint}; train with --checkpoint-every "
-                                    "or pass --checkpoint FILE")
-        return Path(run), checkpoint
+        latest = Path(run) / "checkpoints" / "latest.pt"
+        return Path(run), train_gpt.resolve_checkpoint_path(latest, flag=f"--run {run}")
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no such file")
