@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from data.loader import DistributedTokenLoader, validation_batches
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config
+from optim.distributed import init_process_group
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
@@ -576,7 +578,14 @@ def main(argv: list[str] | None = None) -> dict:
     if hp.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available (use --device cpu)")
     if distributed:
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        init_process_group(backend="nccl" if use_cuda else "gloo")
+
+    def leave(message: str | int) -> NoReturn:
+        """Exit on every rank alike, destroying the process group first (a live gloo group can abort the exit)."""
+        if distributed:
+            dist.destroy_process_group()
+        raise SystemExit(message)
+
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -589,9 +598,9 @@ def main(argv: list[str] | None = None) -> dict:
         sequences_per_rank, rest = divmod(hp.batch_tokens, hp.seq_len * world)
         keep = f"--micro-batch {sequences_per_rank} keeps the global batch, or " if sequences_per_rank and not rest \
             else ""
-        raise SystemExit(f"--batch-tokens {hp.batch_tokens} does not split into micro-batches of --micro-batch "
-                         f"{hp.micro_batch} x --seq-len {hp.seq_len} over {world} processes: {keep}set --batch-tokens "
-                         f"to a multiple of {hp.micro_batch * hp.seq_len * world}")
+        leave(f"--batch-tokens {hp.batch_tokens} does not split into micro-batches of --micro-batch "
+              f"{hp.micro_batch} x --seq-len {hp.seq_len} over {world} processes: {keep}set --batch-tokens "
+              f"to a multiple of {hp.micro_batch * hp.seq_len * world}")
     grad_accum = per_step_micro // world
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and hp.dtype == "bf16"
                 else contextlib.nullcontext())
@@ -737,7 +746,7 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"step {done}: training loss is {loss_value}; stopping. The last good checkpoint (if any) "
                     f"is kept in {run_dir / 'checkpoints' if run_dir else 'the run directory'}; lower --lr or "
                     "add --warmup-steps and resume from it.")
-                raise SystemExit(2)
+                leave(2)
             interval = max(train_time - last_log_time, 1e-9)
             tok_per_s = (tokens_seen - last_log_tokens) / interval
             mfu = flops_per_step * (tokens_seen - last_log_tokens) / hp.batch_tokens / interval / peak / world \

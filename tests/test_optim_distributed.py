@@ -2,7 +2,8 @@
 world sizes (a state saved by 2 ranks, resumed in 1 process, continues the 2-rank trajectory)."""
 from __future__ import annotations
 
-import socket
+import gc
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from optim.distributed import init_process_group
 from optim.ecd import ECD
 from optim.muon import Muon
 from optim.soap import SOAP
@@ -72,9 +74,13 @@ def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None):
         opt.step(loss.detach()) if name.startswith("ecd") else opt.step()
 
 
-def worker(rank: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def thread_names() -> list[str]:
+    return [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+
+
+def worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
+    init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=WORLD)
     for name in NAMES:
         model = Net()
         opt = make(name, model)
@@ -89,15 +95,14 @@ def worker(rank: int, port: int, out: str) -> None:
         if rank == 0:
             torch.save(model.state_dict(), Path(out) / f"{name}_final.pt")
     dist.destroy_process_group()
+    gc.collect()
+    (Path(out) / f"threads_after_destroy_{rank}.json").write_text(json.dumps(thread_names()))
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two_ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(port, str(out)), nprocs=WORLD)
+    mp.spawn(worker, args=(str(out),), nprocs=WORLD)
     return out
 
 
@@ -116,6 +121,13 @@ def test_two_ranks_equal_one_process(two_rank_results, name):
     start = Net().state_dict()
     assert max((model.state_dict()[k] - start[k]).abs().max() for k in start) > 1e-2  # the run moved
     assert_same(model.state_dict(), torch.load(two_rank_results / f"{name}_final.pt"), TOLERANCE[name])
+
+
+def test_destroy_process_group_stops_the_gloo_threads(two_rank_results):
+    """Gloo threads alive after destroy_process_group can abort the process at exit (see init_process_group)."""
+    for rank in range(WORLD):
+        names = json.loads((two_rank_results / f"threads_after_destroy_{rank}.json").read_text())
+        assert names and not [n for n in names if "gloo" in n], names
 
 
 @pytest.mark.parametrize("name", NAMES)
