@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
@@ -572,35 +571,28 @@ def main(argv: list[str] | None = None) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl)."""
     model_cfg, hp, opt_cfg, preset = parse_config(argv)
 
-    # ---- distributed setup: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK
-    distributed = "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # ---- distributed setup: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; the config is checked before a group exists
+    world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+    distributed = world > 1
     use_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
     if hp.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available (use --device cpu)")
-    if distributed:
-        init_process_group(backend="nccl" if use_cuda else "gloo")
-
-    def leave(message: str | int) -> NoReturn:
-        """Exit on every rank alike, destroying the process group first (a live gloo group can abort the exit)."""
-        if distributed:
-            dist.destroy_process_group()
-        raise SystemExit(message)
-
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    is_master = rank == 0
     per_step_micro = hp.batch_tokens // (hp.micro_batch * hp.seq_len)
     if per_step_micro % world:
         sequences_per_rank, rest = divmod(hp.batch_tokens, hp.seq_len * world)
         keep = f"--micro-batch {sequences_per_rank} keeps the global batch, or " if sequences_per_rank and not rest \
             else ""
-        leave(f"--batch-tokens {hp.batch_tokens} does not split into micro-batches of --micro-batch "
-              f"{hp.micro_batch} x --seq-len {hp.seq_len} over {world} processes: {keep}set --batch-tokens "
-              f"to a multiple of {hp.micro_batch * hp.seq_len * world}")
+        raise SystemExit(f"--batch-tokens {hp.batch_tokens} does not split into micro-batches of --micro-batch "
+                         f"{hp.micro_batch} x --seq-len {hp.seq_len} over {world} processes: {keep}set --batch-tokens "
+                         f"to a multiple of {hp.micro_batch * hp.seq_len * world}")
+    if distributed:
+        init_process_group(backend="nccl" if use_cuda else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    is_master = rank == 0
     grad_accum = per_step_micro // world
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and hp.dtype == "bf16"
                 else contextlib.nullcontext())
@@ -746,7 +738,9 @@ def main(argv: list[str] | None = None) -> dict:
                 log(f"step {done}: training loss is {loss_value}; stopping. The last good checkpoint (if any) "
                     f"is kept in {run_dir / 'checkpoints' if run_dir else 'the run directory'}; lower --lr or "
                     "add --warmup-steps and resume from it.")
-                leave(2)
+                if distributed:  # every rank stops here alike (the loss is all-reduced); see init_process_group
+                    dist.destroy_process_group()
+                raise SystemExit(2)
             interval = max(train_time - last_log_time, 1e-9)
             tok_per_s = (tokens_seen - last_log_tokens) / interval
             mfu = flops_per_step * (tokens_seen - last_log_tokens) / hp.batch_tokens / interval / peak / world \
