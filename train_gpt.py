@@ -79,7 +79,7 @@ class Hyperparameters:
     """Data, schedule, evaluation, logging and system settings of a run."""
 
     train_files: str = ""  # glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded corpus
-    val_files: str = ""  # glob of validation shards; empty: as train_files
+    val_files: str = ""  # glob of validation shards; empty: --train-files, else the default data's validation shards
     seq_len: int = 512  # tokens per training sequence (<= block_size)
     micro_batch: int = 8  # sequences per rank per forward/backward pass
     batch_tokens: int = 4096  # global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)
@@ -520,9 +520,16 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def resolve_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str]:
-    """Training/validation shard globs: the flags, else downloaded FineWeb-Edu, else the embedded corpus."""
+    """Training/validation shard globs: --val-files when given; the rest from --train-files, else downloaded
+    FineWeb-Edu, else the embedded corpus."""
+    train, val = default_data_files(hp, is_master)
+    return train, hp.val_files or val
+
+
+def default_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str]:
+    """Training/validation shard globs without --val-files (validation on the training shards with --train-files)."""
     if hp.train_files:
-        return hp.train_files, hp.val_files or hp.train_files
+        return hp.train_files, hp.train_files
     from data import fineweb_edu
 
     if fineweb_edu.fineweb_shards_present():

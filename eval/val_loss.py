@@ -52,8 +52,6 @@ def validation_files(config: dict) -> str:
     """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
     fields = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
     hp = train_gpt.Hyperparameters(**{k: v for k, v in config.get("train", {}).items() if k in fields})
-    if hp.val_files:
-        return hp.val_files
     return train_gpt.resolve_data_files(hp, is_master=True)[1]
 
 

@@ -179,6 +179,20 @@ def test_help_documents_every_field(capsys):
             assert f in helps, f"{cls.__name__}.{f} has no help comment"
 
 
+def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(monkeypatch):
+    from data import fineweb_edu
+
+    monkeypatch.setattr(fineweb_edu, "fineweb_shards_present", lambda: True)
+    hp = train_gpt.Hyperparameters
+    assert train_gpt.resolve_data_files(hp(val_files="v_*.bin"), True) == (fineweb_edu.DEFAULT_TRAIN_PATTERN,
+                                                                           "v_*.bin")
+    assert train_gpt.resolve_data_files(hp(), True) == (fineweb_edu.DEFAULT_TRAIN_PATTERN,
+                                                        fineweb_edu.DEFAULT_VAL_PATTERN)
+    assert train_gpt.resolve_data_files(hp(train_files="t_*.bin"), True) == ("t_*.bin", "t_*.bin")
+    assert train_gpt.resolve_data_files(hp(train_files="t_*.bin", val_files="v_*.bin"), True) == ("t_*.bin",
+                                                                                                   "v_*.bin")
+
+
 def test_lr_schedules():
     hp = train_gpt.Hyperparameters(steps=100, warmup_steps=10, lr_schedule="cosine", min_lr_frac=0.1)
     assert train_gpt.lr_factor(0, hp) == pytest.approx(0.1)
