@@ -112,8 +112,11 @@ class Region:
         return self.params[self.rank * self.chunk : (self.rank + 1) * self.chunk]
 
     def zero_grad(self) -> None:
+        """Zero the flat gradient buffer and point every `param.grad` back at its view (dropping any gradient that
+        autograd allocated elsewhere after a set_to_none)."""
         self.grads.zero_()
-        self._adopt_gradients()
+        for p, view in self._grad_views:
+            p.grad = view
 
     def _adopt_gradients(self) -> None:
         """Put gradients that autograd allocated elsewhere (after set_to_none) back into the flat buffer."""

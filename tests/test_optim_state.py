@@ -50,6 +50,17 @@ BF16_TOLERANCE = {"ecd": 0.02, "ecd_nu": 0.02, "soap": 0.02, "muon": 0.15}
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_zero_grad_clears_gradients_that_autograd_allocated_elsewhere(name):
+    model = net()
+    opt = make(name, model)
+    model.zero_grad(set_to_none=True)  # gradients leave the flat buffer; backward allocates new ones
+    model(torch.randn(4, 16)).square().sum().backward()
+    assert all(p.grad.abs().sum() > 0 for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_bf16_state_stays_close_to_fp32_over_50_steps(name):
     start = flat(net())
     runs = {}
