@@ -34,6 +34,7 @@ from data.loader import DistributedTokenLoader, validation_batches
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config
 from optim.distributed import init_process_group
+from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
@@ -235,6 +236,9 @@ def config_problem(model: GPTConfig, hp: Hyperparameters, opt: OptimizerConfig) 
             return f"--{name.replace('_', '-')} must be >= 0"
     if opt.lr is not None and opt.lr <= 0:
         return f"--lr must be positive, got {opt.lr}"
+    if hp.dynamics_every and opt.optimizer not in VELOCITY_OPTIMIZERS:
+        return (f"--dynamics-every needs a velocity, which SPEC §6 defines for --optimizer "
+                f"{', '.join(VELOCITY_OPTIMIZERS)}; {opt.optimizer} has none (set --dynamics-every 0)")
     return None
 
 
@@ -756,8 +760,6 @@ def main(argv: list[str] | None = None) -> dict:
             record = metrics(done, train_loss=loss_value, lr=optimizers[0].param_groups[0]["lr"],
                              tokens_per_s=tok_per_s, mfu=mfu, elapsed_s=train_time)
             if hp.dynamics_every and done % hp.dynamics_every == 0:
-                from optim.gauge import dynamics_summary, velocity_from_optimizers
-
                 record.update(dynamics_summary(model, velocity_from_optimizers(optimizers), model_cfg.n_head))
             log_record(record)
             log(f"step {done}/{hp.steps} | loss {loss_value:.4f} | lr {record['lr']:.2e} | "

@@ -157,6 +157,9 @@ def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: i
     return dict(zip(per_head, means))
 
 
+VELOCITY_OPTIMIZERS = ("ecd", "sgdm", "adamw")  # the optimizers whose state defines a velocity (SPEC §6)
+
+
 def _direction_from_state(state: Mapping[str, object], group: Mapping[str, object], name: str) -> Tensor | None:
     """The direction of motion stored in one parameter's optimizer state (None if the state is empty)."""
     if "pi" in state:  # ECD: θ ← θ + hΠ
@@ -164,7 +167,8 @@ def _direction_from_state(state: Mapping[str, object], group: Mapping[str, objec
     if "momentum_buffer" in state:  # SGDM: θ ← θ − lr·buf (Nesterov adds the gradient; not stored)
         return None if state["momentum_buffer"] is None else -state["momentum_buffer"]
     tensors = {k for k, v in state.items() if torch.is_tensor(v) and k != "step"}
-    if {"exp_avg", "exp_avg_sq"} <= tensors <= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}:
+    if {"exp_avg", "exp_avg_sq"} <= tensors <= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"} and "step" in state \
+            and "betas" in group:
         # AdamW: the bias-corrected update direction m̂ / (√v̂ + ε) (without the decoupled weight decay).
         beta1, beta2 = group["betas"]
         step = state["step"]

@@ -205,6 +205,9 @@ def test_velocity_from_ecd_state_and_unknown_state():
     sd["state"][0] = {"exp_avg": pis[0], "exp_avg_sq": pis[0].abs(), "GG": pis[0], "step": torch.tensor(1.0)}
     with pytest.raises(ValueError, match="keys"):
         velocity_from_state_dicts([sd])
+    sd["state"][0] = {"exp_avg": pis[0], "exp_avg_sq": pis[0].abs()}  # Muon's AdamW part: no step, no betas
+    with pytest.raises(ValueError, match="keys"):
+        velocity_from_state_dicts([sd])
 
 
 def test_weight_drift_ratio_matches_explicit_products():

@@ -142,6 +142,7 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
     (["--seq-len", "1024"], "--seq-len 1024 exceeds --block-size 512"),
     (["--lr", "-1"], "--lr must be positive"),
     (["--bias-mode", "bk"], "invalid choice: 'bk'"),
+    (["--optimizer", "muon", "--dynamics-every", "10"], "muon has none (set --dynamics-every 0)"),
 ])
 def test_bad_cli_values_give_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as excinfo:
