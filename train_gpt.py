@@ -197,7 +197,7 @@ def parse_config(argv: list[str] | None = None) -> tuple[GPTConfig, Hyperparamet
     if known.preset:
         base.update(PRESETS[known.preset])
     if known.resume:
-        saved = load_checkpoint(resolve_checkpoint_path(known.resume))["config"]
+        saved = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)["config"]  # no tensor is read
         for section in CONFIG_CLASSES:
             base.update(saved[section])
     parser = build_arg_parser(base)
@@ -447,9 +447,9 @@ def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> 
     return path
 
 
-def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
-    """Load and check a checkpoint written by `save_checkpoint`."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict:
+    """Load and check a checkpoint written by `save_checkpoint` (mmap: tensors are read only when touched)."""
+    ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint")
     return ckpt
@@ -672,16 +672,16 @@ def main(argv: list[str] | None = None) -> dict:
     peak = peak_flops(device)
 
     def checkpoint(step: int, metrics: dict) -> None:
-        # Copies: sharded optimizers make parameters views into padded flat buffers, which torch.save would
-        # otherwise write whole.
-        model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        state = {
-            "format": CHECKPOINT_FORMAT, "step": step, "config": config_dict, "model": model_state,
-            "optimizers": [opt.state_dict() for opt in optimizers],  # a collective for sharded optimizers
-            "loader": loader.state_dict(), "sampler": sampler.state_dict(),
-            "rng": {"torch": torch.get_rng_state()}, "metrics": metrics,
-        }
+        optimizer_states = [opt.state_dict() for opt in optimizers]  # a collective for sharded optimizers
         if is_master:
+            # Copies: sharded optimizers make parameters views into padded flat buffers, which torch.save would
+            # otherwise write whole.
+            model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            state = {
+                "format": CHECKPOINT_FORMAT, "step": step, "config": config_dict, "model": model_state,
+                "optimizers": optimizer_states, "loader": loader.state_dict(), "sampler": sampler.state_dict(),
+                "rng": {"torch": torch.get_rng_state()}, "metrics": metrics,
+            }
             save_checkpoint(run_dir / "checkpoints" / "latest.pt", state)
             if hp.keep_checkpoints:
                 save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}.pt", state)
