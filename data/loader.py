@@ -321,6 +321,12 @@ class DistributedTokenLoader:
         self._position = _Position(state["epoch"], state["shard"], state["batch"], state["micro_step"])
 
 
+def validation_capacity(files: Files, seq_len: int) -> int:
+    """The most tokens `validation_batches` can serve from `files` (whole sequences of seq_len + 1 tokens per shard;
+    a shard's tail shorter than that is skipped), read from the shard headers alone."""
+    return seq_len * sum(max(0, (read_shard_header(path) - 1) // seq_len) for path in _resolve_files(files))
+
+
 def validation_batches(
     files: Files,
     micro_batch: int,

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt
-from data.loader import validation_batches
-from data.shards import GPT2_VOCAB, find_shards, read_shard_header
+from data.loader import validation_batches, validation_capacity
+from data.shards import GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
@@ -344,15 +344,15 @@ def main(argv: list[str] | None = None) -> dict:
                                              target.device)
     model = load_model(ckpt, device)
     train_cfg = ckpt["config"].get("train", {})
+    seq_len = min(train_cfg.get("seq_len", 512), model.config.block_size)
     files, residual_tokens = None, args.residual_tokens
     if "residual" in args.modes:
         files = args.val_files or validation_files(ckpt["config"])
-        available = sum(read_shard_header(path) for path in find_shards(files)) - 1
+        available = validation_capacity(files, seq_len)
         if available < residual_tokens:
-            print(f"residual: the validation shards hold {available + 1:,} tokens; using them all "
-                  f"instead of --residual-tokens {residual_tokens:,}")
+            print(f"residual: the validation shards hold {available:,} tokens in whole sequences of {seq_len} + 1; "
+                  f"using them all instead of --residual-tokens {residual_tokens:,}")
             residual_tokens = available
-    seq_len = min(train_cfg.get("seq_len", 512), model.config.block_size)
     results = []
     for mode in args.modes:
         result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import data.loader as loader_module
-from data.loader import DistributedTokenLoader, validation_batches
+from data.loader import DistributedTokenLoader, validation_batches, validation_capacity
 from data.shards import EOT_TOKEN, ShardError, open_shard, shard_name, write_shard
 
 T = 8  # seq_len of most tests
@@ -323,6 +323,15 @@ def test_validation_budget_errors(tmp_path):
         validation_batches(pattern, 2, T, 2 * 2 * T - 1, world_size=2)
     with pytest.raises(ShardError, match="hold 17 sequences"):
         validation_batches(pattern, 2, T, 40 * T)
+
+
+def test_validation_capacity_is_what_validation_batches_can_serve(tmp_path):
+    pattern, arrays = make_shards(tmp_path, [50, 90, 60], seed=20, split="val")
+    capacity = validation_capacity(pattern, T)
+    assert capacity == len(oracle_val_rows(arrays, T)) * T == 24 * T
+    assert sum(x.numel() for x, _ in validation_batches(pattern, 1, T, capacity)) == capacity
+    with pytest.raises(ShardError):
+        validation_batches(pattern, 1, T, capacity + T)
 
 
 @pytest.mark.cuda
