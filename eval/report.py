@@ -28,7 +28,7 @@ def training_summary(log: list[dict]) -> dict:
     last = log[-1]
     speeds = [r["tokens_per_s"] for r in log if r.get("tokens_per_s")]
     mfus = [r["mfu"] for r in log if r.get("mfu")]
-    return {"steps": last.get("step"), "tokens": last.get("tokens"), "elapsed_s": last.get("elapsed_s"),
+    return {"steps": last.get("step"), "tokens": last.get("tokens"), "elapsed_s": last.get("train_time_s"),
             "final_train_loss": next((r["train_loss"] for r in reversed(log) if r.get("train_loss") is not None), None),
             "final_val_loss": val[-1] if val else None, "best_val_loss": min(val) if val else None,
             "tokens_per_s": speeds[-1] if speeds else None, "mfu": mfus[-1] if mfus else None}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import train_gpt
+from eval import report
 from data.shards import ShardError, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +66,8 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     assert vals[0] > math.log(VOCAB) - 0.3  # starts near uniform
     assert vals[-1] < vals[0] - 1.0, vals
     assert summary["val_loss"] == vals[-1] and summary["step"] == 40
+    reported = report.training_summary(read_log(run))  # the evaluation report reads the same log
+    assert reported["elapsed_s"] == summary["train_time_s"] > 0 and reported["final_val_loss"] == vals[-1]
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["n_embd"] == 32 and config["optim"]["optimizer"] == "adamw"
     assert (run / "log.txt").read_text().startswith(Path(train_gpt.__file__).read_text()[:200])
