@@ -464,8 +464,10 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
     os.replace(tmp, path)
 
 
-def config_from_dict(d: dict) -> GPTConfig:
-    return GPTConfig(**{f.name: d[f.name] for f in dataclasses.fields(GPTConfig) if f.name in d})
+def config_from_dict(d: dict, cls: type = GPTConfig):
+    """A config dataclass (GPTConfig, Hyperparameters, ...) from a saved section: missing keys take the defaults,
+    unknown keys are ignored (checkpoints of older or newer code)."""
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:

@@ -38,7 +38,7 @@ from eval.common import (
     pyplot,
     write_json,
 )
-from eval.val_loss import validation_files
+from eval.val_loss import run_hyperparameters, validation_files
 
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")
@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
                                              target.device)
     model = load_model(ckpt, device)
-    train_cfg = ckpt["config"].get("train", {})
-    seq_len = min(train_cfg.get("seq_len", 512), model.config.block_size)
+    hp = run_hyperparameters(ckpt["config"])
+    seq_len = min(hp.seq_len, model.config.block_size)
     files, residual_tokens = None, args.residual_tokens
     if "residual" in args.modes:
         files = args.val_files or validation_files(ckpt["config"])
@@ -355,8 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
             residual_tokens = available
     results = []
     for mode in args.modes:
-        result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len,
-                                    train_cfg.get("micro_batch", 8))
+        result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len, hp.micro_batch)
         plot_alignment(result, out / f"alignment_{mode}.png", title=run_dir.name)
         results.append(result)
         print(f"{mode}: mean top {result['mean_top']:.3f}  max {result['max_top']:.3f}  "

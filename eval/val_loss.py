@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -50,9 +49,12 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
 
 def validation_files(config: dict) -> str:
     """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
-    fields = {f.name for f in dataclasses.fields(train_gpt.Hyperparameters)}
-    hp = train_gpt.Hyperparameters(**{k: v for k, v in config.get("train", {}).items() if k in fields})
-    return train_gpt.resolve_data_files(hp, is_master=True)[1]
+    return train_gpt.resolve_data_files(run_hyperparameters(config), is_master=True)[1]
+
+
+def run_hyperparameters(config: dict) -> train_gpt.Hyperparameters:
+    """The run's Hyperparameters (config "train" section over the trainer's defaults)."""
+    return train_gpt.config_from_dict(config.get("train", {}), train_gpt.Hyperparameters)
 
 
 def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | None = None, title: str = "") -> None:
@@ -90,11 +92,10 @@ def main(argv: list[str] | None = None) -> dict:
     target = open_target(args)
     run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
                                              target.device)
-    train_cfg = ckpt["config"].get("train", {})
+    hp = run_hyperparameters(ckpt["config"])
     files = args.val_files or validation_files(ckpt["config"])
-    seq_len = args.seq_len or train_cfg.get("seq_len", 512)
-    micro_batch = args.micro_batch or train_cfg.get("micro_batch", 8)
-    num_tokens = args.val_tokens or train_cfg.get("val_tokens", 1 << 20)
+    seq_len, micro_batch = args.seq_len or hp.seq_len, args.micro_batch or hp.micro_batch
+    num_tokens = args.val_tokens or hp.val_tokens
     model = load_model(ckpt, device)
     dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
     start = time.perf_counter()
