@@ -171,6 +171,8 @@ def build_arg_parser(base: dict[str, object]) -> argparse.ArgumentParser:
                     kwargs.pop("metavar")
                 elif f.name == "optimizer":
                     kwargs["choices"] = sorted(OPTIMIZERS)
+                    kwargs["help"] += "." + "".join(f" [{name}] {spec.description}." for name, spec in
+                                                    sorted(OPTIMIZERS.items()))
                     kwargs.pop("metavar")
             group.add_argument(flag, **kwargs)
     return parser

@@ -181,6 +181,8 @@ def test_help_documents_every_field(capsys):
         for f in cls.__dataclass_fields__:
             assert "--" + f.replace("_", "-") in text
             assert f in helps, f"{cls.__name__}.{f} has no help comment"
+    for name, spec in train_gpt.OPTIMIZERS.items():
+        assert f"[{name}] {spec.description}." in " ".join(text.split())
 
 
 def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(monkeypatch):
