@@ -88,7 +88,6 @@ class Region:
             self.chunk = -(-sum(numels) // world_size)
             starts = list(itertools.accumulate([0] + numels[:-1]))
             self.owner = {}
-        self.numel = sum(numels)
         self.offset = {i: s for (i, _), s in zip(params, starts)}
         first = params[0][1]
         self.params = torch.zeros(world_size * self.chunk, dtype=first.dtype, device=first.device)
@@ -181,7 +180,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
     has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
-    Kronecker factors) and `_global_state` / `_load_global_state` for optimizer-wide scalars.
+    Kronecker factors) and `_global_state` / `_load_global_state` for optimizer-wide scalars beyond `calls` (the
+    number of completed steps, which the base saves and restores).
     state_dict() is a collective: every rank must call it; every rank returns the full state in torch's layout
     ({"state": {index: {name: tensor}}, "param_groups": [...]}), loadable under any world size.
     """
@@ -198,6 +198,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.regions = build_regions(self.params_in_order, [tensor_owned(i) for i in range(len(self.params_in_order))])
         self.region_of = {i: region for region in self.regions for i in region.indices}
         self.flat_state: dict[str, list[Tensor | None]] = {}
+        self.calls = 0
 
     def new_flat_state(self, name: str, dtype: torch.dtype | None, regions=None) -> None:
         """Allocate chunk-aligned zero buffers for state `name` (dtype None: the parameters' dtype)."""
@@ -225,10 +226,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         pass
 
     def _global_state(self) -> dict:
-        return {}
+        return {"calls": self.calls}
 
     def _load_global_state(self, state: dict) -> None:
-        pass
+        self.calls = state["calls"]
 
     @torch.no_grad()
     def state_dict(self) -> dict:

@@ -108,7 +108,6 @@ class ECD(ShardedOptimizer):
         self.key_of = list(range(len(self.params_in_order))) if per_tensor else self.group_of
         self.ranges = [self._ranges(region) for region in self.regions]
         self.range_keys = torch.tensor([k for rs in self.ranges for k, _, _ in rs], dtype=torch.long, device=device)
-        self.calls = 0
         self.pending = torch.zeros((), dtype=torch.bool, device=device)  # logical Π = σ·Π/‖Π‖ (True) or Π
         self.sigma = torch.ones((), dtype=torch.float64, device=device)
         self.skipped = _DeferredFlag(device)
@@ -290,10 +289,10 @@ class ECD(ShardedOptimizer):
         return super().state_dict()
 
     def _global_state(self) -> dict:
-        return {"calls": self.calls, "seed": self.seed, "skipped": int(self.skipped.value.cpu())}
+        return {**super()._global_state(), "seed": self.seed, "skipped": int(self.skipped.value.cpu())}
 
     def _load_global_state(self, state: dict) -> None:
-        self.calls = state["calls"]
+        super()._load_global_state(state)
         self.seed = state["seed"]
         self.skipped.value.fill_(state["skipped"])
         self.pending.fill_(False)

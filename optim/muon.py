@@ -78,7 +78,6 @@ class Muon(ShardedOptimizer):
         self.new_flat_state("momentum_buffer", state_dtype, muon)
         self.new_flat_state("exp_avg", state_dtype, adam)
         self.new_flat_state("exp_avg_sq", state_dtype, adam)
-        self.calls = 0
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -137,11 +136,6 @@ class Muon(ShardedOptimizer):
             p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(piece.of(direction), alpha=-group["lr"] / (1 - beta1**self.calls))
 
-    def _global_state(self) -> dict:
-        return {"calls": self.calls}
-
-    def _load_global_state(self, state: dict) -> None:
-        self.calls = state["calls"]
 
 
 def muon_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:

@@ -107,7 +107,6 @@ class SOAP(ShardedOptimizer):
         self.new_flat_state("exp_avg_sq", state_dtype)
         self.factors: dict[int, list[Tensor | None]] = {}  # L, R per owned rotated tensor (None: no rotation)
         self.bases: dict[int, list[Tensor | None]] = {}  # Q_L, Q_R
-        self.calls = 0
 
     def _shape(self, shape: torch.Size) -> tuple[int, ...]:
         if self.merge_dims and len(shape) > 1:
@@ -237,11 +236,6 @@ class SOAP(ShardedOptimizer):
         self.bases[index] = [state[f"Q{d}"].to(device, dtype).clone() if r else None for d, r in enumerate(rotated)]
         self._expose(index)
 
-    def _global_state(self) -> dict:
-        return {"calls": self.calls}
-
-    def _load_global_state(self, state: dict) -> None:
-        self.calls = state["calls"]
 
 
 def build_soap(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
