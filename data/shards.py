@@ -74,11 +74,19 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | list[int]) -> None
         raise ValueError(f"write_shard({path}): token ids must fit in uint16 (0..65535)")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = SHARD_MAGIC, SHARD_VERSION, array.size
+    atomic_write(path, header.tobytes(), array.astype("<u2", copy=False).tobytes())
+
+
+def atomic_write(path: Path, *chunks: bytes) -> None:
+    """Write `chunks` to `path` through a synced temporary file and a rename: readers (and a crash mid-write) see
+    the old file or the whole new one, never part of it. The temporary name carries the process id, so
+    concurrent writers of one path never share it."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(array.astype("<u2", copy=False).tobytes())
+        for chunk in chunks:
+            f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

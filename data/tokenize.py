@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.shards import EOT_TOKEN, shard_name, write_shard
+from data.shards import EOT_TOKEN, atomic_write, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
 
 DEFAULT_SHARD_TOKENS = 100_000_000
@@ -256,9 +256,7 @@ def documents_to_shards(
         "shards": records,
         **(metadata() if metadata else {}),
     }
-    tmp = out_dir / f"{prefix}_manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, out_dir / f"{prefix}_manifest.json")
+    atomic_write(out_dir / f"{prefix}_manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
 

@@ -27,13 +27,13 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
+from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write
+
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
 RANKS_FILENAME = "r50k_base.tiktoken"
-EOT_ID = 50256
-N_VOCAB = 50257
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,13 +49,6 @@ def cache_root() -> Path:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _from_tiktoken_cache() -> bytes | None:
@@ -119,7 +112,7 @@ def ensure_gpt2_ranks(cache_dir: Path | None = None) -> Path:
         elif _sha256(data) != GPT2_RANKS_SHA256:
             failures.append(f"{source}: sha256 mismatch ({_sha256(data)})")
         else:
-            _write_atomic(path, data)
+            atomic_write(path, data)
             return path
     raise TokenizerSetupError(
         f"could not obtain the GPT-2 rank file ({RANKS_FILENAME}, sha256 {GPT2_RANKS_SHA256}):\n  "
@@ -149,8 +142,8 @@ def gpt2_tokenizer() -> tiktoken.Encoding:
         name="r50k_base",
         pat_str=r50k_pat_str,
         mergeable_ranks=load_gpt2_ranks(ensure_gpt2_ranks()),
-        special_tokens={ENDOFTEXT: EOT_ID},
-        explicit_n_vocab=N_VOCAB,
+        special_tokens={ENDOFTEXT: EOT_TOKEN},
+        explicit_n_vocab=GPT2_VOCAB,
     )
 
 

@@ -8,12 +8,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
 
 import train_gpt
+from data.shards import atomic_write
 
 EVAL_DIRNAME = "eval"
 
@@ -77,10 +77,7 @@ def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:
 
 def write_json(path: Path, obj: object) -> None:
     """Write JSON atomically (strict: NaN/inf become null)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_finite(obj), indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, (json.dumps(_finite(obj), indent=1) + "\n").encode())
 
 
 def _finite(obj: object) -> object:

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import tiktoken
 
+from data.shards import EOT_TOKEN
 from data.tokenizer import (
-    EOT_ID,
     GPT2_RANKS_SHA256,
     GPT2_RANKS_URL,
     RANKS_FILENAME,
@@ -27,7 +27,7 @@ def random_text(rng: random.Random, n: int) -> str:
 
 def test_known_gpt2_ids():
     enc = gpt2_tokenizer()
-    assert enc.n_vocab == 50257 and enc.eot_token == EOT_ID == 50256
+    assert enc.n_vocab == 50257 and enc.eot_token == EOT_TOKEN == 50256
     assert enc.encode_ordinary("Hello world") == [15496, 995]
     assert enc.encode_ordinary(" the") == [262]
     # byte-level base vocabulary: printable bytes from '!' (33) get ranks 0.., the others follow from 188
@@ -43,10 +43,10 @@ def test_round_trip_and_special_tokens():
     for _ in range(20):
         text = random_text(rng, rng.randrange(1, 60))
         ids = enc.encode_ordinary(text)
-        assert EOT_ID not in ids  # ordinary text never yields the separator, even "<|endoftext|>" literally
+        assert EOT_TOKEN not in ids  # ordinary text never yields the separator, even "<|endoftext|>" literally
         assert enc.decode(ids) == text
         assert enc.decode(enc.encode(text, allowed_special={"<|endoftext|>"})) == text
-    assert enc.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"}).count(EOT_ID) == 1
+    assert enc.encode("a<|endoftext|>b", allowed_special={"<|endoftext|>"}).count(EOT_TOKEN) == 1
     with pytest.raises(ValueError):
         enc.encode("<|endoftext|>")  # tiktoken refuses special text unless allowed
 
