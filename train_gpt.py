@@ -418,7 +418,10 @@ class BiasSampler:
         std = np.stack([std_q.numpy(), std_q.numpy(), std_v.numpy()])  # (3, d)
         self.std = std[:, None, :] if config.bias_per_head else std
 
-    def sample(self, step: int, chunk: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def sample(self, step: int, chunk: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """The (n_layer, 3, [n_head,] d) draws; None when the mode samples no bias (the forward pass reads none)."""
+        if not any(self.config.sampled_biases):
+            return None
         shape = _bias_shape(self.config)
         draws = np.empty(shape, dtype=np.float32)
         for layer in range(self.config.n_layer):

@@ -123,6 +123,14 @@ def test_mean_biases_fold_into_a_standard_gpt2():
     torch.testing.assert_close(broken(idx)[0], plain(idx)[0])
 
 
+def test_sampler_draws_nothing_when_the_mode_samples_no_bias():
+    for mode, key_bias in (("none", False), ("learned", False), ("learned", True)):
+        assert BiasSampler(tiny_config(bias_mode=mode, key_bias=key_bias), seed=0).sample(0, 0) is None
+    for mode in ("bq", "bv", "bqbv"):
+        assert BiasSampler(tiny_config(bias_mode=mode), seed=0).sample(0, 0) is not None
+    assert BiasSampler(tiny_config(bias_mode="none", key_bias=True), seed=0).sample(0, 0) is not None
+
+
 def test_sampler_is_a_function_of_seed_step_chunk():
     cfg = tiny_config()
     a, b = BiasSampler(cfg, seed=7), BiasSampler(cfg, seed=7)
