@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from data.loader import DistributedTokenLoader, validation_batches
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config
-from optim.distributed import init_process_group
+from optim.distributed import all_reduce_sum, init_process_group, rank_and_world_size
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -562,7 +562,7 @@ def format_duration(seconds: float) -> str:
 
 
 def print0(*args, **kwargs) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if rank_and_world_size()[0] == 0:
         print(*args, **kwargs, flush=True)
 
 
@@ -579,9 +579,7 @@ def evaluate(model: GPT, val_files: str, hp: Hyperparameters, rank: int, world: 
             total += model(x, y)[1].float()
         count += 1
     model.train()
-    stats = torch.stack([total, torch.tensor(float(count), device=device)])
-    if dist.is_initialized():
-        dist.all_reduce(stats)
+    stats = all_reduce_sum(torch.stack([total, torch.tensor(float(count), device=device)]))
     return (stats[0] / stats[1]).item()
 
 
