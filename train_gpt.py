@@ -569,17 +569,19 @@ def print0(*args, **kwargs) -> None:
 @torch.no_grad()
 def evaluate(model: GPT, val_files: str, hp: Hyperparameters, rank: int, world: int, device: torch.device,
              autocast: contextlib.AbstractContextManager) -> float:
-    """Mean loss over the fixed validation budget, with the mean biases (SPEC §1), averaged over ranks."""
+    """Mean loss over the fixed validation budget (hp.val_tokens in micro-batches of hp.micro_batch x hp.seq_len,
+    which weigh equally), with the mean biases (SPEC §1), averaged over ranks; the trainer and eval.val_loss."""
+    was_training = model.training
     model.eval()
-    total = torch.zeros((), device=device)
+    total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     for x, y in validation_batches(val_files, hp.micro_batch, hp.seq_len, hp.val_tokens, rank=rank,
                                    world_size=world, vocab_size=model.config.vocab_size, device=device):
         with autocast:
-            total += model(x, y)[1].float()
+            total += model(x, y)[1].double()
         count += 1
-    model.train()
-    stats = all_reduce_sum(torch.stack([total, torch.tensor(float(count), device=device)]))
+    model.train(was_training)
+    stats = all_reduce_sum(torch.stack([total, torch.tensor(float(count), dtype=torch.float64, device=device)]))
     return (stats[0] / stats[1]).item()
 
 

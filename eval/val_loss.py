@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 import train_gpt
-from data.loader import validation_batches
 from eval.common import (
     add_target_args,
     load_model,
@@ -28,23 +27,15 @@ from eval.common import (
 )
 
 
-@torch.no_grad()
 def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: int, seq_len: int, micro_batch: int,
                     device: torch.device, autocast_dtype: torch.dtype | None = None) -> dict:
-    """Mean cross-entropy over the budget (each batch holds micro_batch × seq_len tokens, so batches weigh equally)."""
-    model.eval()
+    """The trainer's validation loss (`train_gpt.evaluate`) on one process, with its perplexity and token count."""
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    batches = 0
-    for x, y in validation_batches(files, micro_batch, seq_len, num_tokens, vocab_size=model.config.vocab_size,
-                                   device=device):
-        with autocast:
-            total += model(x, y)[1].double()
-        batches += 1
-    loss = (total / batches).item()
-    return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": batches * micro_batch * seq_len,
-            "seq_len": seq_len, "micro_batch": micro_batch}
+    budget = train_gpt.Hyperparameters(seq_len=seq_len, micro_batch=micro_batch, val_tokens=num_tokens)
+    loss = train_gpt.evaluate(model, files, budget, 0, 1, device, autocast)
+    return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens // (micro_batch * seq_len) *
+            micro_batch * seq_len, "seq_len": seq_len, "micro_batch": micro_batch}
 
 
 def validation_files(config: dict) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt
-from eval import report
+from eval import report, val_loss
 from data.shards import ShardError, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +76,10 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizers", "loader", "sampler", "rng", "config"}
     model = train_gpt.model_from_checkpoint(ckpt)
     assert not model.training and model.config.n_embd == 32
+    hp = ckpt["config"]["train"]  # eval.val_loss on the final checkpoint gives the trainer's final validation loss
+    again = val_loss.validation_loss(model, hp["val_files"], hp["val_tokens"], hp["seq_len"], hp["micro_batch"],
+                                     torch.device("cpu"))
+    assert again["val_loss"] == vals[-1] and again["tokens"] == hp["val_tokens"] and not model.training
 
 
 def test_resume_reproduces_the_trajectory(corpus, tmp_path):
