@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> dict:
     paths = run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
-        ckpt = train_gpt.load_checkpoint(path)
+        ckpt = train_gpt.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)
         if previous is not None and previous.get("step") == ckpt.get("step"):
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_dynamics(ckpt)
