@@ -64,10 +64,11 @@ class Target:
 
 
 def open_target(args: argparse.Namespace) -> Target:
-    """Resolve `--run/--checkpoint`, `--out` and `--device` (see add_target_args) and load the checkpoint."""
+    """Resolve `--run/--checkpoint`, `--out` and `--device` (see add_target_args) and map the checkpoint (mmap: the
+    optimizer state, which these evaluations never touch, is not read)."""
     run_dir, checkpoint_path = resolve_target(args.run, args.checkpoint)
-    return Target(run_dir, checkpoint_path, train_gpt.load_checkpoint(checkpoint_path), output_dir(args, run_dir),
-                  resolve_device(args.device))
+    return Target(run_dir, checkpoint_path, train_gpt.load_checkpoint(checkpoint_path, mmap=True),
+                  output_dir(args, run_dir), resolve_device(args.device))
 
 
 def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:
