@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.shards import ShardError, read_shard_header
+from data.shards import ShardError, read_shard_header, shard_globs
 from data.tokenize import (
     CorpusStats,
     TokenizeError,
@@ -42,7 +42,6 @@ from data.tokenize import (
     iter_documents,
     parallel_map,
     resolve_sources,
-    shard_globs,
 )
 from data.tokenizer import cache_root
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.shards import GPT2_VOCAB, ShardError, open_shard, read_shard_header
-from data.tokenize import sha256_file
+from data.shards import GPT2_VOCAB, ShardError, open_shard, read_shard_header, sha256_file, shard_globs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REPO = "kjj0/finewebedu10B-gpt2"
@@ -31,8 +30,7 @@ DEFAULT_DEST = REPO_ROOT / "data" / "fineweb_edu"
 VAL_FILE = "finewebedu_val_000000.bin"
 TRAIN_FORMAT = "finewebedu_train_%06d.bin"
 FULL_TRAIN_CHUNKS = 99
-DEFAULT_TRAIN_PATTERN = str(DEFAULT_DEST / "finewebedu_train_*.bin")
-DEFAULT_VAL_PATTERN = str(DEFAULT_DEST / "finewebedu_val_*.bin")
+DEFAULT_TRAIN_PATTERN, DEFAULT_VAL_PATTERN = shard_globs(DEFAULT_DEST, "finewebedu")
 PROBE_TIMEOUT_S = 10
 
 

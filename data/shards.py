@@ -6,6 +6,7 @@ followed by N little-endian uint16 token ids. Every reader here validates the he
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -90,6 +91,20 @@ def atomic_write(path: Path, *chunks: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def shard_globs(directory: str | os.PathLike, prefix: str) -> tuple[str, str]:
+    """(train_glob, val_glob) of the shards named `shard_name(prefix, split, i)` in `directory`."""
+    return str(Path(directory) / f"{prefix}_train_*.bin"), str(Path(directory) / f"{prefix}_val_*.bin")
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def shard_name(prefix: str, split: str, index: int) -> str:

@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import fnmatch
 import glob
-import hashlib
 import json
 import multiprocessing
 import os
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.shards import EOT_TOKEN, atomic_write, shard_name, write_shard
+from data.shards import EOT_TOKEN, atomic_write, sha256_file, shard_globs, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
 
 DEFAULT_SHARD_TOKENS = 100_000_000
@@ -132,15 +131,6 @@ def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
             batch, chars = [], 0
     if batch:
         yield batch
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class _ShardWriter:
@@ -264,11 +254,6 @@ def _counted(chunks: Iterator[np.ndarray], bar: tqdm) -> Iterator[np.ndarray]:
     for chunk in chunks:
         bar.update(chunk.size)
         yield chunk
-
-
-def shard_globs(out_dir: str | os.PathLike, prefix: str) -> tuple[str, str]:
-    """(train_glob, val_glob) of the shards written by `documents_to_shards`."""
-    return str(Path(out_dir) / f"{prefix}_train_*.bin"), str(Path(out_dir) / f"{prefix}_val_*.bin")
 
 
 # -----------------------------------------------------------------------------
