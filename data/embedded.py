@@ -34,15 +34,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.shards import ShardError, read_shard_header, shard_globs
-from data.tokenize import (
-    CorpusStats,
-    TokenizeError,
-    default_workers,
-    documents_to_shards,
-    iter_documents,
-    parallel_map,
-    resolve_sources,
-)
+from data.tokenize import TokenizeError, default_workers, documents_to_shards, parallel_map
+from data.tokenize import main as tokenize_main
 from data.tokenizer import cache_root
 
 PREFIX = "embedded"
@@ -242,21 +235,15 @@ def main(argv: list[str] | None = None) -> None:
                         "(one document per .txt file; replaces earlier text_* shards in --out)")
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.text is not None:
+        out = args.out or cache_root() / "text"
+        workers = ["--workers", str(args.workers)] if args.workers else []
+        tokenize_main([*args.text, "--out", str(out), "--prefix", "text", "--shard-tokens", str(SHARD_TOKENS),
+                       "--val-fraction", str(args.val_fraction), "--overwrite", *workers])
+        return
     try:
-        if args.text is None:
-            train_glob, val_glob = prepare_embedded_corpus(args.out, args.max_bytes, args.val_fraction,
-                                                          workers=args.workers, progress=True)
-        else:
-            out = args.out or cache_root() / "text"
-            stats = CorpusStats()
-            sources = resolve_sources(args.text)
-            documents_to_shards(
-                iter_documents(sources, stats), out, "text", shard_tokens=SHARD_TOKENS, val_fraction=args.val_fraction,
-                workers=args.workers, overwrite=True, progress=True,
-                metadata=lambda: {"sources": [str(p) for p in sources], "counts": dataclasses.asdict(stats)},
-            )
-            print(f"read: {stats.summary()}")
-            train_glob, val_glob = shard_globs(out, "text")
+        train_glob, val_glob = prepare_embedded_corpus(args.out, args.max_bytes, args.val_fraction,
+                                                      workers=args.workers, progress=True)
     except TokenizeError as e:
         sys.exit(f"error: {e}")
     print(f"train files: {train_glob}\nval files:   {val_glob}")

@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     parser.add_argument("--val-tokens", type=int, default=None,
                         help="tokens in the val shard (default: --shard-tokens)")
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="instead of --val-tokens: this fraction of all tokens (held in memory: small corpora)")
     parser.add_argument("--text-field", default="text", help="jsonl key / parquet column holding the text")
     parser.add_argument("--txt-split", choices=("file", "line"), default="file",
                         help="a .txt document is the whole file or each non-blank line")
@@ -455,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
                               txt_split=args.txt_split)
         manifest = documents_to_shards(
             docs, args.out, args.prefix, shard_tokens=args.shard_tokens, val_tokens=args.val_tokens,
+            val_fraction=args.val_fraction,
             workers=args.workers, overwrite=args.overwrite, progress=True,
             metadata=lambda: {"sources": sources, "counts": dataclasses.asdict(stats)},
         )

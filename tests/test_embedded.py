@@ -131,3 +131,14 @@ def test_real_python_sources_small_cap(tmp_path):
     assert len(text.replace("<|endoftext|>", "").encode()) <= 60_000
     manifest = json.loads((tmp_path / "embedded_manifest.json").read_text())
     assert manifest["roots"][0] == str(embedded.python_source_roots()[0]) and manifest["extraction"]["truncated"]
+
+
+def test_text_mode_makes_text_shards_with_the_val_fraction(tmp_path):
+    for i in range(4):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} says something about shards. " * 200)
+    out = tmp_path / "out"
+    embedded.main(["--text", str(tmp_path / "*.txt"), "--out", str(out), "--val-fraction", "0.1", "--workers", "1"])
+    manifest = json.loads((out / "text_manifest.json").read_text())
+    assert manifest["val_tokens"] == round(0.1 * manifest["tokens"])
+    assert manifest["counts"]["documents"] == 4
+    assert sorted(p.name for p in out.glob("text_*.bin")) == ["text_train_000001.bin", "text_val_000000.bin"]
