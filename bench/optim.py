@@ -52,7 +52,7 @@ def time_optimizer(name: str, model_cfg: train_gpt.GPTConfig, device: torch.devi
     for _ in range(args.warmup):
         step()
     times = [step() for _ in range(args.steps)]
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = model.get_num_params()
     return {"optimizer": name, "step_ms": 1e3 * statistics.median(times),
             "state_bytes_per_param": optimizer_state_bytes(optimizers) / num_params, "params": num_params}
 
