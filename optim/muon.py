@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from optim.distributed import ShardedOptimizer
-from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+from optim.registry import EMBEDDING_PREFIXES, OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -37,7 +37,7 @@ def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5) -> Tensor:
 
 def is_hidden_matrix(name: str, param: Tensor) -> bool:
     """Muon's share: weight matrices that are neither embeddings nor the head (per-head biases (H, d) are not)."""
-    embedding_or_head = name.startswith(("transformer.wte", "transformer.wpe", "lm_head"))
+    embedding_or_head = name.startswith((*EMBEDDING_PREFIXES, "lm_head"))
     return param.dim() >= 2 and name.endswith(".weight") and not embedding_or_head
 
 

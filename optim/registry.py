@@ -70,6 +70,9 @@ def resolve_config(cfg: OptimizerConfig, spec: OptimizerSpec) -> OptimizerConfig
     return dataclasses.replace(cfg, **filled)
 
 
+EMBEDDING_PREFIXES = ("transformer.wte", "transformer.wpe")  # token and position tables (nanoGPT names)
+
+
 def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     """Split trainable parameters into decayed and non-decayed groups.
 
@@ -81,7 +84,7 @@ def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        is_embedding = name.startswith(("transformer.wte", "transformer.wpe"))
+        is_embedding = name.startswith(EMBEDDING_PREFIXES)
         is_attention_bias = name.endswith((".attn.b_q", ".attn.b_v"))  # learned mode, (d,) or (H, d)
         is_matrix = param.dim() >= 2 and not is_embedding and not is_attention_bias
         if is_matrix or (is_embedding and cfg.decay_embeddings) or (not is_embedding and cfg.decay_norms_and_biases):
