@@ -106,6 +106,7 @@ class ECD(ShardedOptimizer):
         per_tensor = projection == "per_tensor"
         self.num_keys = len(self.params_in_order) if per_tensor else len(self.param_groups)
         self.key_of = list(range(len(self.params_in_order))) if per_tensor else self.group_of
+        self.group_of_key = self.group_of if per_tensor else list(range(len(self.param_groups)))
         self.ranges = [self._ranges(region) for region in self.regions]
         self.range_keys = torch.tensor([k for rs in self.ranges for k, _, _ in rs], dtype=torch.long, device=device)
         self.pending = torch.zeros((), dtype=torch.bool, device=device)  # logical Π = σ·Π/‖Π‖ (True) or Π
@@ -129,10 +130,7 @@ class ECD(ShardedOptimizer):
         """Weight decay λ per key as a float64 device vector (rebuilt only when a group's value changes)."""
         per_group = tuple(float(g["weight_decay"]) for g in self.param_groups)
         if self._lam_cache is None or self._lam_cache[0] != per_group:
-            if self.projection == "per_tensor":
-                values = [per_group[g] for g in self.group_of]
-            else:
-                values = list(per_group)
+            values = [per_group[g] for g in self.group_of_key]
             self._lam_cache = (per_group, torch.tensor(values, dtype=torch.float64, device=device))
         return self._lam_cache[1]
 
@@ -223,8 +221,7 @@ class ECD(ShardedOptimizer):
         return loss
 
     def _lam_host(self, key: int) -> float:
-        group = self.group_of[key] if self.projection == "per_tensor" else key
-        return float(self.param_groups[group]["weight_decay"])
+        return float(self.param_groups[self.group_of_key[key]]["weight_decay"])
 
     def _coefficients(self, vec: Tensor, h: float, kappa: float) -> dict[str, Tensor]:
         """SPEC §3 scalars from the all-reduced sums, all on device in float64 (no host sync)."""
