@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict:
     if distributed and not spec.reduces_gradients:
         ddp_model = nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if use_cuda else None)
         train_model = ddp_model
-    flops_per_step = model.estimate_flops_per_token(hp.seq_len) * hp.batch_tokens
+    flops_per_token = model.estimate_flops_per_token(hp.seq_len)
     peak = peak_flops(device)
 
     def checkpoint(step: int, metrics: dict) -> None:
@@ -761,9 +761,8 @@ def main(argv: list[str] | None = None) -> dict:
                 raise SystemExit(2)
             interval = max(train_time - last_log_time, 1e-9)
             tok_per_s = (tokens_seen - last_log_tokens) / interval
-            mfu = flops_per_step * (tokens_seen - last_log_tokens) / hp.batch_tokens / interval / peak / world \
-                if peak else None
-            eta = (hp.steps - done) * interval / max(1, (tokens_seen - last_log_tokens) / hp.batch_tokens)
+            mfu = flops_per_token * tok_per_s / (peak * world) if peak else None
+            eta = (hp.steps - done) * hp.batch_tokens / tok_per_s
             record = metrics(done, train_loss=loss_value, lr=optimizers[0].param_groups[0]["lr"],
                              tokens_per_s=tok_per_s, mfu=mfu, elapsed_s=train_time)
             if hp.dynamics_every and done % hp.dynamics_every == 0:
