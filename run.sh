@@ -59,10 +59,9 @@ if have_cuda; then
         echo "[data] FineWeb-Edu shards missing: downloading val + ${FINEWEB_CHUNKS:-6} x 100M train tokens"
         python -m data.fineweb_edu --chunks "${FINEWEB_CHUNKS:-6}" || echo "[data] download failed: training on the embedded corpus instead"
     fi
-    # The paper's batch is 8 sequences of 512 tokens: split it over the GPUs when it divides, else grow it.
-    if [ $((8 % gpus)) -eq 0 ]; then
-        batch=(--micro-batch $((8 / gpus)))
-    else
+    # The trainer splits the paper's batch of 8 sequences over the GPUs; when 8 does not divide, use 8 per GPU.
+    batch=()
+    if [ $((8 % gpus)) -ne 0 ]; then
         batch=(--batch-tokens $((gpus * 4096)))
         echo "[train] 8 sequences do not split over $gpus GPUs: using 8 per GPU (--batch-tokens $((gpus * 4096)))"
     fi

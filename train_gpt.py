@@ -1,27 +1,29 @@
 """Train GPT-2 with symmetry-breaking attention biases (SPEC §1–2), on 1..N GPUs under torchrun or on a CPU.
 
     python train_gpt.py --preset smoke                                  # CPU, a few minutes, embedded corpus
-    torchrun --standalone --nproc_per_node=8 train_gpt.py --preset gpt2-124m --optimizer adamw
+    torchrun --standalone --nproc_per_node=8 train_gpt.py               # the paper's run on 8 GPUs
 
 Reads top to bottom: configuration (dataclasses, presets, CLI) → model (GPT-2 with per-batch sampled b_Q, b_V)
-→ bias sampler → checkpoints and run directory → training loop. Importing this module has no side effects.
-References: nanoGPT (model layout and names), modded-nanogpt (trainer shape), seed 000 (the symmetry-breaking
-protocol), SPEC.md (every formula and default used here).
+→ bias sampler → checkpoints and run directories → training (setup, build, restore, loop, finish). Importing this
+module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer shape), seed 000
+(the symmetry-breaking protocol), SPEC.md (every formula and default used here).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import json
 import math
 import os
-import re
 import shutil
+import signal
 import sys
+import threading
 import time
+import traceback
 from dataclasses import asdict, dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -30,38 +32,43 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cli import add_flags, flag, option
 from data.loader import DistributedTokenLoader, validation_batches
+from data.shards import atomic_writer
 from kernels.attention import attention
-from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config
-from optim.distributed import all_reduce_sum, init_process_group, rank_and_world_size
+from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_state_tensors
+from optim.distributed import all_reduce_sum, init_process_group
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
 
 # -----------------------------------------------------------------------------------------------------------------
-# Configuration. Every field of the three dataclasses is a CLI flag `--field-name`; the trailing comment is its help.
+# Configuration. Every field of GPTConfig, Hyperparameters and the chosen optimizer's config is a flag
+# `--field-name` (see cli.flag); its default is written once, in the field.
 
 
 @dataclass
 class GPTConfig:
     """GPT-2 architecture and symmetry-breaking biases; defaults are the paper's 124M model (SPEC §2)."""
 
-    vocab_size: int = 50304  # vocabulary (50257 GPT-2 tokens padded to a multiple of 64)
-    block_size: int = 512  # context length (positional embeddings); the paper uses 512, GPT-2 1024
-    n_layer: int = 12  # transformer blocks
-    n_head: int = 12  # attention heads per block
-    n_embd: int = 768  # model width C; head dim d = C / n_head
-    activation: str = "prelu"  # MLP activation: prelu (per-feature slope, init N(0.2, 1)) or gelu
-    bias_mode: str = "bqbv"  # symmetry breaking: none, bq, bv, bqbv (sampled per batch) or learned (SPEC §1)
-    mean_q: float = 0.5  # E[b_Q], every component
-    std_q_min: float = 0.05  # per-dimension std of b_Q = linspace(std_q_min, std_q_max, d)
-    std_q_max: float = 0.15  # see std_q_min
-    mean_v: float = 0.0  # E[b_V], every component (the paper tries 0 and 0.5)
-    std_v_min: float = 0.02  # per-dimension std of b_V = linspace(std_v_min, std_v_max, d)
-    std_v_max: float = 0.02  # see std_v_min
-    bias_per_head: bool = False  # sample one vector per head instead of one per layer shared by all heads
-    key_bias: bool = False  # also sample b_K ~ N(mean_q, std_q) on keys: an exact no-op, for parity checks only
+    vocab_size: int = flag(50304, "vocabulary (50257 GPT-2 tokens padded to a multiple of 64)")
+    block_size: int = flag(512, "context length (positional embeddings); the paper uses 512, GPT-2 1024")
+    n_layer: int = flag(12, "transformer blocks")
+    n_head: int = flag(12, "attention heads per block")
+    n_embd: int = flag(768, "model width C; head dim d = C / n_head")
+    activation: str = flag("prelu", "MLP activation: prelu (per-feature slope, init N(0.2, 1)) or gelu",
+                           choices=("prelu", "gelu"))
+    bias_mode: str = flag("bqbv", "symmetry breaking: none, bq, bv, bqbv (sampled per batch) or learned (SPEC §1)",
+                          choices=("none", "bq", "bv", "bqbv", "learned"))
+    mean_q: float = flag(0.5, "E[b_Q], every component")
+    std_q_min: float = flag(0.05, "per-dimension std of b_Q = linspace(std_q_min, std_q_max, d)")
+    std_q_max: float = flag(0.15, "see --std-q-min")
+    mean_v: float = flag(0.0, "E[b_V], every component (the paper tries 0 and 0.5)")
+    std_v_min: float = flag(0.02, "per-dimension std of b_V = linspace(std_v_min, std_v_max, d)")
+    std_v_max: float = flag(0.02, "see --std-v-min")
+    bias_per_head: bool = flag(False, "sample one vector per head instead of one per layer shared by all heads")
+    key_bias: bool = flag(False, "also sample b_K ~ N(mean_q, std_q) on keys: an exact no-op, for parity checks")
 
     @property
     def head_dim(self) -> int:
@@ -77,38 +84,52 @@ class GPTConfig:
 
 @dataclass
 class Hyperparameters:
-    """Data, schedule, evaluation, logging and system settings of a run."""
+    """Optimizer choice, data, schedule, evaluation, checkpoints, logging and system settings of a run."""
 
-    train_files: str = ""  # glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded corpus
-    val_files: str = ""  # glob of validation shards; empty: --train-files, else the default data's validation shards
-    seq_len: int = 512  # tokens per training sequence (<= block_size)
-    micro_batch: int = 8  # sequences per rank per forward/backward pass
-    batch_tokens: int = 4096  # global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)
-    align_to_eot: bool = False  # start every training sequence at an <|endoftext|> token
-    steps: int = 122070  # optimizer steps (paper: 500M tokens / 4096 tokens per step)
-    lr_schedule: str = "constant"  # constant, cosine (after warmup) or linear (constant, then linear cooldown)
-    warmup_steps: int = 0  # linear warmup steps
-    cooldown_frac: float = 0.2  # linear schedule: fraction of steps spent decaying to min_lr_frac
-    min_lr_frac: float = 0.0  # final learning rate as a fraction of the peak (cosine, linear)
-    val_every: int = 1000  # validate every N steps (and at the start and end); 0: only at the end
-    val_tokens: int = 1048576  # fixed validation token budget (the same tokens every time)
-    log_every: int = 10  # print and log a line every N steps
-    checkpoint_every: int = 0  # write checkpoints/latest.pt every N steps (0: only at the end)
-    keep_checkpoints: bool = False  # also keep checkpoints/step_XXXXXX.pt at every checkpoint
-    target_val_loss: float = 0.0  # report the first step and training time reaching this validation loss (0: off)
-    stop_at_target: bool = False  # stop the run once target_val_loss is reached
-    dynamics_every: int = 0  # log angular momentum / rotational fraction every N steps (0: off; SPEC §6)
-    run_dir: str = "runs"  # parent directory of run directories
-    run_name: str = ""  # run directory name (default: timestamp-preset-optimizer)
-    resume: str = ""  # checkpoint file or run directory to resume from (its config is the base; flags override)
-    seed: int = 1337  # seed for initialisation and the bias sampler
-    device: str = "auto"  # auto, cpu or cuda
-    dtype: str = "bf16"  # autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32)
-    compile: bool = True  # torch.compile the model on CUDA
+    optimizer: str = flag("adamw", "optimizer (listed below); its hyperparameters are the optimizer flags",
+                          choices=tuple(sorted(OPTIMIZERS)))
+    train_files: str = flag("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded corpus")
+    val_files: str = flag("", "glob of validation shards; empty: --train-files, else the default data's validation")
+    seq_len: int = flag(512, "tokens per training sequence (<= block_size)")
+    batch_tokens: int = flag(4096, "global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)")
+    micro_batch: int = flag(8, "most sequences per forward/backward pass on one rank (a memory bound): each rank "
+                               "runs the largest micro-batch up to this that splits its share of the batch, and "
+                               "accumulates gradients over the rest")
+    align_to_eot: bool = flag(False, "start every training sequence at an <|endoftext|> token")
+    steps: int = flag(122070, "optimizer steps (paper: 500M tokens / 4096 tokens per step)")
+    lr_schedule: str = flag("constant", "constant, cosine (after warmup) or linear (constant, then linear cooldown)",
+                            choices=("constant", "cosine", "linear"))
+    warmup_steps: int = flag(0, "linear warmup steps")
+    cooldown_frac: float = flag(0.2, "linear schedule: fraction of steps spent decaying to min_lr_frac")
+    min_lr_frac: float = flag(0.0, "final learning rate as a fraction of the peak (cosine, linear)")
+    grad_clip: float = flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm")
+    val_every: int = flag(1000, "validate every N steps (and at the start and end); 0: only at the end")
+    val_tokens: int = flag(1048576, "fixed validation token budget (the same tokens every time)")
+    log_every: int = flag(10, "print and log a line every N steps")
+    checkpoint_every: int = flag(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
+                                       "SIGINT/SIGTERM and at a target stop)")
+    keep_checkpoints: bool = flag(False, "also keep checkpoints/step_XXXXXX.pt at every checkpoint")
+    target_val_loss: float = flag(0.0, "report the first step and training time reaching this validation loss "
+                                       "(0: off)")
+    stop_at_target: bool = flag(False, "stop the run once target_val_loss is reached")
+    dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; SPEC §6)")
+    run_dir: str = flag("runs", "parent directory of run directories")
+    run_name: str = flag("", "run directory name (default: timestamp-preset-optimizer); an existing run is "
+                             "never overwritten")
+    resume: str = flag("", "checkpoint file or run directory to resume from: its config is the base and flags "
+                           "override it; the run continues in the checkpoint's run directory unless --run-name or "
+                           "--run-dir name a new one")
+    seed: int = flag(1337, "seed for initialisation and the bias sampler")
+    device: str = flag("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+    dtype: str = flag("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32)",
+                      choices=("bf16", "fp32"))
+    compile: bool = flag(True, "torch.compile the model on CUDA")
+    overlap_reduce: bool = flag(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
+                                      "backward pass computes the others (as DDP does)")
 
 
 PRESETS: dict[str, dict[str, object]] = {
-    # SPEC §2 exactly: PReLU, context 512, 124,119,552 parameters, batch 8 x 512, 500M tokens, constant LR.
+    # SPEC §2: PReLU, context 512, 124,119,552 parameters, batch 8 x 512, 500M tokens, constant LR (the defaults).
     "gpt2-124m": {},
     "gpt2-124m-gelu": {"activation": "gelu"},
     # A few minutes on a 2-core CPU: a narrow model on the embedded corpus, AdamW with warmup and cosine decay.
@@ -116,131 +137,210 @@ PRESETS: dict[str, dict[str, object]] = {
         "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128,
         "seq_len": 128, "micro_batch": 16, "batch_tokens": 2048, "steps": 100,
         "lr_schedule": "cosine", "warmup_steps": 10, "min_lr_frac": 0.1,
-        "val_every": 50, "val_tokens": 16384, "log_every": 10,
-        "lr": 2e-3, "device": "cpu", "compile": False,
+        "val_every": 50, "val_tokens": 16384, "log_every": 10, "device": "cpu", "compile": False,
+        "optimizer": "adamw", "lr": 2e-3,  # a preset's optimizer settings apply to its own optimizer only
     },
 }
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "activation": ("prelu", "gelu"),
-    "bias_mode": ("none", "bq", "bv", "bqbv", "learned"),
-    "lr_schedule": ("constant", "cosine", "linear"),
-    "device": ("auto", "cpu", "cuda"),
-    "dtype": ("bf16", "fp32"),
-    "ecd_projection": ("global", "per_tensor"),
-    "optim_state_dtype": ("fp32", "bf16"),
-}
-CONFIG_CLASSES = {"model": GPTConfig, "train": Hyperparameters, "optim": OptimizerConfig}
+# What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state.
+FIXED_ON_RESUME = ("optimizer", "train_files", "seq_len", "batch_tokens", "align_to_eot", "seed")
 
 
-def _field_help(cls: type) -> dict[str, str]:
-    """Map each dataclass field to its trailing `# comment` in the class source (the CLI help text)."""
-    pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
-    return {m.group(1): m.group(2) for m in map(pattern.match, inspect.getsource(cls).splitlines()) if m}
+@dataclass
+class RunConfig:
+    """A run's whole configuration: model, training and the chosen optimizer's hyperparameters."""
+
+    model: GPTConfig
+    train: Hyperparameters
+    optim: OptimizerConfig
+    preset: str | None = None
+    continue_in: Path | None = None  # a resumed run's own directory, when the run goes on there (see resume_home)
+
+    def to_dict(self) -> dict:
+        return {"model": asdict(self.model), "train": asdict(self.train), "optim": asdict(self.optim)}
 
 
-def _parse_value(kind: str, text: str) -> object:
-    if kind.startswith("float"):
-        return float(text)
-    if kind.startswith("int"):
-        return int(text)
-    return text
+def config_from_dict(d: dict, cls: type = GPTConfig):
+    """A config dataclass (GPTConfig, Hyperparameters, ...) from a saved section: missing keys take the defaults,
+    unknown keys are ignored (checkpoints of older or newer code)."""
+    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
-def build_arg_parser(base: dict[str, object]) -> argparse.ArgumentParser:
-    """A parser with one `--field-name` flag per config field, defaulting to `base` (preset/checkpoint applied)."""
+def config_classes(optimizer: str) -> dict[str, type]:
+    return {"model": GPTConfig, "train": Hyperparameters, "optim": OPTIMIZERS[optimizer].config}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_arg_parser(optimizer: str, base: dict[str, dict]) -> argparse.ArgumentParser:
+    """A parser with one flag per field of the model, training and `optimizer` configs, defaulting to `base`
+    (defaults ← preset ← resumed config); the epilog lists every optimizer and the others' flags."""
+    lines = ["optimizers (--optimizer NAME; its flags replace the optimizer group above):"]
+    shared = {f.name for f in dataclasses.fields(OptimizerConfig)} - {"lr", "weight_decay"}
+    for name, spec in sorted(OPTIMIZERS.items()):
+        lines.append(f"  {name:6} {spec.description}")
+        if name != optimizer:
+            own = [f for f in dataclasses.fields(spec.config) if f.name not in shared]
+            lines.append("         " + ", ".join(f"{option(f.name)} {f.default}" for f in own))
     parser = argparse.ArgumentParser(
-        description="Train GPT-2 with symmetry-breaking attention biases (see README.md and SPEC.md).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="named configuration; flags override it")
-    for section, cls in CONFIG_CLASSES.items():
-        group = parser.add_argument_group(f"{section} ({cls.__name__})")
-        helps = _field_help(cls)
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kind = str(f.type)
-            kwargs: dict = {"default": base[f.name], "dest": f.name, "help": helps.get(f.name, " ")}
-            if kind == "bool":
-                kwargs["action"] = argparse.BooleanOptionalAction
-            else:
-                kwargs["type"] = lambda text, kind=kind, flag=flag: _checked(kind, text, flag)
-                kwargs["metavar"] = kind.split(" ")[0].upper()
-                if f.name in CHOICES:
-                    kwargs["choices"] = CHOICES[f.name]
-                    kwargs.pop("metavar")
-                elif f.name == "optimizer":
-                    kwargs["choices"] = sorted(OPTIMIZERS)
-                    kwargs["help"] += "." + "".join(f" [{name}] {spec.description}." for name, spec in
-                                                    sorted(OPTIMIZERS.items()))
-                    kwargs.pop("metavar")
-            group.add_argument(flag, **kwargs)
+        description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
+        formatter_class=_HelpFormatter, epilog="\n".join(lines))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
+                        help="named configuration (none: the paper's run, gpt2-124m); flags override it")
+    titles = {"model": "model (GPTConfig)", "train": "training (Hyperparameters)",
+              "optim": f"optimizer {optimizer} ({OPTIMIZERS[optimizer].config.__name__})"}
+    for section, cls in config_classes(optimizer).items():
+        add_flags(parser.add_argument_group(titles[section]), cls, base[section])
     return parser
 
 
-def _checked(kind: str, text: str, flag: str) -> object:
-    if "None" in kind and text.lower() == "none":
-        return None
-    try:
-        return _parse_value(kind, text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{flag} expects {kind.split(' ')[0]}, got {text!r}") from None
-
-
-def parse_config(argv: list[str] | None = None) -> tuple[GPTConfig, Hyperparameters, OptimizerConfig, str | None]:
-    """Defaults ← preset ← resumed checkpoint's config ← command-line flags, then validated; also the preset."""
+def parse_config(argv: list[str] | None = None) -> RunConfig:
+    """Defaults ← preset ← resumed checkpoint's config ← command-line flags, then validated."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
     pre.add_argument("--resume", default="")
+    pre.add_argument("--optimizer", choices=sorted(OPTIMIZERS))
     known, _ = pre.parse_known_args(argv)
-    base: dict[str, object] = {}
-    for cls in CONFIG_CLASSES.values():
-        base.update(asdict(cls()))
-    if known.preset:
-        base.update(PRESETS[known.preset])
+    preset = PRESETS[known.preset] if known.preset else {}
+    saved = None
     if known.resume:
-        saved = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)["config"]  # no tensor is read
-        for section in CONFIG_CLASSES:
-            base.update(saved[section])
-    parser = build_arg_parser(base)
+        try:
+            saved = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)["config"]  # reads no tensor
+        except CheckpointError as exc:
+            pre.error(str(exc))
+    optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
+                 or preset.get("optimizer") or Hyperparameters.optimizer)
+    base = {section: asdict(cls()) for section, cls in config_classes(optimizer).items()}
+    for section, values in base.items():
+        if section != "optim" or preset.get("optimizer", optimizer) == optimizer:
+            values.update({k: v for k, v in preset.items() if k in values})
+        if saved and (section != "optim" or saved["train"].get("optimizer") == optimizer):
+            values.update({k: v for k, v in saved.get(section, {}).items() if k in values})
+    base["train"]["optimizer"] = optimizer
+    parser = build_arg_parser(optimizer, base)
+    foreign = _foreign_optimizer_flag(argv, optimizer)
+    if foreign:
+        parser.error(foreign)
     args = vars(parser.parse_args(argv))
-    model, hp, opt = (cls(**{f.name: args[f.name] for f in dataclasses.fields(cls)}) for cls in CONFIG_CLASSES.values())
-    problem = config_problem(model, hp, opt)
+    cfg = RunConfig(*(config_from_dict(args, cls) for cls in config_classes(optimizer).values()), known.preset)
+    if saved:
+        given = {arg.split("=")[0].removeprefix("--").replace("-", "_") for arg in argv if arg.startswith("--")}
+        cfg.continue_in = resume_home(cfg.train, given)
+        if cfg.continue_in is None and "run_name" not in given:
+            cfg.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
+    problem = config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None)
     if problem:
         parser.error(problem)
-    return model, hp, opt, args["preset"]
+    return cfg
 
 
-def config_problem(model: GPTConfig, hp: Hyperparameters, opt: OptimizerConfig) -> str | None:
+def _foreign_optimizer_flag(argv: list[str], optimizer: str) -> str | None:
+    """An error for a flag that belongs to another optimizer's config than the chosen one, or None."""
+    own = {f.name for cls in config_classes(optimizer).values() for f in dataclasses.fields(cls)}
+    for arg in argv:
+        name = arg.split("=")[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
+        if not arg.startswith("--") or name in own:
+            continue
+        owners = [n for n, spec in sorted(OPTIMIZERS.items())
+                  if name in {f.name for f in dataclasses.fields(spec.config)}]
+        if owners:
+            return f"{arg.split('=')[0]} is a flag of --optimizer {' / '.join(owners)}; this run uses {optimizer}"
+    return None
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def batch_layout(hp: Hyperparameters, world: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) of each rank: the largest micro-batch <= --micro-batch that splits the rank's
+    share of the global batch evenly, and the number of micro-steps it takes. Raises ValueError (naming the flags
+    and a fix) when the batch does not split over the ranks."""
+    if hp.batch_tokens % hp.seq_len:
+        raise ValueError(f"--batch-tokens {hp.batch_tokens} must be a multiple of --seq-len {hp.seq_len}")
+    sequences = hp.batch_tokens // hp.seq_len
+    if sequences % world:
+        raise ValueError(
+            f"--batch-tokens {hp.batch_tokens} is {sequences} sequences of --seq-len {hp.seq_len}, which do not split "
+            f"over {world} processes: set --batch-tokens to a multiple of {hp.seq_len} x {world} = "
+            f"{hp.seq_len * world}, e.g. {hp.seq_len * world * max(1, round(sequences / world))}")
+    per_rank = sequences // world
+    micro = max(m for m in range(1, min(hp.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     """The first inconsistency between flags, phrased as what to change; None when the config is valid."""
+    model, hp, opt = cfg.model, cfg.train, cfg.optim
     positive = {"vocab_size": model.vocab_size, "block_size": model.block_size, "n_layer": model.n_layer,
                 "n_head": model.n_head, "n_embd": model.n_embd, "seq_len": hp.seq_len,
                 "micro_batch": hp.micro_batch, "batch_tokens": hp.batch_tokens, "steps": hp.steps,
-                "val_tokens": hp.val_tokens, "log_every": hp.log_every}
+                "val_tokens": hp.val_tokens, "log_every": hp.log_every, "lr": opt.lr}
     for name, value in positive.items():
         if value <= 0:
-            return f"--{name.replace('_', '-')} must be positive, got {value}"
+            return f"{option(name)} must be positive, got {value}"
+    for name in ("warmup_steps", "val_every", "checkpoint_every", "dynamics_every", "seed", "grad_clip"):
+        if getattr(hp, name) < 0:
+            return f"{option(name)} must be >= 0, got {getattr(hp, name)}"
+    for name in ("std_q_min", "std_q_max", "std_v_min", "std_v_max"):
+        if getattr(model, name) < 0:
+            return f"{option(name)} must be >= 0, got {getattr(model, name)}"
+    if opt.weight_decay < 0:
+        return f"--weight-decay must be >= 0, got {opt.weight_decay}"
     if model.n_embd % model.n_head:
         return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
     if hp.seq_len > model.block_size:
         return f"--seq-len {hp.seq_len} exceeds --block-size {model.block_size}"
-    per_micro = hp.micro_batch * hp.seq_len
-    if hp.batch_tokens % per_micro:
-        return (f"--batch-tokens {hp.batch_tokens} must be a multiple of --micro-batch x --seq-len = {per_micro} "
-                "(times the number of processes under torchrun)")
-    for name in ("warmup_steps", "val_every", "checkpoint_every", "dynamics_every"):
-        if getattr(hp, name) < 0:
-            return f"--{name.replace('_', '-')} must be >= 0, got {getattr(hp, name)}"
     if not 0.0 <= hp.cooldown_frac <= 1.0 or not 0.0 <= hp.min_lr_frac <= 1.0:
         return "--cooldown-frac and --min-lr-frac must lie in [0, 1]"
-    for name in ("std_q_min", "std_q_max", "std_v_min", "std_v_max"):
-        if getattr(model, name) < 0:
-            return f"--{name.replace('_', '-')} must be >= 0"
-    if opt.lr is not None and opt.lr <= 0:
-        return f"--lr must be positive, got {opt.lr}"
-    if hp.dynamics_every and opt.optimizer not in VELOCITY_OPTIMIZERS:
+    if hp.dynamics_every and hp.optimizer not in VELOCITY_OPTIMIZERS:
         return (f"--dynamics-every needs a velocity, which SPEC §6 defines for --optimizer "
-                f"{', '.join(VELOCITY_OPTIMIZERS)}; {opt.optimizer} has none (set --dynamics-every 0)")
+                f"{', '.join(VELOCITY_OPTIMIZERS)}; {hp.optimizer} has none (set --dynamics-every 0)")
+    if hp.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is available (use --device cpu)"
+    try:
+        batch_layout(hp, world)
+    except ValueError as exc:
+        return str(exc)
+    return existing_run_problem(hp, cfg.continue_in)
+
+
+def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
+    """A flag given on --resume that cannot take effect (the model, the data order, the biases, the optimizer),
+    phrased as what to do; None when every flag can."""
+    model = asdict(cfg.model)
+    for name, value in saved["model"].items():
+        if name in model and model[name] != value:
+            return (f"{option(name)} cannot change when resuming (the checkpoint's model has {value}, the flags "
+                    f"give {model[name]}); start a new run instead")
+    for name in FIXED_ON_RESUME:
+        old, new = saved["train"].get(name), getattr(cfg.train, name)
+        if old is not None and old != new:
+            return (f"{option(name)} cannot change when resuming (the checkpoint has {old!r}, the flags give "
+                    f"{new!r}): it fixes the data order, the biases or the optimizer state; start a new run instead")
+    return None
+
+
+def resume_home(hp: Hyperparameters, given: set[str]) -> Path | None:
+    """The directory a resumed run goes on in: the checkpoint's run directory (run_dir_of), unless the flags given
+    (`given`) name another with --run-name/--run-dir; None means a new run directory."""
+    home = run_dir_of(resolve_checkpoint_path(hp.resume))
+    if home is None or not given & {"run_name", "run_dir"}:
+        return home
+    return home if hp.run_name and (Path(hp.run_dir) / hp.run_name).absolute() == home else None
+
+
+def existing_run_problem(hp: Hyperparameters, continue_in: Path | None) -> str | None:
+    """An error when a new run would write into an earlier run's directory (named by --run-name)."""
+    if not hp.run_name or continue_in is not None:
+        return None
+    path = Path(hp.run_dir) / hp.run_name
+    if path.is_dir() and any(path.iterdir()):
+        return (f"--run-name {hp.run_name}: {path} already holds a run; continue it with --resume {path}, or choose "
+                "another --run-name")
     return None
 
 
@@ -378,7 +478,7 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Symmetry-breaking bias sampler (SPEC §1): stateless, each draw a function of (seed, step, chunk, layer).
+# Symmetry-breaking bias sampler (SPEC §1): stateless, each draw a function of (seed, step, layer).
 
 
 def bias_distribution(config: GPTConfig) -> tuple[float, torch.Tensor, float, torch.Tensor]:
@@ -404,28 +504,28 @@ def mean_biases(config: GPTConfig) -> torch.Tensor:
 
 
 class BiasSampler:
-    """Draws b_Q, b_K, b_V for one forward pass.
+    """Draws b_Q, b_K, b_V for one optimizer step: one draw per layer per training batch (SPEC §1), shared by every
+    micro-batch and every rank of the step.
 
-    Layer i's draw at (step, chunk) comes from numpy's SeedSequence([seed, step, chunk, i]), where chunk is the
-    global index of the micro-batch within the step's batch (see data.loader). It holds no state, so a resumed run
-    and a run on any number of GPUs see the same biases for the same data.
+    Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]). It holds no state, so a resumed run
+    and a run on any number of GPUs, with any micro-batch split, see the same biases for the same data.
     """
 
     def __init__(self, config: GPTConfig, seed: int):
         self.config, self.seed = config, seed
-        mean_q, std_q, mean_v, std_v = bias_distribution(config)
+        _, std_q, _, std_v = bias_distribution(config)
         self.mean = mean_biases(config)[0].numpy()
         std = np.stack([std_q.numpy(), std_q.numpy(), std_v.numpy()])  # (3, d)
         self.std = std[:, None, :] if config.bias_per_head else std
 
-    def sample(self, step: int, chunk: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    def sample(self, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The (n_layer, 3, [n_head,] d) draws; None when the mode samples no bias (the forward pass reads none)."""
         if not any(self.config.sampled_biases):
             return None
         shape = _bias_shape(self.config)
         draws = np.empty(shape, dtype=np.float32)
         for layer in range(self.config.n_layer):
-            rng = np.random.default_rng([self.seed, step, chunk, layer])
+            rng = np.random.default_rng([self.seed, step, layer])
             draws[layer] = self.mean + self.std * rng.standard_normal(shape[1:])
         tensor = torch.from_numpy(draws)
         device = torch.device(device)
@@ -434,11 +534,22 @@ class BiasSampler:
         return tensor.to(device, non_blocking=True)
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "rule": "SeedSequence([seed, step, chunk, layer])"}
+        return {"seed": self.seed, "rule": "SeedSequence([seed, step, layer])"}
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Checkpoints and run directories.
+# Checkpoints and run directories: one API for the trainer, eval/ and bench/.
+#   <run>/config.json  log.txt (the code, then every printed line)  log.jsonl  code/  checkpoints/latest.pt
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that is missing or does not hold a checkpoint written by this trainer."""
+
+
+def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
+    """The run directory a checkpoint belongs to (<run>/checkpoints/FILE -> <run>); None for a file elsewhere."""
+    parent = Path(checkpoint).absolute().parent
+    return parent.parent if parent.name == "checkpoints" else None
 
 
 def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> Path:
@@ -447,32 +558,37 @@ def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> 
     if path.is_dir():
         path = path / "checkpoints" / "latest.pt"
     if not path.is_file():
-        raise FileNotFoundError(f"{flag}: no checkpoint at {path}; a run writes one at its end and every "
-                                "--checkpoint-every steps")
+        raise CheckpointError(f"{flag}: no checkpoint at {path}; a run writes one at its end, every "
+                              "--checkpoint-every steps and when it is interrupted (SIGINT/SIGTERM)")
     return path
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict:
     """Load and check a checkpoint written by `save_checkpoint` (mmap: tensors are read only when touched)."""
-    ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    except Exception as exc:  # torch reports a foreign file through several types, none naming the file
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); give a file written by train_gpt.py "
+                              "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory") from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint")
+        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint")
     return ckpt
 
 
 def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
-    """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
+    """Write atomically (data.shards.atomic_writer): a failure leaves the previous checkpoint intact and no
+    temporary file; the error names the file and the free space."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
-
-
-def config_from_dict(d: dict, cls: type = GPTConfig):
-    """A config dataclass (GPTConfig, Hyperparameters, ...) from a saved section: missing keys take the defaults,
-    unknown keys are ignored (checkpoints of older or newer code)."""
-    return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+    try:
+        with atomic_writer(path) as f:
+            torch.save(checkpoint, f)
+    except (OSError, RuntimeError) as exc:
+        free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+        os_error = exc if isinstance(exc, OSError) else exc.__context__  # torch wraps the file's own error
+        reason = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else str(exc).strip()
+        raise OSError(f"could not write checkpoint {path}: {reason} ({free / 2**20:,.0f} MiB free there); the "
+                      "previous checkpoint, if any, is intact") from exc
 
 
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
@@ -483,24 +599,96 @@ def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
     return model.eval()
 
 
-def prepare_run_dir(hp: Hyperparameters, opt: OptimizerConfig, preset: str | None) -> Path:
-    """Create the run directory (or reuse the resumed one) with a copy of the code, like speedrun records."""
-    if hp.resume:
-        run_dir = resolve_checkpoint_path(hp.resume).parent.parent
+def read_log(run_dir: str | os.PathLike) -> list[dict]:
+    """A run's log.jsonl records (empty if there is none)."""
+    path = Path(run_dir) / "log.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def create_run_dir(cfg: RunConfig) -> tuple[Path, str | None]:
+    """A new run directory, with a copy of the code like speedrun records, and a note when the default name was
+    taken. --run-name names it (an earlier run there was refused by config_problem); the default name
+    timestamp-preset-optimizer gets a suffix -2, -3, ... instead of reusing a directory."""
+    hp = cfg.train
+    note = None
+    if hp.run_name:
+        run_dir = Path(hp.run_dir) / hp.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
     else:
-        name = hp.run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{preset or 'custom'}-{opt.optimizer}"
-        run_dir = Path(hp.run_dir) / name
-    code_dir = run_dir / "code"
+        stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.preset or 'custom'}-{hp.optimizer}"
+        Path(hp.run_dir).mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            run_dir = Path(hp.run_dir) / (stem if n == 1 else f"{stem}-{n}")
+            try:
+                run_dir.mkdir()
+                break
+            except FileExistsError:
+                continue
+        if run_dir.name != stem:
+            note = f"run directory {Path(hp.run_dir) / stem} exists: using {run_dir.name} instead"
+    copy_code(run_dir)
+    return run_dir, note
+
+
+def copy_code(run_dir: Path) -> None:
+    """<run>/code: the trainer, kernels/, optim/ and data/ as they run (a resumed run refreshes it)."""
     for package in ("", "kernels", "optim", "data"):
         for source in sorted((REPO_ROOT / package).glob("*.py")):
-            target = code_dir / package / source.name
+            target = run_dir / "code" / package / source.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, target)
-    return run_dir
+
+
+class RunLog:
+    """What the master rank reports: stdout, and once the run directory exists, log.txt (which starts with the
+    code) and log.jsonl. Lines printed before the directory exists are written to log.txt when it does."""
+
+    def __init__(self, is_master: bool) -> None:
+        self.is_master = is_master
+        self.text = self.records = None
+        self.pending: list[str] = []
+
+    def attach(self, run_dir: Path) -> None:
+        if not self.is_master:
+            return
+        self.text = open(run_dir / "log.txt", "a")
+        self.records = open(run_dir / "log.jsonl", "a")
+        self.text.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
+        self.text.writelines(line + "\n" for line in self.pending)
+        self.text.flush()
+
+    def line(self, text: str) -> None:
+        if not self.is_master:
+            return
+        print(text, flush=True)
+        if self.text is None:
+            self.pending.append(text)
+        else:
+            self.text.write(text + "\n")
+            self.text.flush()
+
+    def record(self, record: dict) -> None:
+        if self.records is not None:
+            self.records.write(json.dumps(record) + "\n")
+            self.records.flush()
+
+    def error(self, exc: BaseException) -> None:
+        """Write an error that ends the run to log.txt (it is printed by Python as it propagates)."""
+        if self.text is not None:
+            self.text.write("".join(traceback.format_exception(exc)))
+            self.text.flush()
+
+    def close(self) -> None:
+        for handle in (self.text, self.records):
+            if handle is not None:
+                handle.close()
+        self.text = self.records = None
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Training.
+# Training: setup → build → restore → open the run → loop → finish, around one TrainState.
 
 
 def lr_factor(step: int, hp: Hyperparameters) -> float:
@@ -530,29 +718,29 @@ def peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def resolve_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str]:
-    """Training/validation shard globs: --val-files when given; the rest from --train-files, else downloaded
-    FineWeb-Edu, else the embedded corpus."""
-    train, val = default_data_files(hp, is_master)
-    return train, hp.val_files or val
+def resolve_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str, str | None]:
+    """Training and validation shard globs, and a note when the embedded corpus stands in: --val-files when given;
+    the rest from --train-files, else downloaded FineWeb-Edu, else the embedded corpus."""
+    train, val, note = default_data_files(hp, is_master)
+    return train, hp.val_files or val, note
 
 
-def default_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str]:
+def default_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str, str | None]:
     """Training/validation shard globs without --val-files (validation on the training shards with --train-files)."""
     if hp.train_files:
-        return hp.train_files, hp.train_files
+        return hp.train_files, hp.train_files, None
     from data import fineweb_edu
 
     if fineweb_edu.fineweb_shards_present():
-        return fineweb_edu.DEFAULT_TRAIN_PATTERN, fineweb_edu.DEFAULT_VAL_PATTERN
+        return fineweb_edu.DEFAULT_TRAIN_PATTERN, fineweb_edu.DEFAULT_VAL_PATTERN, None
     from data.embedded import prepare_embedded_corpus
 
     if is_master:
-        print0("no --train-files and no FineWeb-Edu shards: using the embedded corpus (Python docstrings)")
         files = prepare_embedded_corpus()
     if dist.is_initialized():
         dist.barrier()
-    return files if is_master else prepare_embedded_corpus()  # the other ranks find the master's cache
+    train, val = files if is_master else prepare_embedded_corpus()  # the other ranks find the master's cache
+    return train, val, "no --train-files and no FineWeb-Edu shards: using the embedded corpus (Python docstrings)"
 
 
 def format_duration(seconds: float) -> str:
@@ -561,22 +749,18 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def print0(*args, **kwargs) -> None:
-    if rank_and_world_size()[0] == 0:
-        print(*args, **kwargs, flush=True)
-
-
 @torch.no_grad()
-def evaluate(model: GPT, val_files: str, hp: Hyperparameters, rank: int, world: int, device: torch.device,
-             autocast: contextlib.AbstractContextManager) -> float:
-    """Mean loss over the fixed validation budget (hp.val_tokens in micro-batches of hp.micro_batch x hp.seq_len,
-    which weigh equally), with the mean biases (SPEC §1), averaged over ranks; the trainer and eval.val_loss."""
+def evaluate(model: GPT, val_files: str, val_tokens: int, seq_len: int, micro_batch: int, rank: int, world: int,
+             device: torch.device, autocast: contextlib.AbstractContextManager) -> float:
+    """Mean loss over the fixed validation budget (val_tokens in micro-batches of micro_batch x seq_len, which weigh
+    equally), with the mean biases (SPEC §1), averaged over ranks; the trainer (micro_batch = --micro-batch, the
+    memory bound) and eval.val_loss."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for x, y in validation_batches(val_files, hp.micro_batch, hp.seq_len, hp.val_tokens, rank=rank,
-                                   world_size=world, vocab_size=model.config.vocab_size, device=device):
+    for x, y in validation_batches(val_files, micro_batch, seq_len, val_tokens, rank=rank, world_size=world,
+                                   vocab_size=model.config.vocab_size, device=device):
         with autocast:
             total += model(x, y)[1].double()
         count += 1
@@ -585,213 +769,436 @@ def evaluate(model: GPT, val_files: str, hp: Hyperparameters, rank: int, world: 
     return (stats[0] / stats[1]).item()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl)."""
-    model_cfg, hp, opt_cfg, preset = parse_config(argv)
+@dataclass
+class Runtime:
+    """Where this process trains: its rank among `world`, its device and autocast dtype, and the per-rank batch
+    layout (micro_batch sequences per pass, grad_accum passes per step; see batch_layout)."""
 
-    # ---- distributed setup: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; the config is checked before a group exists
-    world = int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-    distributed = world > 1
+    rank: int
+    world: int
+    device: torch.device
+    micro_batch: int
+    grad_accum: int
+    autocast_dtype: torch.dtype | None
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else \
+            contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class TrainState:
+    """Everything the loop reads and changes. to_checkpoint() and restore() are inverses: model, optimizer states,
+    loader position, RNG, step and metrics."""
+
+    cfg: RunConfig
+    rt: Runtime
+    log: RunLog
+    model: GPT
+    optimizers: list[torch.optim.Optimizer]
+    loader: DistributedTokenLoader
+    sampler: BiasSampler
+    val_files: str
+    hyperparameters: list[list[dict]]  # each optimizer group's settings as the config built them (lr = the peak)
+    forward: nn.Module | None = None  # what the loop calls: the model, compiled on CUDA, in DDP where needed
+    run_dir: Path | None = None
+    step: int = 0
+    tokens: int = 0
+    train_time: float = 0.0
+    val_loss: float | None = None
+    val_step: int | None = None
+    first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
+    reached_target: dict | None = None
+    checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
+    last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's forward pass
+    grad_norm: torch.Tensor | None = None
+
+    @property
+    def spec(self):
+        return OPTIMIZERS[self.cfg.train.optimizer]
+
+    def metrics(self, **extra) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "train_time_s": self.train_time, "val_loss": self.val_loss,
+                "val_step": self.val_step, "reached_target": self.reached_target, **extra}
+
+    def to_checkpoint(self) -> dict | None:
+        """The checkpoint of this state on the master rank (None elsewhere); a collective for sharded optimizers."""
+        optimizer_states = [opt.state_dict() for opt in self.optimizers]
+        if not self.rt.is_master:
+            return None
+        # Copies: sharded optimizers make parameters views into padded flat buffers that torch.save would write whole.
+        model_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {"format": CHECKPOINT_FORMAT, "step": self.step, "config": self.cfg.to_dict(), "model": model_state,
+                "optimizers": optimizer_states, "loader": self.loader.state_dict(),
+                "sampler": self.sampler.state_dict(), "rng": {"torch": torch.get_rng_state()},
+                "metrics": self.metrics()}
+
+    def restore(self, ckpt: dict) -> None:
+        """Load a checkpoint; the optimizer settings of the current config (lr, weight decay, betas, ...) replace
+        the saved ones, so flags given on --resume take effect."""
+        self.model.load_state_dict(ckpt["model"])
+        for opt, saved, settings in zip(self.optimizers, ckpt["optimizers"], self.hyperparameters, strict=True):
+            opt.load_state_dict(saved)
+            for group, values in zip(opt.param_groups, settings, strict=True):
+                group.update(values)
+        self.loader.load_state_dict(ckpt["loader"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        metrics = ckpt["metrics"]
+        self.step = self.checkpoint_step = ckpt["step"]
+        self.tokens, self.train_time = metrics["tokens"], metrics["train_time_s"]
+        self.val_loss, self.val_step = metrics.get("val_loss"), metrics.get("val_step")
+        self.reached_target = metrics.get("reached_target")
+
+    def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
+        """No gradient averaging across ranks in this backward pass (DDP's no_sync) when `accumulate`."""
+        stack = contextlib.ExitStack()
+        if accumulate and isinstance(self.forward, nn.parallel.DistributedDataParallel):
+            stack.enter_context(self.forward.no_sync())
+        elif accumulate:
+            for opt in self.optimizers:
+                if hasattr(opt, "no_sync"):
+                    stack.enter_context(opt.no_sync())
+        return stack
+
+
+def setup(cfg: RunConfig) -> Runtime:
+    """Process group (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), device, autocast and the per-rank batch layout."""
+    hp = cfg.train
+    world = world_size_from_env()
     use_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
-    if hp.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available (use --device cpu)")
-    per_step_micro = hp.batch_tokens // (hp.micro_batch * hp.seq_len)
-    if per_step_micro % world:
-        sequences_per_rank, rest = divmod(hp.batch_tokens, hp.seq_len * world)
-        keep = f"--micro-batch {sequences_per_rank} keeps the global batch, or " if sequences_per_rank and not rest \
-            else ""
-        raise SystemExit(f"--batch-tokens {hp.batch_tokens} does not split into micro-batches of --micro-batch "
-                         f"{hp.micro_batch} x --seq-len {hp.seq_len} over {world} processes: {keep}set --batch-tokens "
-                         f"to a multiple of {hp.micro_batch * hp.seq_len * world}")
-    if distributed:
+    micro_batch, grad_accum = batch_layout(hp, world)
+    if world > 1:
         init_process_group(backend="nccl" if use_cuda else "gloo")
-    rank = dist.get_rank() if distributed else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-    is_master = rank == 0
-    grad_accum = per_step_micro // world
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if use_cuda and hp.dtype == "bf16"
-                else contextlib.nullcontext())
+    autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
+    return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
 
-    # ---- data, run directory, log
-    train_files, val_files = resolve_data_files(hp, is_master)
-    run_dir = prepare_run_dir(hp, opt_cfg, preset) if is_master else None
-    log_txt = open(run_dir / "log.txt", "a") if is_master else None
-    log_jsonl = open(run_dir / "log.jsonl", "a") if is_master else None
 
-    def log(line: str) -> None:
-        print0(line)
-        if log_txt:
-            log_txt.write(line + "\n")
-            log_txt.flush()
-
-    def log_record(record: dict) -> None:
-        if log_jsonl:
-            log_jsonl.write(json.dumps(record) + "\n")
-            log_jsonl.flush()
-
-    config_dict = {section: asdict(cfg) for section, cfg in zip(CONFIG_CLASSES, (model_cfg, hp, opt_cfg))}
-    if is_master:
-        (run_dir / "config.json").write_text(json.dumps(config_dict, indent=2))
-        log_txt.write(Path(__file__).read_text() + "\n" + "=" * 100 + "\n")
-        log(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {device}"
-            + (f" ({torch.cuda.get_device_name(device)})" if use_cuda else "") + f" | world {world}")
-        log(f"run directory {run_dir}")
-
-    # ---- model and optimizers
+def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
+    """Data (the validation data is checked here, before any step), model, optimizers, loader, bias sampler."""
+    hp = cfg.train
+    train_files, val_files, note = resolve_data_files(hp, rt.is_master)
+    if note:
+        log.line(note)
+    validation_batches(val_files, hp.micro_batch, hp.seq_len, hp.val_tokens, rank=rt.rank, world_size=rt.world,
+                       vocab_size=cfg.model.vocab_size)
     torch.manual_seed(hp.seed)
-    model = GPT(model_cfg).to(device)
-    spec = OPTIMIZERS[opt_cfg.optimizer]
-    opt_cfg = resolve_config(opt_cfg, spec)
-    optimizers = spec.build(model, opt_cfg)
+    model = GPT(cfg.model).to(rt.device)
+    optimizers = OPTIMIZERS[hp.optimizer].build(model, cfg.optim)
     for opt in optimizers:
-        for group in opt.param_groups:
-            group.setdefault("initial_lr", group["lr"])
-    loader_kwargs = dict(rank=rank, world_size=world, grad_accum_steps=grad_accum,
-                         vocab_size=model_cfg.vocab_size, align_to_eot=hp.align_to_eot, device=device)
-    loader = DistributedTokenLoader(train_files, hp.micro_batch, hp.seq_len, **loader_kwargs)
-    sampler = BiasSampler(model_cfg, hp.seed)
-    start_step, train_time, tokens_seen, reached_target = 0, 0.0, 0, None
-    if hp.resume:
-        ckpt = load_checkpoint(resolve_checkpoint_path(hp.resume), map_location=device)
-        model.load_state_dict(ckpt["model"])
-        for opt, state in zip(optimizers, ckpt["optimizers"], strict=True):
-            opt.load_state_dict(state)
-        loader.load_state_dict(ckpt["loader"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        start_step = ckpt["step"]
-        train_time, tokens_seen = ckpt["metrics"]["train_time_s"], ckpt["metrics"]["tokens"]
-        reached_target = ckpt["metrics"].get("reached_target")
-        log(f"resumed from step {start_step}")
-    num_params = model.get_num_params()
-    log(f"model: {num_params:,} parameters | optimizer {spec.name} | grad accumulation {grad_accum} | "
-        f"{hp.batch_tokens:,} tokens per step")
+        if hasattr(opt, "max_grad_norm"):  # sharded optimizers clip after averaging the gradients, inside step()
+            opt.max_grad_norm, opt.overlap = hp.grad_clip, hp.overlap_reduce
+    hyperparameters = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in optimizers]
+    loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank, world_size=rt.world,
+                                    grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
+                                    align_to_eot=hp.align_to_eot, device=rt.device)
+    return TrainState(cfg, rt, log, model, optimizers, loader, BiasSampler(cfg.model, hp.seed), val_files,
+                      hyperparameters)
 
-    # nanoGPT's order: compile first, then wrap in DDP (whose no_sync skips all-reduces during accumulation)
-    train_model: nn.Module = torch.compile(model) if use_cuda and hp.compile else model
-    ddp_model = None
-    if distributed and not spec.reduces_gradients:
-        ddp_model = nn.parallel.DistributedDataParallel(train_model, device_ids=[local_rank] if use_cuda else None)
-        train_model = ddp_model
-    flops_per_token = model.estimate_flops_per_token(hp.seq_len)
-    peak = peak_flops(device)
 
-    def checkpoint(step: int, metrics: dict) -> None:
-        optimizer_states = [opt.state_dict() for opt in optimizers]  # a collective for sharded optimizers
-        if is_master:
-            # Copies: sharded optimizers make parameters views into padded flat buffers, which torch.save would
-            # otherwise write whole.
-            model_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            state = {
-                "format": CHECKPOINT_FORMAT, "step": step, "config": config_dict, "model": model_state,
-                "optimizers": optimizer_states, "loader": loader.state_dict(), "sampler": sampler.state_dict(),
-                "rng": {"torch": torch.get_rng_state()}, "metrics": metrics,
-            }
-            save_checkpoint(run_dir / "checkpoints" / "latest.pt", state)
-            if hp.keep_checkpoints:
-                save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}.pt", state)
-        if distributed:
-            dist.barrier()
+def restore(state: TrainState) -> dict:
+    """Continue from --resume; returns the log record saying from where and which settings changed."""
+    path = resolve_checkpoint_path(state.cfg.train.resume)
+    ckpt = load_checkpoint(path, map_location=state.rt.device)
+    state.restore(ckpt)
+    now = state.cfg.to_dict()
+    changed = {f"{section}.{k}": [v, now[section][k]] for section, values in ckpt["config"].items()
+               for k, v in values.items() if section in now and k in now[section] and now[section][k] != v
+               and k != "resume"}
+    state.log.line(f"resumed from step {state.step} of {path}"
+                   + "".join(f" | {k} {old} -> {new}" for k, (old, new) in changed.items()))
+    return {"resumed_from": str(path), "step": state.step, "changed": changed}
 
-    def metrics(step: int, **extra) -> dict:
-        return {"step": step, "tokens": tokens_seen, "train_time_s": train_time, "reached_target": reached_target,
-                **extra}
 
-    # ---- the loop
-    val_loss = start_val_loss = None
-    last_log_time, last_log_tokens = train_time, tokens_seen
-    step = start_step
-    for step in range(start_step, hp.steps + 1):
-        last_step = step == hp.steps
-        resumed_here = hp.resume and step == start_step
-        if last_step or (hp.val_every and step % hp.val_every == 0 and not resumed_here):
-            val_loss = evaluate(model, val_files, hp, rank, world, device, autocast)
-            if step == start_step:
-                start_val_loss = val_loss
-            log(f"step {step}/{hp.steps} | val loss {val_loss:.4f} | train time {train_time:.1f}s")
-            log_record(metrics(step, val_loss=val_loss, elapsed_s=train_time))
-            if hp.target_val_loss and reached_target is None and val_loss <= hp.target_val_loss:
-                reached_target = {"step": step, "train_time_s": train_time, "tokens": tokens_seen,
-                                  "val_loss": val_loss}
-                log(f"target val loss {hp.target_val_loss} reached at step {step} after {train_time:.1f}s "
-                    f"of training ({tokens_seen:,} tokens)")
-                if hp.stop_at_target:
-                    last_step = True
-        if last_step:
-            break
-
-        # one optimizer step over grad_accum micro-batches (the clock excludes validation and checkpoints)
-        t0 = time.perf_counter()
-        factor = lr_factor(step, hp)
-        for opt in optimizers:
-            for group in opt.param_groups:
-                group["lr"] = group["initial_lr"] * factor
-        train_loss = torch.zeros((), device=device)
-        for micro in range(grad_accum):
-            x, y, chunk = loader.next_batch()
-            biases = sampler.sample(step, chunk, device)
-            sync = ddp_model.no_sync() if ddp_model is not None and micro < grad_accum - 1 \
-                else contextlib.nullcontext()
-            with sync, autocast:
-                _, loss = train_model(x, y, biases)
-                (loss / grad_accum).backward()
-            train_loss += loss.detach() / grad_accum
-        for opt in optimizers:
-            opt.step(train_loss) if spec.needs_loss else opt.step()
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        tokens_seen += hp.batch_tokens
-        done = step + 1
-
-        if done % hp.log_every == 0 or done == hp.steps:
-            if distributed:
-                dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
-            loss_value = train_loss.item()  # the host sync happens only on log steps
-            if use_cuda:
-                torch.cuda.synchronize()
-            train_time += time.perf_counter() - t0
-            if not math.isfinite(loss_value):
-                log(f"step {done}: training loss is {loss_value}; stopping. The last good checkpoint (if any) "
-                    f"is kept in {run_dir / 'checkpoints' if run_dir else 'the run directory'}; lower --lr or "
-                    "add --warmup-steps and resume from it.")
-                if distributed:  # every rank stops here alike (the loss is all-reduced); see init_process_group
-                    dist.destroy_process_group()
-                raise SystemExit(2)
-            interval = max(train_time - last_log_time, 1e-9)
-            tok_per_s = (tokens_seen - last_log_tokens) / interval
-            mfu = flops_per_token * tok_per_s / (peak * world) if peak else None
-            eta = (hp.steps - done) * hp.batch_tokens / tok_per_s
-            record = metrics(done, train_loss=loss_value, lr=optimizers[0].param_groups[0]["lr"],
-                             tokens_per_s=tok_per_s, mfu=mfu, elapsed_s=train_time)
-            if hp.dynamics_every and done % hp.dynamics_every == 0:
-                record.update(dynamics_summary(model, velocity_from_optimizers(optimizers), model_cfg.n_head))
-            log_record(record)
-            log(f"step {done}/{hp.steps} | loss {loss_value:.4f} | lr {record['lr']:.2e} | "
-                f"{tok_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
-                + f" | {train_time:.1f}s | eta {format_duration(eta)}")
-            last_log_time, last_log_tokens = train_time, tokens_seen
+def open_run(state: TrainState) -> None:
+    """The run directory (new, or the resumed run's own), its code copy, config.json and the log's header."""
+    cfg, rt, log = state.cfg, state.rt, state.log
+    if rt.is_master:
+        note = None
+        if cfg.continue_in is not None:
+            state.run_dir = cfg.continue_in
+            copy_code(state.run_dir)
         else:
-            train_time += time.perf_counter() - t0
-        if step == start_step:
-            log(f"optimizer state: {optimizer_state_bytes(optimizers) / num_params:.2f} bytes per parameter "
-                f"on rank {rank}")
-        if hp.checkpoint_every and done % hp.checkpoint_every == 0 and done != hp.steps:
-            checkpoint(done, metrics(done, val_loss=val_loss))
+            state.run_dir, note = create_run_dir(cfg)
+        layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
+        with atomic_writer(state.run_dir / "config.json") as f:
+            f.write(json.dumps({**cfg.to_dict(), "layout": layout}, indent=2).encode())
+        log.attach(state.run_dir)
+        if note:
+            log.line(note)
+        log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}"
+                 + (f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else "")
+                 + f" | world {rt.world}")
+        log.line(f"run directory {state.run_dir}")
+    log.line(f"model: {state.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
+             f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
+             f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
 
-    checkpoint(step, metrics(step, val_loss=val_loss))
-    summary = metrics(step, val_loss=val_loss, run_dir=str(run_dir) if run_dir else None,
-                      tokens_per_s=tokens_seen / train_time if train_time else None)
-    log(f"done: {step} steps, val loss " + (f"{start_val_loss:.4f} at step {start_step} -> " if start_val_loss else "")
-        + f"{val_loss:.4f} at step {step}, {train_time:.1f}s of training"
-        + (f", target reached at step {reached_target['step']}" if reached_target else ""))
-    log_record({"summary": True, **summary})
-    loader.close()
-    for handle in (log_txt, log_jsonl):
-        if handle:
-            handle.close()
-    if distributed:
+
+def training_forward(state: TrainState) -> nn.Module:
+    """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
+    acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
+    rt = state.rt
+    forward: nn.Module = state.model
+    if rt.device.type == "cuda" and state.cfg.train.compile:
+        forward = torch.compile(forward)
+    if rt.world > 1 and not state.spec.reduces_gradients:
+        forward = nn.parallel.DistributedDataParallel(
+            forward, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+    return forward
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask the run to stop: the loop then writes a checkpoint and exits at the next step where every
+    rank agrees (every step on one process, the next log step under torchrun). A second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = signum
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def __exit__(self, *exc_info) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Stopwatch:
+    """Training time into state.train_time: runs during training steps, stopped (after the device catches up) for
+    validation and checkpoints, as in the speedrun's timing."""
+
+    def __init__(self, state: TrainState) -> None:
+        self.state, self.started = state, None
+
+    def start(self) -> None:
+        self.state.rt.synchronize()
+        self.started = time.perf_counter()
+
+    def stop(self) -> None:
+        self.state.rt.synchronize()
+        if self.started is not None:
+            self.state.train_time += time.perf_counter() - self.started
+            self.started = None
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.stop()
+        yield
+        self.start()
+
+
+class TrainingStopped(SystemExit):
+    """A deliberate stop on every rank alike (non-finite state, a signal): the process group can be torn down."""
+
+
+def train_step(state: TrainState) -> torch.Tensor:
+    """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor."""
+    hp, rt = state.cfg.train, state.rt
+    factor = lr_factor(state.step, hp)
+    for opt, settings in zip(state.optimizers, state.hyperparameters):
+        for group, values in zip(opt.param_groups, settings):
+            group["lr"] = values["lr"] * factor
+    biases = state.sampler.sample(state.step, rt.device)
+    loss_sum = torch.zeros((), device=rt.device)
+    for micro in range(rt.grad_accum):
+        x, y, _ = state.loader.next_batch()
+        with state.accumulating(micro < rt.grad_accum - 1), rt.autocast():
+            loss = state.forward(x, y, biases)[1]
+            (loss / rt.grad_accum).backward()
+        loss_sum += loss.detach()
+    state.last_batch = (x, y, biases)
+    loss = loss_sum / rt.grad_accum
+    if hp.grad_clip and not state.spec.reduces_gradients:
+        state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), hp.grad_clip, foreach=True)
+    for opt in state.optimizers:
+        opt.step(loss) if state.spec.needs_loss else opt.step()
+        state.grad_norm = getattr(opt, "grad_norm", state.grad_norm)
+    for opt in state.optimizers:
+        opt.zero_grad(set_to_none=True)
+    state.step += 1
+    state.tokens += hp.batch_tokens
+    return loss
+
+
+def stop_non_finite(state: TrainState, what: str) -> None:
+    kept = (f"the checkpoint of step {state.checkpoint_step} in {state.run_dir / 'checkpoints'} is kept"
+            if state.checkpoint_step is not None and state.run_dir else "no checkpoint was written")
+    state.log.line(f"step {state.step}: {what} is not finite; stopping ({kept}). Resume from it with a lower --lr, "
+                   "more --warmup-steps or --grad-clip.")
+    raise TrainingStopped(2)
+
+
+def validate(state: TrainState) -> bool:
+    """Validation loss on the fixed budget; True when it reaches --target-val-loss for the first time."""
+    hp, rt = state.cfg.train, state.rt
+    state.val_loss = evaluate(state.model, state.val_files, hp.val_tokens, hp.seq_len, hp.micro_batch, rt.rank,
+                              rt.world, rt.device, rt.autocast())
+    state.val_step = state.step
+    state.first_val = state.first_val or (state.step, state.val_loss)
+    state.log.line(f"step {state.step}/{hp.steps} | val loss {state.val_loss:.4f} | train time "
+                   f"{state.train_time:.1f}s")
+    state.log.record(state.metrics(elapsed_s=state.train_time))
+    if not math.isfinite(state.val_loss):
+        stop_non_finite(state, "the validation loss")
+    if not hp.target_val_loss or state.reached_target is not None or state.val_loss > hp.target_val_loss:
+        return False
+    state.reached_target = {"step": state.step, "train_time_s": state.train_time, "tokens": state.tokens,
+                            "val_loss": state.val_loss}
+    state.log.line(f"target val loss {hp.target_val_loss} reached at step {state.step} after "
+                   f"{state.train_time:.1f}s of training ({state.tokens:,} tokens)")
+    return True
+
+
+def state_is_finite(state: TrainState) -> bool:
+    """Whether parameters, optimizer state and the loss the parameters give on the last micro-batch are all finite
+    on every rank (a collective): the condition for writing a checkpoint."""
+    tensors = [t for t in chain(state.model.parameters(), optimizer_state_tensors(state.optimizers))
+               if t.is_floating_point()]
+    flags = [torch.isfinite(t).all() for t in tensors]
+    if state.last_batch is not None:
+        with torch.no_grad(), state.rt.autocast():
+            flags.append(torch.isfinite(state.model(*state.last_batch)[1]))
+    bad = (~torch.stack(flags).all()).to(torch.float64).reshape(1)
+    return all_reduce_sum(bad).item() == 0
+
+
+def save(state: TrainState) -> None:
+    """checkpoints/latest.pt (and step_XXXXXX.pt with --keep-checkpoints), written only from a finite state."""
+    if not state_is_finite(state):
+        stop_non_finite(state, "the state after this step (weights, optimizer state or the loss they give)")
+    ckpt = state.to_checkpoint()
+    if ckpt is not None:
+        save_checkpoint(state.run_dir / "checkpoints" / "latest.pt", ckpt)
+        if state.cfg.train.keep_checkpoints:
+            save_checkpoint(state.run_dir / "checkpoints" / f"step_{state.step:06d}.pt", ckpt)
+    if state.rt.world > 1:
+        dist.barrier()
+    state.checkpoint_step = state.step
+
+
+def log_progress(state: TrainState, loss: torch.Tensor, stop: StopRequest, clock: Stopwatch,
+                 mark: list[float]) -> bool:
+    """A log line and record (the only host sync of the loop); returns whether every rank agrees to stop."""
+    hp, rt = state.cfg.train, state.rt
+    votes = all_reduce_sum(torch.stack([loss.float(), torch.tensor(float(stop.signum > 0), device=rt.device)]))
+    loss_value, stop_votes = votes.tolist()
+    loss_value /= rt.world
+    if not math.isfinite(loss_value):
+        stop_non_finite(state, f"the training loss ({loss_value})")
+    clock.stop()
+    tokens_per_s = (state.tokens - mark[1]) / max(state.train_time - mark[0], 1e-9)
+    peak = peak_flops(rt.device)
+    mfu = state.model.estimate_flops_per_token(hp.seq_len) * tokens_per_s / (peak * rt.world) if peak else None
+    eta = (hp.steps - state.step) * hp.batch_tokens / tokens_per_s
+    record = state.metrics(train_loss=loss_value, lr=state.optimizers[0].param_groups[0]["lr"],
+                           tokens_per_s=tokens_per_s, mfu=mfu, elapsed_s=state.train_time)
+    if state.grad_norm is not None:
+        record["grad_norm"] = state.grad_norm.item()
+    if hp.dynamics_every and state.step % hp.dynamics_every == 0:
+        record.update(dynamics_summary(state.model, velocity_from_optimizers(state.optimizers), state.cfg.model.n_head))
+    state.log.record(record)
+    state.log.line(f"step {state.step}/{hp.steps} | loss {loss_value:.4f} | lr {record['lr']:.2e}"
+                   + (f" | grad norm {record['grad_norm']:.3f}" if "grad_norm" in record else "")
+                   + f" | {tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
+                   + f" | {state.train_time:.1f}s | eta {format_duration(eta)}")
+    mark[:] = [state.train_time, state.tokens]
+    clock.start()
+    return stop_votes > 0
+
+
+def train(state: TrainState, stop: StopRequest) -> None:
+    """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
+    (--stop-at-target) or an agreed stop request (then checkpoint and exit 128 + signal)."""
+    hp = state.cfg.train
+    first, mark, clock = state.step, [state.train_time, state.tokens], Stopwatch(state)
+    clock.start()
+    while state.step < hp.steps:
+        if hp.val_every and state.step % hp.val_every == 0 and state.val_step != state.step:
+            with clock.paused():
+                if validate(state) and hp.stop_at_target:
+                    break
+        loss = train_step(state)
+        stopping = bool(stop.signum) and state.rt.world == 1
+        if state.step % hp.log_every == 0 or state.step == hp.steps or stopping:
+            stopping = log_progress(state, loss, stop, clock, mark)
+        if state.step == first + 1:
+            per_parameter = optimizer_state_bytes(state.optimizers) / state.model.get_num_params()
+            state.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {state.rt.rank}")
+        if stopping and state.step < hp.steps:
+            clock.stop()
+            save(state)
+            name = signal.Signals(stop.signum or signal.SIGTERM).name
+            state.log.line(f"{name} at step {state.step}: checkpoint written; continue with --resume {state.run_dir}")
+            raise TrainingStopped(128 + (stop.signum or signal.SIGTERM))
+        if hp.checkpoint_every and state.step % hp.checkpoint_every == 0 and state.step < hp.steps:
+            with clock.paused():
+                save(state)
+    clock.stop()
+
+
+def finish(state: TrainState) -> dict:
+    """The final checkpoint, then the final validation (so an evaluation error loses no training), the summary."""
+    if state.checkpoint_step != state.step:
+        save(state)
+    if state.val_step != state.step:
+        validate(state)
+    summary = state.metrics(run_dir=str(state.run_dir) if state.run_dir else None,
+                            tokens_per_s=state.tokens / state.train_time if state.train_time else None)
+    first = state.first_val
+    start = f"{first[1]:.4f} at step {first[0]} -> " if first and first[0] != state.step else ""
+    state.log.line(f"done: {state.step} steps, val loss {start}{state.val_loss:.4f} at step {state.step}, "
+                   f"{state.train_time:.1f}s of training"
+                   + (f", target reached at step {state.reached_target['step']}" if state.reached_target else ""))
+    state.log.record({"summary": True, **summary})
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl)."""
+    cfg = parse_config(argv)
+    rt = setup(cfg)
+    log = RunLog(rt.is_master)
+    state = None
+    try:
+        state = build(cfg, rt, log)
+        resumed = restore(state) if cfg.train.resume else None
+        open_run(state)
+        if resumed:
+            log.record(resumed)
+        state.forward = training_forward(state)
+        with StopRequest() as stop:
+            train(state, stop)
+        summary = finish(state)
+    except BaseException as exc:
+        if not isinstance(exc, TrainingStopped):
+            log.error(exc)
+        elif rt.world > 1:
+            dist.destroy_process_group()  # every rank stops here alike; see optim.distributed.init_process_group
+        raise
+    finally:
+        if state is not None:
+            state.loader.close()
+        log.close()
+    if rt.world > 1:
         dist.destroy_process_group()
     return summary
 

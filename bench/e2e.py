@@ -3,6 +3,7 @@
     python -m bench.e2e --preset gpt2-124m --steps 60            # CUDA: bf16 + torch.compile
     python -m bench.e2e --preset smoke --steps 30                # CPU
     python -m bench.e2e --preset gpt2-124m --optimizer sgdm -- --micro-batch 16   # flags after -- go to train_gpt
+    torchrun --nproc_per_node=2 -m bench.e2e --preset smoke --optimizer ecd -- --no-overlap-reduce   # 2 ranks
 
 Runs the real training loop (train_gpt.main) on random tokens written to a temporary shard, so it measures the
 model, the optimizer, the loader and the loop together. The first `--warmup` logged intervals (compilation,
@@ -34,18 +35,22 @@ def main() -> None:
     args, passthrough = parser.parse_known_args()
     passthrough = [a for a in passthrough if a != "--"]
 
-    model_cfg, hp, _, _ = train_gpt.parse_config(["--preset", args.preset, *passthrough])
+    cfg = train_gpt.parse_config(["--preset", args.preset, "--optimizer", args.optimizer, *passthrough])
+    hp = cfg.train
     tokens_needed = (args.steps + 2) * hp.batch_tokens + hp.seq_len + 1
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # under torchrun every rank writes the same shard into its own
         rng = np.random.default_rng(0)
         write_shard(Path(tmp) / "bench_train_000001.bin", rng.integers(0, 50257, tokens_needed, dtype=np.uint16))
         summary = train_gpt.main([
             "--preset", args.preset, "--optimizer", args.optimizer, "--steps", str(args.steps),
             "--train-files", str(Path(tmp) / "bench_train_*.bin"), "--val-every", "0",
-            "--val-tokens", str(hp.micro_batch * hp.seq_len), "--log-every", str(args.log_every),
+            "--val-tokens", str(hp.micro_batch * hp.seq_len * train_gpt.world_size_from_env()),
+            "--log-every", str(args.log_every), "--checkpoint-every", "0",
             "--run-dir", tmp, "--run-name", "bench", *passthrough,
         ])
-        records = [json.loads(line) for line in (Path(tmp) / "bench" / "log.jsonl").read_text().splitlines()]
+        if summary["run_dir"] is None:  # not the master rank: it has nothing to report
+            return
+        records = train_gpt.read_log(summary["run_dir"])
     timed = [r for r in records if "tokens_per_s" in r and not r.get("summary")][args.warmup:]
     if not timed:
         raise SystemExit("no timed intervals left after warm-up: raise --steps or lower --warmup")
@@ -53,15 +58,15 @@ def main() -> None:
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     result = {
         "preset": args.preset, "optimizer": args.optimizer, "device": summary_device(),
-        "parameters": count_parameters(model_cfg),
+        "world_size": train_gpt.world_size_from_env(), "parameters": count_parameters(cfg.model),
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
         "passthrough": passthrough, "final_val_loss": summary["val_loss"],
     }
-    print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'tokens/s':>12} {'step ms':>9} {'MFU':>6}")
+    print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'tokens/s':>12} {'step ms':>9} {'MFU':>6}")
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "n/a"
-    print(f"{args.preset:>12} {args.optimizer:>9} {result['device'][:24]:>24} {tok_s:>12,.0f} "
-          f"{result['step_time_ms']:>9.1f} {mfu:>6}")
+    print(f"{args.preset:>12} {args.optimizer:>9} {result['device'][:24]:>24} {result['world_size']:>5} "
+          f"{tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -11,6 +11,7 @@ The first SOAP step only builds its eigenbases, so warm-up must be >= 2 for SOAP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -21,14 +22,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_gpt  # noqa: E402
-from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config  # noqa: E402
+from optim import OPTIMIZERS, optimizer_state_bytes  # noqa: E402
 
 
 def time_optimizer(name: str, model_cfg: train_gpt.GPTConfig, device: torch.device, args) -> dict:
     torch.manual_seed(0)
     model = train_gpt.GPT(model_cfg).to(device)
     spec = OPTIMIZERS[name]
-    opt_cfg = resolve_config(OptimizerConfig(optimizer=name, optim_state_dtype=args.state_dtype), spec)
+    sharded = "optim_state_dtype" in {f.name for f in dataclasses.fields(spec.config)}
+    opt_cfg = spec.config(optim_state_dtype=args.state_dtype) if sharded else spec.config()
     optimizers = spec.build(model, opt_cfg)
     idx = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq_len), device=device)
     _, loss = model(idx, idx)

@@ -3,8 +3,8 @@
 One optimizer step consumes one global batch of N = world_size * grad_accum_steps * micro_batch sequences of
 seq_len tokens. The global batch is cut into chunks of micro_batch rows; rank r processes chunk
 c = micro_step * world_size + r at micro step `micro_step`. Only N matters for which tokens a step sees, so a run
-on any number of GPUs (same N and micro_batch) sees the same rows under the same chunk ids; the trainer keys the
-bias sampler (SPEC §1) on (step, chunk).
+on any number of GPUs, with any micro-batch split of the same N, sees the same rows (the same chunk ids too when
+micro_batch is the same).
 
 Row starts. Every sequence reads seq_len + 1 tokens from its start (x = row[:-1], y = row[1:]).
 - contiguous (default): starts 0, T, 2T, ... so a global batch is one window of N*T + 1 tokens
@@ -281,21 +281,21 @@ class DistributedTokenLoader:
     # ----- resuming -----
 
     def _geometry(self) -> dict:
-        return {"seq_len": self.seq_len, "micro_batch": self.micro_batch,
-                "chunks_per_step": self.world_size * self.grad_accum_steps, "align_to_eot": self.align_to_eot}
+        return {"seq_len": self.seq_len, "rows_per_step": self.global_rows, "align_to_eot": self.align_to_eot}
 
     def state_dict(self) -> dict:
         """JSON-able position after the consumed batches, with fingerprints of the shard list and geometry.
 
-        A state taken at a step boundary (micro_step 0) resumes under any world_size/grad_accum_steps with the same
-        product; one taken mid-step needs the same world_size.
+        A state taken at a step boundary (micro_step 0) resumes under any split of the same rows per step
+        (world_size x grad_accum_steps x micro_batch); one taken mid-step needs the same world_size and micro_batch.
         """
-        return {**dataclasses.asdict(self._position), "world_size": self.world_size,
+        return {**dataclasses.asdict(self._position), "world_size": self.world_size, "micro_batch": self.micro_batch,
                 "files": self._files_fingerprint, "num_files": len(self.files), "geometry": self._geometry()}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batches consumed when `state` was taken; clear errors on any mismatch."""
-        missing = {"epoch", "shard", "batch", "micro_step", "world_size", "files", "num_files", "geometry"} - set(state)
+        missing = {"epoch", "shard", "batch", "micro_step", "world_size", "micro_batch", "files", "num_files",
+                   "geometry"} - set(state)
         if missing:
             raise ValueError(f"not a DistributedTokenLoader state: missing {sorted(missing)}")
         if state["files"] != self._files_fingerprint:
@@ -310,12 +310,13 @@ class DistributedTokenLoader:
         if changed:
             raise ValueError(
                 f"loader state was saved with another batch geometry ({', '.join(changed)}); resume with the same "
-                "--seq-len, --micro-batch and world_size x grad_accum_steps, or start the data order afresh"
+                "--seq-len, --batch-tokens and --align-to-eot, or start the data order afresh"
             )
-        if state["micro_step"] != 0 and state["world_size"] != self.world_size:
+        split = (state["world_size"], state["micro_batch"])
+        if state["micro_step"] != 0 and split != (self.world_size, self.micro_batch):
             raise ValueError(
-                f"loader state was saved mid-step (micro_step {state['micro_step']}) with world_size "
-                f"{state['world_size']}; resume it with that world_size, or save at an optimizer-step boundary"
+                f"loader state was saved mid-step (micro_step {state['micro_step']}) with world_size {split[0]} and "
+                f"micro_batch {split[1]}; resume it with those, or save at an optimizer-step boundary"
             )
         self.close()
         self._position = _Position(state["epoch"], state["shard"], state["batch"], state["micro_step"])

@@ -6,9 +6,12 @@ followed by N little-endian uint16 token ids. Every reader here validates the he
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -78,19 +81,30 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | list[int]) -> None
     atomic_write(path, header.tobytes(), array.astype("<u2", copy=False).tobytes())
 
 
-def atomic_write(path: Path, *chunks: bytes) -> None:
-    """Write `chunks` to `path` through a synced temporary file and a rename: readers (and a crash mid-write) see
-    the old file or the whole new one, never part of it. The temporary name carries the process id, so
-    concurrent writers of one path never share it."""
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file whose contents replace `path` only when the block ends without error: written to a temporary
+    file (its name carries the process id, so concurrent writers never share it), synced, then renamed. Readers
+    and a crash mid-write see the old file or the whole new one; on an error the temporary file is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: str | os.PathLike, *chunks: bytes) -> None:
+    """Write `chunks` to `path` atomically (see atomic_writer)."""
+    with atomic_writer(path) as f:
         for chunk in chunks:
             f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def shard_globs(directory: str | os.PathLike, prefix: str) -> tuple[str, str]:

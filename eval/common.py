@@ -28,16 +28,15 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_target(run: Path | None, checkpoint: Path | None) -> tuple[Path, Path]:
-    """(run directory, checkpoint file) from `--run` or `--checkpoint`, with errors naming what is missing."""
-    if run is not None:
-        latest = Path(run) / "checkpoints" / "latest.pt"
-        return Path(run), train_gpt.resolve_checkpoint_path(latest, flag=f"--run {run}")
-    checkpoint = Path(checkpoint)
-    if not checkpoint.is_file():
-        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such file")
-    parent = checkpoint.parent
-    run_dir = parent.parent if parent.name == "checkpoints" and (parent.parent / "config.json").is_file() else parent
-    return run_dir, checkpoint
+    """(run directory, checkpoint file) from `--run` or `--checkpoint` (train_gpt's rules: a run's checkpoint is
+    checkpoints/latest.pt; a checkpoint's run is the directory above checkpoints/, else its own folder)."""
+    try:
+        if run is not None:
+            return Path(run), train_gpt.resolve_checkpoint_path(run, flag="--run")
+        checkpoint = train_gpt.resolve_checkpoint_path(checkpoint, flag="--checkpoint")
+    except train_gpt.CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return train_gpt.run_dir_of(checkpoint) or checkpoint.parent, checkpoint
 
 
 def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
@@ -67,8 +66,11 @@ def open_target(args: argparse.Namespace) -> Target:
     """Resolve `--run/--checkpoint`, `--out` and `--device` (see add_target_args) and map the checkpoint (mmap: the
     optimizer state, which these evaluations never touch, is not read)."""
     run_dir, checkpoint_path = resolve_target(args.run, args.checkpoint)
-    return Target(run_dir, checkpoint_path, train_gpt.load_checkpoint(checkpoint_path, mmap=True),
-                  output_dir(args, run_dir), resolve_device(args.device))
+    try:
+        checkpoint = train_gpt.load_checkpoint(checkpoint_path, mmap=True)
+    except train_gpt.CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device))
 
 
 def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:
@@ -91,16 +93,8 @@ def _finite(obj: object) -> object:
     return obj
 
 
-def read_log(run_dir: Path) -> list[dict]:
-    """The run's log.jsonl records (empty if there is none)."""
-    path = Path(run_dir) / "log.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def read_config(run_dir: Path) -> dict:
-    """config.json of a run ({"model", "train", "optim"}); {} if absent."""
+    """config.json of a run ({"model", "train", "optim", "layout"}); {} if absent."""
     path = Path(run_dir) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 

@@ -15,7 +15,8 @@ import json
 import math
 from pathlib import Path
 
-from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, read_log, write_json
+from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, write_json
+from train_gpt import read_log
 
 
 def pearson(x: list[float], y: list[float]) -> dict:
@@ -52,12 +53,12 @@ def _pick_suite(logic: dict | None, name: str | None) -> dict | None:
 def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
     """One run's configuration and headline numbers (None where an evaluation is missing)."""
     config = read_config(run_dir)
-    model, train, optim = config.get("model", {}), config.get("train", {}), config.get("optim", {})
+    model, train = config.get("model", {}), config.get("train", {})
     val = _load(run_dir, "val_loss")
     logic = _pick_suite(_load(run_dir, "logic_puzzles"), suite)
     alignment = (_load(run_dir, "alignment") or {}).get("modes", {}).get(alignment_mode)
     return {
-        "run": run_dir.name, "path": str(run_dir), "optimizer": optim.get("optimizer"),
+        "run": run_dir.name, "path": str(run_dir), "optimizer": train.get("optimizer"),
         "bias_mode": model.get("bias_mode"), "activation": model.get("activation"), "seed": train.get("seed"),
         "mean_v": model.get("mean_v"),
         "val_loss": val["val_loss"] if val else None,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 import train_gpt
-from eval.common import add_target_args, markdown_table, output_dir, pyplot, read_log, resolve_target, write_json
+from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_target, write_json
 from optim.gauge import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 
 LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         if previous is not None:
             drifts.append({"from_step": previous.get("step"), "to_step": ckpt.get("step"), **drift(previous, ckpt)})
         previous = ckpt
-    log = read_log(run_dir)
+    log = train_gpt.read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
     summary = {"checkpoints": results, "weight_drift": drifts, "online": online}
     write_json(out / "dynamics.json", summary)

@@ -13,8 +13,9 @@ import argparse
 import json
 
 from eval import alignment, dynamics, logic_puzzles, val_loss
-from eval.common import add_target_args, markdown_table, output_dir, read_config, read_log, resolve_target, write_json
+from eval.common import add_target_args, markdown_table, output_dir, read_config, resolve_target, write_json
 from eval.val_loss import plot_loss_curves
+from train_gpt import read_log
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
                "dynamics": dynamics.main}
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [f"# Run report — {run_dir.name}", "",
              f"Checkpoint `{ckpt_path}`. Model {model.get('n_layer')}L/{model.get('n_head')}H/{model.get('n_embd')}C, "
              f"{model.get('activation')}, bias mode **{model.get('bias_mode')}**; "
-             f"optimizer **{optim.get('optimizer')}** (lr {optim.get('lr')}); seed {train.get('seed')}. "
+             f"optimizer **{train.get('optimizer')}** (lr {optim.get('lr')}); seed {train.get('seed')}. "
              "Full configuration: `config.json`; code: `code/`.", ""]
     if summary:
         rows = [[k, f"{v:.4g}" if isinstance(v, float) else v] for k, v in summary.items() if v is not None]

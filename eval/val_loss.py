@@ -22,7 +22,6 @@ from eval.common import (
     load_model,
     open_target,
     pyplot,
-    read_log,
     write_json,
 )
 
@@ -32,8 +31,7 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
     """The trainer's validation loss (`train_gpt.evaluate`) on one process, with its perplexity and token count."""
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
-    budget = train_gpt.Hyperparameters(seq_len=seq_len, micro_batch=micro_batch, val_tokens=num_tokens)
-    loss = train_gpt.evaluate(model, files, budget, 0, 1, device, autocast)
+    loss = train_gpt.evaluate(model, files, num_tokens, seq_len, micro_batch, 0, 1, device, autocast)
     return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens // (micro_batch * seq_len) *
             micro_batch * seq_len, "seq_len": seq_len, "micro_batch": micro_batch}
 
@@ -94,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     result.update(checkpoint=str(ckpt_path), step=ckpt.get("step"), val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
-    log = read_log(run_dir)
+    log = train_gpt.read_log(run_dir)
     x = ckpt.get("metrics", {}).get("tokens") or (log[-1].get("tokens") if log else 0) or 0
     plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]), title=run_dir.name)
     (out / "val_loss.md").write_text(

@@ -1,21 +1,21 @@
 """Optimizers and the registry the trainer builds them from.
 
-Adding an optimizer: write a module in `optim/` that defines an `OptimizerSpec` (a builder plus the SPEC §2
-defaults of its hyperparameters), add any new hyperparameters to `OptimizerConfig`, and list the spec in
-`OPTIMIZERS` below. The trainer's `--optimizer NAME` then selects it and every field of `OptimizerConfig`
-becomes a CLI flag.
+Adding an optimizer: write a module in `optim/` with a config dataclass (a subclass of `OptimizerConfig` whose
+fields, declared with `cli.flag`, are its hyperparameters with their defaults), a builder and an `OptimizerSpec`,
+and list the spec in `OPTIMIZERS` below. `--optimizer NAME` then selects it, and its config's fields become the
+trainer's optimizer flags.
 """
 from __future__ import annotations
 
+from optim.ecd import ECD_SPEC
+from optim.muon import MUON_SPEC
 from optim.registry import (
     OptimizerConfig,
     OptimizerSpec,
     optimizer_state_bytes,
+    optimizer_state_tensors,
     parameter_groups,
-    resolve_config,
 )
-from optim.ecd import ECD_SPEC
-from optim.muon import MUON_SPEC
 from optim.soap import SOAP_SPEC
 from optim.torch_optimizers import ADAMW, SGDM
 
@@ -26,6 +26,6 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerSpec",
     "optimizer_state_bytes",
+    "optimizer_state_tensors",
     "parameter_groups",
-    "resolve_config",
 ]

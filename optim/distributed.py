@@ -1,17 +1,25 @@
 """Owner-computes sharding: parameters, gradients and optimizer state as views into flat buffers.
 
 The optimizers that average gradients themselves (ECD, SOAP, Muon: `OptimizerSpec.reduces_gradients`) lay their
-parameters out in `Region`s, one flat buffer per (dtype, ownership mode), and rebind every `param.data` and
-`param.grad` to a view of it. Each rank owns one equal-sized chunk of every region:
-- element regions concatenate their parameters and split the elements evenly (elementwise rules: ECD, Adam);
+parameters out in `Region`s and rebind every `param.data` and `param.grad` to a view of a region's flat buffer.
+Each rank owns one equal-sized chunk of every region:
+- element regions concatenate their parameters and split the elements evenly (elementwise rules: ECD, Adam). They
+  are buckets of at most BUCKET_BYTES (a larger tensor alone), so the reduction of one bucket can start while the
+  backward pass still computes the gradients of the others;
 - tensor regions give each parameter whole to one rank, balanced by size (SOAP's eigenbases, Muon's
-  orthogonalisation), so the expensive per-matrix work is spread over ranks.
-A step is: reduce-scatter the gradients (mean over ranks), update the owned chunk, all-gather the parameters.
-Elementwise state lives in chunk-sized buffers aligned with the owned chunk, which is what a fused kernel wants.
-Without torch.distributed (or with one process) every collective is skipped.
+  orthogonalisation), so the expensive per-matrix work is spread over ranks; each tensor's gradient is reduced to
+  its owner.
+A step is: average the gradients over ranks into each rank's chunk, update the owned chunk, all-gather the
+parameters. The averaging starts during the backward pass (post-accumulate-grad hooks), as DDP's all-reduce does,
+unless the backward runs under `no_sync()` (the micro-steps of gradient accumulation before the last); step()
+waits for what was started and starts the rest. Elementwise state lives in chunk-sized buffers aligned with the
+owned chunk, which is what a fused kernel wants. Without torch.distributed (or with one process) every collective
+is skipped.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import itertools
 from dataclasses import dataclass
@@ -92,7 +100,7 @@ class Region:
         first = params[0][1]
         self.params = torch.zeros(world_size * self.chunk, dtype=first.dtype, device=first.device)
         self.grads = torch.zeros_like(self.params)
-        self._grad_views: list[tuple[Tensor, Tensor]] = []
+        self._grad_views: dict[int, tuple[Tensor, Tensor]] = {}
         lo, hi = rank * self.chunk, (rank + 1) * self.chunk
         self.pieces: list[Piece] = []
         for (i, p), start in zip(params, starts):
@@ -103,7 +111,10 @@ class Region:
             view.copy_(p.detach())
             p.data = view
             p.grad = self.grads[start : start + p.numel()].view_as(p)
-            self._grad_views.append((p, p.grad))
+            self._grad_views[i] = (p, p.grad)
+        self._works: dict[int, object] = {}  # in-flight reductions: by parameter index (tensor regions) or -1
+        self._not_ready = set(self.indices)  # parameters whose gradient this backward pass has not produced yet
+        self._reduced: Tensor | None = None
 
     @property
     def local_params(self) -> Tensor:
@@ -113,39 +124,79 @@ class Region:
     def zero_grad(self) -> None:
         """Zero the flat gradient buffer and point every `param.grad` back at its view (dropping any gradient that
         autograd allocated elsewhere after a set_to_none)."""
+        self._wait()
         self.grads.zero_()
-        for p, view in self._grad_views:
+        for p, view in self._grad_views.values():
             p.grad = view
 
-    def _adopt_gradients(self) -> None:
-        """Put gradients that autograd allocated elsewhere (after set_to_none) back into the flat buffer."""
-        for p, view in self._grad_views:
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+    def _adopt_gradient(self, index: int) -> None:
+        """Put a gradient that autograd allocated elsewhere (after set_to_none) back into the flat buffer."""
+        p, view = self._grad_views[index]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view
+
+    def gradient_ready(self, index: int) -> None:
+        """Backward hook: parameter `index` holds its final gradient; start what can be reduced now."""
+        if self.tensor_owned:
+            self._launch(index)
+            return
+        self._not_ready.discard(index)
+        if not self._not_ready:
+            self._launch(-1)
+
+    def _launch(self, key: int) -> None:
+        """Start averaging one tensor's gradient to its owner (tensor regions) or the bucket's (key -1) over ranks."""
+        if key in self._works:  # gradients were accumulated again after an earlier launch: that result is stale
+            self._works.pop(key).wait()
+        if key >= 0:
+            self._adopt_gradient(key)
+            grad = self._grad_views[key][1]
+            self._works[key] = dist.reduce(grad, dst=self.owner[key], async_op=True)
+        else:
+            for index in self.indices:
+                self._adopt_gradient(index)
+            self._reduced = torch.empty(self.chunk, dtype=self.grads.dtype, device=self.grads.device)
+            self._works[key] = dist.reduce_scatter_tensor(self._reduced, self.grads, async_op=True)
+            self._not_ready = set(self.indices)
+
+    def _wait(self) -> None:
+        for work in self._works.values():
+            work.wait()
+        self._works = {}
 
     def reduce_gradients(self) -> Tensor:
-        """The mean over ranks of the gradients in this rank's chunk (reduce-scatter; the buffer itself on 1 rank)."""
-        self._adopt_gradients()
+        """The mean over ranks of the gradients in this rank's chunk: waits for the reductions started during the
+        backward pass and runs the rest (in index order, the same on every rank); the buffer itself on 1 rank."""
         if self.world_size == 1:
+            for index in self.indices:
+                self._adopt_gradient(index)
             return self.grads
-        out = torch.empty(self.chunk, dtype=self.grads.dtype, device=self.grads.device)
-        dist.reduce_scatter_single(out, self.grads)
-        return out.div_(self.world_size)
+        if self.tensor_owned:
+            for index in self.indices:
+                if index not in self._works:
+                    self._launch(index)
+        elif -1 not in self._works:
+            self._launch(-1)
+        self._wait()
+        self._not_ready = set(self.indices)
+        local = self.grads[self.rank * self.chunk : (self.rank + 1) * self.chunk] if self.tensor_owned \
+            else self._reduced
+        return local.div_(self.world_size)
 
     def gather_params(self) -> None:
         """All-gather the updated chunks so every rank holds the full parameters again."""
         if self.world_size > 1:
-            dist.all_gather_single(self.params, self.local_params)
+            dist.all_gather_into_tensor(self.params, self.local_params)
 
     def gather(self, local: Tensor) -> Tensor:
         """Full flat buffer (world_size * chunk) from every rank's chunk-aligned `local` buffer (collective)."""
         if self.world_size == 1:
             return local
         full = torch.empty(self.world_size * self.chunk, dtype=local.dtype, device=local.device)
-        dist.all_gather_single(full, local)
+        dist.all_gather_into_tensor(full, local)
         return full
 
     def full_view(self, full: Tensor, index: int, shape: torch.Size) -> Tensor:
@@ -161,8 +212,27 @@ class Region:
                 piece.of(local).copy_(flat[piece.start : piece.stop])
 
 
+BUCKET_BYTES = 25 << 20  # element regions are cut into buckets of at most this size (DDP's default bucket cap)
+
+
+def _buckets(members: list[tuple[int, Tensor]]) -> list[list[tuple[int, Tensor]]]:
+    """Consecutive runs of at most BUCKET_BYTES (a larger tensor forms its own): a layout independent of the number
+    of ranks, so per-region noise streams (ECD) stay the same on any world size."""
+    buckets: list[list[tuple[int, Tensor]]] = []
+    size = 0
+    for i, p in members:
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((i, p))
+        size += nbytes
+    return buckets
+
+
 def build_regions(params: list[Tensor], tensor_owned: list[bool]) -> list[Region]:
-    """Lay `params` out in regions by (dtype, tensor_owned) and rebind them to views (see module docstring)."""
+    """Lay `params` out in regions by (dtype, tensor_owned), element regions cut into buckets, and rebind the
+    parameters to views (see module docstring)."""
     rank, world_size = rank_and_world_size()
     devices = {p.device for p in params}
     if len(devices) != 1:
@@ -171,12 +241,19 @@ def build_regions(params: list[Tensor], tensor_owned: list[bool]) -> list[Region
     regions = []
     for dtype, owned in keys:
         members = [(i, p) for i, (p, o) in enumerate(zip(params, tensor_owned)) if str(p.dtype) == dtype and o == owned]
-        regions.append(Region(members, owned, rank, world_size))
+        for bucket in [members] if owned else _buckets(members):
+            regions.append(Region(bucket, owned, rank, world_size))
     return regions
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Base of the owner-computes optimizers: flat layout, zero_grad on the buffers, consolidated state dicts.
+    """Base of the owner-computes optimizers: flat layout, gradient averaging that overlaps the backward pass,
+    gradient-norm clipping, zero_grad on the buffers, consolidated state dicts.
+
+    Subclasses start step() with `grads = self.reduced_gradients()` (this rank's averaged, clipped chunk per region)
+    and end it with `region.gather_params()`. `max_grad_norm` > 0 clips the global gradient norm to it (the norm
+    of the averaged gradient, so it needs the reduction first: gradients are local until step()); `grad_norm`
+    then holds the norm before clipping as a device tensor.
 
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
     has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
@@ -199,6 +276,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.region_of = {i: region for region in self.regions for i in region.indices}
         self.flat_state: dict[str, list[Tensor | None]] = {}
         self.calls = 0
+        self.max_grad_norm = 0.0
+        self.grad_norm: Tensor | None = None
+        self._sync = True
+        if self.regions[0].world_size > 1:
+            for i, p in enumerate(self.params_in_order):
+                p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, i))
+
+    def _gradient_ready(self, index: int, param: Tensor) -> None:
+        if self._sync:
+            self.region_of[index].gradient_ready(index)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally (DDP's no_sync): the reductions start only during the
+        backward pass of the last micro-step, which runs outside."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def reduced_gradients(self) -> list[Tensor]:
+        """This rank's chunk of the rank-averaged gradient for every region, clipped to `max_grad_norm` if set."""
+        grads = [region.reduce_gradients() for region in self.regions]
+        if self.max_grad_norm > 0:
+            local = sum(g.double().square().sum() for g in grads)
+            self.grad_norm = all_reduce_sum(local.reshape(1))[0].sqrt()
+            scale = (self.max_grad_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+        return grads
 
     def new_flat_state(self, name: str, dtype: torch.dtype | None, regions=None) -> None:
         """Allocate chunk-aligned zero buffers for state `name` (dtype None: the parameters' dtype)."""

@@ -13,15 +13,32 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from cli import flag
 from optim.distributed import ShardedOptimizer, all_reduce_sum, rank_and_world_size
-from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
 
 PROJECTIONS = ("global", "per_tensor")
 NOISE_BLOCK = 1 << 20
+
+
+@dataclass
+class ECDConfig(ShardedOptimizerConfig):
+    """ECD's hyperparameters with the paper's defaults (SPEC §2)."""
+
+    lr: float = flag(1.0, "ℓ; the position step is lr/sqrt(ecd_eta)")
+    weight_decay: float = flag(0.0, "λ: F̃ = F + λ|θ|²/2 over the decayed group (matrices; see --decay-*)")
+    ecd_eta: float = flag(100.0, "η, concentration of the measure near low loss")
+    ecd_f0: float = flag(2.0, "F0, must stay below the training loss")
+    ecd_nu: float = flag(0.0, "ν, chaos (momentum noise) strength")
+    ecd_energy_conservation: bool = flag(True, "renormalise Π to unit norm every step")
+    ecd_projection: str = flag("global", "Π·g over all parameters (global, the Hamiltonian's) or per tensor "
+                               "(the published code)", choices=PROJECTIONS)
+    optim_seed: int = flag(0, "seed of the momentum noise")
 
 
 def ecd_noise(seed: int, call: int, stream: int, start: int, stop: int, dtype: torch.dtype, device) -> Tensor:
@@ -72,14 +89,14 @@ class ECD(ShardedOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 1.0,
-        eta: float = 100.0,
-        F0: float = 2.0,
-        nu: float = 0.0,
-        weight_decay: float = 0.0,
-        energy_conservation: bool = True,
-        projection: str = "global",
-        seed: int = 0,
+        lr: float = ECDConfig.lr,
+        eta: float = ECDConfig.ecd_eta,
+        F0: float = ECDConfig.ecd_f0,
+        nu: float = ECDConfig.ecd_nu,
+        weight_decay: float = ECDConfig.weight_decay,
+        energy_conservation: bool = ECDConfig.ecd_energy_conservation,
+        projection: str = ECDConfig.ecd_projection,
+        seed: int = ECDConfig.optim_seed,
         state_dtype: torch.dtype | None = None,
         eps1: float = 1e-10,
         eps2: float = 1e-40,
@@ -171,9 +188,8 @@ class ECD(ShardedOptimizer):
             self.pending.fill_(True)
             self.sigma.fill_(1.0)
 
-        grads, pis, rows = [], [], []
-        for region, stored, ranges in zip(self.regions, self.flat_state["pi"], self.ranges):
-            g = region.reduce_gradients()
+        grads, pis, rows = self.reduced_gradients(), [], []
+        for region, stored, ranges, g in zip(self.regions, self.flat_state["pi"], self.ranges, grads):
             theta = region.local_params
             compute = torch.promote_types(theta.dtype, torch.float32)
             pi = stored if stored.dtype == compute else stored.to(compute)
@@ -183,7 +199,6 @@ class ECD(ShardedOptimizer):
                 t, gr, p = theta[lo:hi].to(compute), g[lo:hi].to(compute), pi[lo:hi]
                 dots = [t.dot(t), t.dot(gr), gr.dot(gr), p.dot(gr), p.dot(t), p.dot(p)]
                 rows.append(torch.stack(dots).double())
-            grads.append(g)
             pis.append(pi)
         sums = torch.zeros(self.num_keys, 6, dtype=torch.float64, device=device)
         if rows:
@@ -286,17 +301,16 @@ class ECD(ShardedOptimizer):
         return super().state_dict()
 
     def _global_state(self) -> dict:
-        return {**super()._global_state(), "seed": self.seed, "skipped": int(self.skipped.value.cpu())}
+        return {**super()._global_state(), "skipped": int(self.skipped.value.cpu())}
 
     def _load_global_state(self, state: dict) -> None:
         super()._load_global_state(state)
-        self.seed = state["seed"]
         self.skipped.value.fill_(state["skipped"])
         self.pending.fill_(False)
         self.sigma.fill_(1.0)
 
 
-def build_ecd(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+def build_ecd(model: nn.Module, cfg: ECDConfig) -> list[torch.optim.Optimizer]:
     return [
         ECD(
             parameter_groups(model, cfg),
@@ -315,9 +329,9 @@ def build_ecd(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimi
 
 ECD_SPEC = OptimizerSpec(
     name="ecd",
+    config=ECDConfig,
     build=build_ecd,
-    defaults={"lr": 1.0, "weight_decay": 0.0, "ecd_eta": 100.0, "ecd_f0": 2.0, "ecd_nu": 0.0},
     needs_loss=True,
     reduces_gradients=True,
-    description="ECD q=1 (SPEC §3); SPEC §2 defaults lr 1.0, eta 100, F0 2, nu 0, wd 0",
+    description="Energy Conserving Descent, q=1 (SPEC §3)",
 )

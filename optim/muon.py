@@ -8,13 +8,31 @@ AdamW (torch's formula). Matrices are owned whole by one rank; the AdamW paramet
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
+from cli import flag
 from optim.distributed import ShardedOptimizer
-from optim.registry import EMBEDDING_PREFIXES, OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+from optim.registry import EMBEDDING_PREFIXES, OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+@dataclass
+class MuonConfig(ShardedOptimizerConfig):
+    """Muon for hidden matrices, AdamW for the rest, with the KellerJordan/Muon recipe's defaults."""
+
+    lr: float = flag(3e-4, "learning rate of the AdamW part (embeddings, head, gains, biases)")
+    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed group (matrices; see --decay-*)")
+    beta1: float = flag(0.9, "AdamW part: first-moment decay")
+    beta2: float = flag(0.95, "AdamW part: second-moment decay")
+    eps: float = flag(1e-10, "AdamW part: denominator epsilon")
+    muon_lr: float = flag(0.02, "learning rate of the hidden matrices")
+    muon_momentum: float = flag(0.95, "momentum coefficient")
+    muon_nesterov: bool = flag(True, "Nesterov momentum")
+    muon_ns_steps: int = flag(5, "Newton-Schulz iterations")
 
 
 def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5) -> Tensor:
@@ -47,13 +65,13 @@ class Muon(ShardedOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 3e-4,
-        weight_decay: float = 0.0,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_steps: int = 5,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-10,
+        lr: float = MuonConfig.lr,
+        weight_decay: float = MuonConfig.weight_decay,
+        momentum: float = MuonConfig.muon_momentum,
+        nesterov: bool = MuonConfig.muon_nesterov,
+        ns_steps: int = MuonConfig.muon_ns_steps,
+        betas: tuple[float, float] = (MuonConfig.beta1, MuonConfig.beta2),
+        eps: float = MuonConfig.eps,
         state_dtype: torch.dtype | None = None,
     ) -> None:
         if not 0 <= momentum < 1:
@@ -86,8 +104,7 @@ class Muon(ShardedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         self.calls += 1
-        for j, region in enumerate(self.regions):
-            g = region.reduce_gradients()
+        for j, (region, g) in enumerate(zip(self.regions, self.reduced_gradients())):
             if region.tensor_owned:
                 self._muon(region, g, self.flat_state["momentum_buffer"][j])
             else:
@@ -138,7 +155,7 @@ class Muon(ShardedOptimizer):
 
 
 
-def muon_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+def muon_groups(model: nn.Module, cfg: MuonConfig) -> list[dict]:
     """`parameter_groups` split into a Muon part (hidden matrices, lr = muon_lr) and an AdamW part (lr = lr)."""
     groups = []
     for group in parameter_groups(model, cfg):
@@ -155,7 +172,7 @@ def muon_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return groups
 
 
-def build_muon(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+def build_muon(model: nn.Module, cfg: MuonConfig) -> list[torch.optim.Optimizer]:
     return [
         Muon(
             muon_groups(model, cfg),
@@ -173,17 +190,8 @@ def build_muon(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optim
 
 MUON_SPEC = OptimizerSpec(
     name="muon",
+    config=MuonConfig,
     build=build_muon,
-    defaults={
-        "lr": 3e-4,
-        "weight_decay": 0.01,
-        "beta1": 0.9,
-        "beta2": 0.95,
-        "eps": 1e-10,
-        "muon_lr": 0.02,
-        "muon_momentum": 0.95,
-        "muon_ns_steps": 5,
-    },
     reduces_gradients=True,
-    description="Muon (NS5 in bf16) for hidden matrices + AdamW for the rest; KellerJordan/Muon recipe defaults",
+    description="Muon (Newton-Schulz in bf16) for hidden matrices + AdamW for the rest",
 )

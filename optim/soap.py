@@ -10,13 +10,31 @@ tensors without one are plain Adam and are split by element (`optim.distributed`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from cli import flag
 from optim.distributed import ShardedOptimizer
-from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups, state_dtype
+from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
+
+
+@dataclass
+class SOAPConfig(ShardedOptimizerConfig):
+    """SOAP's hyperparameters with the paper's defaults (SPEC §2)."""
+
+    lr: float = flag(3e-4, "peak learning rate")
+    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed group (matrices; see --decay-*)")
+    beta1: float = flag(0.95, "first-moment decay")
+    beta2: float = flag(0.95, "second-moment decay (and the Kronecker factors' unless --soap-shampoo-beta)")
+    eps: float = flag(1e-8, "denominator epsilon")
+    soap_precondition_frequency: int = flag(10, "steps between eigenbasis refreshes")
+    soap_max_precond_dim: int = flag(10000, "dims larger than this get no rotation")
+    soap_merge_dims: bool = flag(False, "merge small dims before preconditioning")
+    soap_precondition_1d: bool = flag(False, "also rotate 1-D parameters")
+    soap_shampoo_beta: float = flag(-1.0, "decay of the Kronecker factors (negative: --beta2)")
 
 
 def merged_shape(shape: torch.Size, max_precond_dim: int) -> tuple[int, ...]:
@@ -74,15 +92,15 @@ class SOAP(ShardedOptimizer):
     def __init__(
         self,
         params,
-        lr: float = 3e-4,
-        betas: tuple[float, float] = (0.95, 0.95),
+        lr: float = SOAPConfig.lr,
+        betas: tuple[float, float] = (SOAPConfig.beta1, SOAPConfig.beta2),
         shampoo_beta: float | None = None,
-        eps: float = 1e-8,
-        weight_decay: float = 0.01,
-        precondition_frequency: int = 10,
-        max_precond_dim: int = 10000,
-        merge_dims: bool = False,
-        precondition_1d: bool = False,
+        eps: float = SOAPConfig.eps,
+        weight_decay: float = SOAPConfig.weight_decay,
+        precondition_frequency: int = SOAPConfig.soap_precondition_frequency,
+        max_precond_dim: int = SOAPConfig.soap_max_precond_dim,
+        merge_dims: bool = SOAPConfig.soap_merge_dims,
+        precondition_1d: bool = SOAPConfig.soap_precondition_1d,
         state_dtype: torch.dtype | None = None,
     ) -> None:
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -156,7 +174,7 @@ class SOAP(ShardedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = [region.reduce_gradients() for region in self.regions]
+        grads = self.reduced_gradients()
         if self.calls == 0:  # accumulate the factors and take eigenbases; no update (published behaviour)
             for i, j, piece in self._owned_rotated():
                 g = piece.of(grads[j]).view(self.shapes[i]).to(torch.promote_types(grads[j].dtype, torch.float32))
@@ -238,13 +256,13 @@ class SOAP(ShardedOptimizer):
 
 
 
-def build_soap(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
+def build_soap(model: nn.Module, cfg: SOAPConfig) -> list[torch.optim.Optimizer]:
     return [
         SOAP(
             parameter_groups(model, cfg),
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
-            shampoo_beta=cfg.soap_shampoo_beta,
+            shampoo_beta=cfg.soap_shampoo_beta if cfg.soap_shampoo_beta >= 0 else None,
             eps=cfg.eps,
             weight_decay=cfg.weight_decay,
             precondition_frequency=cfg.soap_precondition_frequency,
@@ -258,16 +276,8 @@ def build_soap(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optim
 
 SOAP_SPEC = OptimizerSpec(
     name="soap",
+    config=SOAPConfig,
     build=build_soap,
-    defaults={
-        "lr": 3e-4,
-        "weight_decay": 0.01,
-        "beta1": 0.95,
-        "beta2": 0.95,
-        "eps": 1e-8,
-        "soap_precondition_frequency": 10,
-        "soap_max_precond_dim": 10000,
-    },
     reduces_gradients=True,
-    description="SOAP (SPEC §4); SPEC §2 defaults lr 3e-4, betas (0.95, 0.95), frequency 10, max dim 10000, wd 0.01",
+    description="SOAP, Adam in Shampoo's eigenbasis (SPEC §4)",
 )

@@ -1,48 +1,64 @@
 """AdamW and SGD with Nesterov momentum from torch.optim, with the SPEC §2 (Table 9) defaults."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from cli import flag
 from optim.registry import OptimizerConfig, OptimizerSpec, parameter_groups
 
 
-def _implementation_flags(model: nn.Module, cfg: OptimizerConfig) -> dict:
+@dataclass
+class TorchOptimizerConfig(OptimizerConfig):
+    fused: bool = flag(True, "torch's fused (CUDA) or foreach implementation")
+
+
+@dataclass
+class AdamWConfig(TorchOptimizerConfig):
+    lr: float = flag(1e-4, "peak learning rate")
+    weight_decay: float = flag(0.0, "decoupled weight decay of the decayed group (matrices; see --decay-*)")
+    beta1: float = flag(0.9, "first-moment decay")
+    beta2: float = flag(0.999, "second-moment decay")
+    eps: float = flag(1e-8, "denominator epsilon")
+
+
+@dataclass
+class SGDMConfig(TorchOptimizerConfig):
+    lr: float = flag(0.03, "peak learning rate")
+    weight_decay: float = flag(0.0, "L2 weight decay of the decayed group (matrices; see --decay-*)")
+    momentum: float = flag(0.95, "momentum coefficient")
+    nesterov: bool = flag(True, "Nesterov momentum")
+
+
+def _implementation_flags(model: nn.Module, cfg: TorchOptimizerConfig) -> dict:
     """fused=True on CUDA, foreach elsewhere (torch picks the fastest available kernel)."""
-    on_cuda = next(model.parameters()).is_cuda
     if not cfg.fused:
         return {"foreach": False}
-    return {"fused": True} if on_cuda else {"foreach": True}
+    return {"fused": True} if next(model.parameters()).is_cuda else {"foreach": True}
 
 
-def build_adamw(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
-    groups = parameter_groups(model, cfg)
-    return [
-        torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **_implementation_flags(model, cfg)
-        )
-    ]
+def build_adamw(model: nn.Module, cfg: AdamWConfig) -> list[torch.optim.Optimizer]:
+    return [torch.optim.AdamW(parameter_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                              **_implementation_flags(model, cfg))]
 
 
-def build_sgdm(model: nn.Module, cfg: OptimizerConfig) -> list[torch.optim.Optimizer]:
-    groups = parameter_groups(model, cfg)
-    return [
-        torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_implementation_flags(model, cfg)
-        )
-    ]
+def build_sgdm(model: nn.Module, cfg: SGDMConfig) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(parameter_groups(model, cfg), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov,
+                            **_implementation_flags(model, cfg))]
 
 
 ADAMW = OptimizerSpec(
     name="adamw",
+    config=AdamWConfig,
     build=build_adamw,
-    defaults={"lr": 1e-4, "weight_decay": 0.0, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8},
-    description="torch AdamW (decoupled weight decay); SPEC §2 defaults lr 1e-4, betas (0.9, 0.999), wd 0",
+    description="torch AdamW (decoupled weight decay)",
 )
 
 SGDM = OptimizerSpec(
     name="sgdm",
+    config=SGDMConfig,
     build=build_sgdm,
-    defaults={"lr": 0.03, "weight_decay": 0.0, "momentum": 0.95},
-    description="torch SGD with Nesterov momentum; SPEC §2 defaults lr 0.03, momentum 0.95",
+    description="torch SGD with (Nesterov) momentum",
 )

@@ -1,7 +1,6 @@
 """Every eval CLI end to end on tiny checkpoints made here: valid JSON, PNG and Markdown outputs."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +14,8 @@ import train_gpt
 from data.shards import write_shard
 from eval import alignment, compare, dynamics, logic_puzzles, report, val_loss
 from eval.alignment import residual_keys
-from optim import OPTIMIZERS, OptimizerConfig, resolve_config
+from optim import OPTIMIZERS
+from optim.torch_optimizers import AdamWConfig
 from tests.conftest import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,11 +28,10 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
                                     bias_mode=bias_mode)
     hp = train_gpt.Hyperparameters(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
                                    val_tokens=256, seed=7)
-    opt_cfg = resolve_config(OptimizerConfig(optimizer="adamw", lr=1e-3), OPTIMIZERS["adamw"])
-    config = {"model": dataclasses.asdict(model_cfg), "train": dataclasses.asdict(hp),
-              "optim": dataclasses.asdict(opt_cfg)}
+    cfg = train_gpt.RunConfig(model_cfg, hp, AdamWConfig(lr=1e-3))
+    config = cfg.to_dict()
     model = train_gpt.GPT(model_cfg)
-    opts = OPTIMIZERS["adamw"].build(model, opt_cfg)
+    opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(config))
@@ -159,5 +158,9 @@ def test_module_entry_point_and_clear_errors(runs, tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "val_loss.json").read_text())["step"] == 1
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(SystemExit, match="no checkpoint"):
         val_loss.main(["--run", str(tmp_path)])
+    not_a_checkpoint = tmp_path / "notes.pt"
+    not_a_checkpoint.write_text("not a checkpoint")
+    with pytest.raises(SystemExit, match=r"notes\.pt: not a readable checkpoint"):
+        val_loss.main(["--checkpoint", str(not_a_checkpoint)])

@@ -185,6 +185,10 @@ def test_resume_at_step_boundary_on_another_world_size(tmp_path):
                 assert chunk == rank
                 np.testing.assert_array_equal(x, reference[2 * step + rank][0])
                 np.testing.assert_array_equal(y, reference[2 * step + rank][1])
+    with DistributedTokenLoader(pattern, 4, T) as loader:  # the same 4 rows per step in one micro-batch
+        loader.load_state_dict(state)
+        for step, (x, _, _) in enumerate(as_numpy(take(loader, 3)), start=3):
+            np.testing.assert_array_equal(x, np.concatenate([reference[2 * step][0], reference[2 * step + 1][0]]))
 
 
 def test_mismatched_resume_raises(tmp_path):
@@ -194,10 +198,12 @@ def test_mismatched_resume_raises(tmp_path):
         mid_step = loader.state_dict()
     with pytest.raises(ValueError, match="seq_len=8 now 16"):
         DistributedTokenLoader(pattern, 2, 16, grad_accum_steps=2).load_state_dict(mid_step)
-    with pytest.raises(ValueError, match="chunks_per_step"):
+    with pytest.raises(ValueError, match="rows_per_step=4 now 6"):
         DistributedTokenLoader(pattern, 2, T, grad_accum_steps=3).load_state_dict(mid_step)
     with pytest.raises(ValueError, match="mid-step"):
         DistributedTokenLoader(pattern, 2, T, world_size=2).load_state_dict(mid_step)
+    with pytest.raises(ValueError, match="mid-step .* micro_batch 2"):
+        DistributedTokenLoader(pattern, 4, T).load_state_dict(mid_step)
     (tmp_path / "other").mkdir()
     other, _ = make_shards(tmp_path / "other", [500, 200], seed=9)
     with pytest.raises(ValueError, match="another shard list"):

@@ -18,8 +18,9 @@ def tiny_config(**overrides) -> GPTConfig:
 
 
 def test_gpt2_124m_parameter_count():
-    model_cfg, _, _, preset = train_gpt.parse_config(["--preset", "gpt2-124m"])
-    assert preset == "gpt2-124m"
+    cfg = train_gpt.parse_config(["--preset", "gpt2-124m"])
+    model_cfg = cfg.model
+    assert cfg.preset == "gpt2-124m"
     with torch.device("meta"):
         model = GPT(model_cfg)
     assert model.get_num_params() == 124_119_552
@@ -27,7 +28,7 @@ def test_gpt2_124m_parameter_count():
 
 
 def test_gelu_preset_drops_prelu_slopes():
-    model_cfg = train_gpt.parse_config(["--preset", "gpt2-124m-gelu"])[0]
+    model_cfg = train_gpt.parse_config(["--preset", "gpt2-124m-gelu"]).model
     with torch.device("meta"):
         model = GPT(model_cfg)
     assert model.get_num_params() == 124_119_552 - 12 * 4 * 768
@@ -90,7 +91,7 @@ def test_key_bias_is_a_no_op():
     without_key = GPT(tiny_config(key_bias=False)).double()
     without_key.load_state_dict(with_key.state_dict())
     idx = torch.randint(0, 97, (2, 16))
-    biases = BiasSampler(with_key.config, seed=3).sample(step=5, chunk=1).double()
+    biases = BiasSampler(with_key.config, seed=3).sample(step=5).double()
     assert biases[:, 1].abs().min() > 0  # b_K really was drawn
     torch.testing.assert_close(with_key(idx, biases=biases)[0], without_key(idx, biases=biases)[0])
 
@@ -103,7 +104,7 @@ def test_evaluation_uses_the_means(mode):
     idx = torch.randint(0, 97, (2, 16))
     at_means = model(idx, biases=mean_biases(cfg).double())[0]
     torch.testing.assert_close(model(idx)[0], at_means)
-    sampled = model(idx, biases=BiasSampler(cfg, seed=0).sample(0, 0).double())[0]
+    sampled = model(idx, biases=BiasSampler(cfg, seed=0).sample(0).double())[0]
     assert (sampled - at_means).abs().max() > 1e-6
 
 
@@ -125,22 +126,22 @@ def test_mean_biases_fold_into_a_standard_gpt2():
 
 def test_sampler_draws_nothing_when_the_mode_samples_no_bias():
     for mode, key_bias in (("none", False), ("learned", False), ("learned", True)):
-        assert BiasSampler(tiny_config(bias_mode=mode, key_bias=key_bias), seed=0).sample(0, 0) is None
+        assert BiasSampler(tiny_config(bias_mode=mode, key_bias=key_bias), seed=0).sample(0) is None
     for mode in ("bq", "bv", "bqbv"):
-        assert BiasSampler(tiny_config(bias_mode=mode), seed=0).sample(0, 0) is not None
-    assert BiasSampler(tiny_config(bias_mode="none", key_bias=True), seed=0).sample(0, 0) is not None
+        assert BiasSampler(tiny_config(bias_mode=mode), seed=0).sample(0) is not None
+    assert BiasSampler(tiny_config(bias_mode="none", key_bias=True), seed=0).sample(0) is not None
 
 
-def test_sampler_is_a_function_of_seed_step_chunk():
+def test_sampler_is_a_function_of_seed_and_step():
     cfg = tiny_config()
     a, b = BiasSampler(cfg, seed=7), BiasSampler(cfg, seed=7)
-    torch.testing.assert_close(a.sample(10, 3), b.sample(10, 3))
-    assert not torch.equal(a.sample(10, 3), a.sample(10, 2))
-    assert not torch.equal(a.sample(10, 3), a.sample(11, 3))
-    assert not torch.equal(a.sample(10, 3), BiasSampler(cfg, seed=8).sample(10, 3))
+    torch.testing.assert_close(a.sample(10), b.sample(10))
+    assert not torch.equal(a.sample(10), a.sample(11))
+    assert not torch.equal(a.sample(10), BiasSampler(cfg, seed=8).sample(10))
+    assert not torch.equal(a.sample(10)[0], a.sample(10)[1])  # each layer has its own draw
     # layer i's draw does not depend on how many layers the model has
     deeper = BiasSampler(tiny_config(n_layer=4), seed=7)
-    torch.testing.assert_close(deeper.sample(10, 3)[:2], a.sample(10, 3))
+    torch.testing.assert_close(deeper.sample(10)[:2], a.sample(10))
 
 
 @pytest.mark.parametrize("per_head", [False, True])
@@ -148,7 +149,7 @@ def test_sampler_distribution_matches_spec(per_head):
     cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=128, bias_per_head=per_head,
                     mean_v=0.5, std_v_min=0.02, std_v_max=0.05)
     sampler = BiasSampler(cfg, seed=0)
-    draws = torch.stack([sampler.sample(step, 0)[0] for step in range(3000)])  # (N, 3, [H,] d)
+    draws = torch.stack([sampler.sample(step)[0] for step in range(3000)])  # (N, 3, [H,] d)
     if per_head:
         assert draws.shape == (3000, 3, 2, 64)
         draws = draws.transpose(1, 2).reshape(6000, 3, 64)
@@ -176,5 +177,5 @@ def test_symmetric_model_ignores_biases():
     torch.manual_seed(0)
     model = GPT(tiny_config(bias_mode="none"))
     idx = torch.randint(0, 97, (1, 16))
-    sampled = BiasSampler(model.config, seed=0).sample(0, 0)
+    sampled = BiasSampler(model.config, seed=0).sample(0)
     torch.testing.assert_close(model(idx)[0], model(idx, biases=sampled)[0])

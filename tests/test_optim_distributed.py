@@ -1,7 +1,9 @@
-"""Owner-computes sharding: 2 gloo ranks equal 1 process for ECD, SOAP and Muon, and checkpoints move across
-world sizes (a state saved by 2 ranks, resumed in 1 process, continues the 2-rank trajectory)."""
+"""Owner-computes sharding: 2 gloo ranks equal 1 process for ECD, SOAP and Muon (also with gradient clipping, and
+with gradient accumulation whose last backward pass starts the reductions), and checkpoints move across world sizes
+(a state saved by 2 ranks, resumed in 1 process, continues the 2-rank trajectory)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 from pathlib import Path
@@ -53,6 +55,7 @@ def make(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 NAMES = ["ecd_global", "ecd_per_tensor", "soap", "muon"]
+VARIANTS = {"clipped": {"clip": 0.05}, "accumulated": {"micro_steps": 2}}
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,15 +66,23 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rows], y[rows]
 
 
-def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None):
+def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None, micro_steps=1, clip=0.0):
+    """Returns how many reductions the last backward pass had started before step() (0 on one process)."""
+    opt.max_grad_norm = clip
     for step in range(first, first + steps):
         if on_step:
             on_step(step, model, opt)
         opt.zero_grad()
         x, y = batch(step, rank, world)
-        loss = (model(x) - y).square().mean()
-        loss.backward()
-        opt.step(loss.detach()) if name.startswith("ecd") else opt.step()
+        total = 0.0
+        for micro, (xm, ym) in enumerate(zip(x.chunk(micro_steps), y.chunk(micro_steps))):
+            with opt.no_sync() if micro < micro_steps - 1 else contextlib.nullcontext():
+                loss = (model(xm) - ym).square().mean() / micro_steps
+                loss.backward()
+            total += loss.detach()
+        started = sum(len(region._works) for region in opt.regions)
+        opt.step(total) if name.startswith("ecd") else opt.step()
+    return started
 
 
 def thread_names() -> list[str]:
@@ -91,9 +102,16 @@ def worker(rank: int, out: str) -> None:
                 if rank == 0:
                     torch.save({"model": model.state_dict(), "opt": state}, Path(out) / f"{name}_ckpt.pt")
 
-        train(name, model, opt, STEPS, rank=rank, world=WORLD, on_step=save)
+        started = train(name, model, opt, STEPS, rank=rank, world=WORLD, on_step=save)
         if rank == 0:
             torch.save(model.state_dict(), Path(out) / f"{name}_final.pt")
+        for variant, kwargs in VARIANTS.items():
+            model = Net()
+            started_here = train(name, model, make(name, model), STEPS, rank=rank, world=WORLD, **kwargs)
+            if rank == 0:
+                torch.save(model.state_dict(), Path(out) / f"{name}_{variant}_final.pt")
+        if rank == 0:
+            (Path(out) / f"{name}_started.json").write_text(json.dumps([started, started_here]))
     dist.destroy_process_group()
     gc.collect()
     (Path(out) / f"threads_after_destroy_{rank}.json").write_text(json.dumps(thread_names()))
@@ -121,6 +139,40 @@ def test_two_ranks_equal_one_process(two_rank_results, name):
     start = Net().state_dict()
     assert max((model.state_dict()[k] - start[k]).abs().max() for k in start) > 1e-2  # the run moved
     assert_same(model.state_dict(), torch.load(two_rank_results / f"{name}_final.pt"), TOLERANCE[name])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", NAMES)
+def test_two_ranks_equal_one_process_with_clipping_and_accumulation(two_rank_results, name, variant):
+    model = Net()
+    opt = make(name, model)
+    train(name, model, opt, STEPS, **VARIANTS[variant])
+    if variant == "clipped":
+        assert opt.grad_norm is not None and opt.grad_norm > 0.05  # the clip was active
+    assert_same(model.state_dict(), torch.load(two_rank_results / f"{name}_{variant}_final.pt"), TOLERANCE[name])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reductions_start_during_the_last_backward_pass(two_rank_results, name):
+    """Every region's reduction was launched by the backward hooks before step() (as DDP's all-reduce is)."""
+    model = Net()
+    opt = make(name, model)
+    expected = sum(len(r.indices) if r.tensor_owned else 1 for r in opt.regions)
+    started, accumulated = json.loads((two_rank_results / f"{name}_started.json").read_text())
+    assert started == accumulated == expected > 0
+
+
+def test_clipping_scales_the_averaged_gradient_to_the_bound():
+    model = Net()
+    opt = make("soap", model)
+    x, y = batch(0, 0, 1)
+    (model(x) - y).square().mean().backward()
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters()))
+    opt.max_grad_norm = float(norm) / 4
+    grads = opt.reduced_gradients()
+    torch.testing.assert_close(opt.grad_norm, norm)
+    clipped = torch.sqrt(sum(g.square().sum() for g in grads))
+    torch.testing.assert_close(clipped, norm / 4, rtol=1e-5, atol=0)
 
 
 def test_destroy_process_group_stops_the_gloo_threads(two_rank_results):

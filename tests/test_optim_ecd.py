@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from optim import OPTIMIZERS, OptimizerConfig, resolve_config
+from optim import OPTIMIZERS
 from optim.ecd import ECD, ecd_noise
 
 
@@ -259,4 +259,4 @@ def test_builder_validates_flags():
     for bad, match in [({"ecd_eta": 0.0}, "eta"), ({"ecd_projection": "local"}, "projection"),
                        ({"optim_state_dtype": "fp8"}, "optim-state-dtype")]:
         with pytest.raises(ValueError, match=match):
-            spec.build(model, resolve_config(OptimizerConfig(optimizer="ecd", **bad), spec))
+            spec.build(model, spec.config(**bad))

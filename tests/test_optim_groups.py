@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from optim import OptimizerConfig, parameter_groups
+from optim.torch_optimizers import AdamWConfig
 from train_gpt import GPT, GPTConfig
 
 
@@ -16,7 +17,7 @@ def grouped_names(cfg: OptimizerConfig) -> tuple[set[str], set[str]]:
 
 
 def test_only_linear_matrices_decay_by_default():
-    decayed, plain = grouped_names(OptimizerConfig(weight_decay=0.1))
+    decayed, plain = grouped_names(AdamWConfig(weight_decay=0.1))
     assert decayed == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
                        "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"}
     assert {"transformer.h.0.attn.b_q", "transformer.h.0.attn.b_v", "transformer.wte.weight",
@@ -24,9 +25,9 @@ def test_only_linear_matrices_decay_by_default():
 
 
 def test_flags_extend_decay_to_embeddings_and_norms():
-    decayed, _ = grouped_names(OptimizerConfig(weight_decay=0.1, decay_embeddings=True))
+    decayed, _ = grouped_names(AdamWConfig(weight_decay=0.1, decay_embeddings=True))
     assert {"transformer.wte.weight", "transformer.wpe.weight"} <= decayed
     assert "transformer.ln_f.weight" not in decayed
-    decayed, plain = grouped_names(OptimizerConfig(weight_decay=0.1, decay_norms_and_biases=True))
+    decayed, plain = grouped_names(AdamWConfig(weight_decay=0.1, decay_norms_and_biases=True))
     assert {"transformer.ln_f.weight", "transformer.h.0.attn.b_q", "transformer.h.0.mlp.act.weight"} <= decayed
     assert plain == {"transformer.wte.weight", "transformer.wpe.weight"}

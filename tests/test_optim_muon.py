@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from optim import OPTIMIZERS, OptimizerConfig, resolve_config
+from optim import OPTIMIZERS
 from optim.muon import Muon, zeropower_via_newtonschulz5
 
 
@@ -51,7 +51,7 @@ def loss_of(model: nn.Module, step: int) -> torch.Tensor:
 
 def build(model: nn.Module, **flags) -> Muon:
     spec = OPTIMIZERS["muon"]
-    return spec.build(model, resolve_config(OptimizerConfig(optimizer="muon", **flags), spec))[0]
+    return spec.build(model, spec.config(**flags))[0]
 
 
 def test_hidden_matrices_use_muon_and_the_rest_adamw():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, resolve_config
+from optim import OPTIMIZERS, optimizer_state_bytes
 from optim.ecd import ECD
 from optim.muon import Muon
 from optim.soap import SOAP
@@ -99,7 +99,7 @@ def test_state_bytes_per_parameter_count_flat_buffers_once(name):
     expected = {"ecd": 4 * numel, "soap": 8 * numel, "muon": 4 * matrices + 8 * (numel - matrices)}[name]
     for dtype, width in (("fp32", 1.0), ("bf16", 0.5)):
         model = net()
-        opts = spec.build(model, resolve_config(OptimizerConfig(optimizer=name, optim_state_dtype=dtype), spec))
+        opts = spec.build(model, spec.config(optim_state_dtype=dtype))
         assert optimizer_state_bytes(opts) == expected * width
 
 

@@ -1,11 +1,14 @@
-"""The training loop end to end on a tiny model and a synthetic corpus made here (CPU, gloo)."""
+"""The training loop end to end on a tiny model and a synthetic corpus made here (CPU, gloo): what a run writes,
+exact resume, 2 ranks = 1 rank, the batch split, and how runs are protected (bad input, NaN, signals, full disk)."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +16,12 @@ import pytest
 import torch
 
 import train_gpt
-from eval import report, val_loss
 from data.shards import ShardError, write_shard
+from eval import report, val_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def synthetic_tokens(num_tokens: int, seed: int) -> np.ndarray:
@@ -59,17 +63,26 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in read_log(run_dir) if "train_loss" in r}
 
 
+def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=120)
+
+
 def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     summary = train_gpt.main(tiny_args(corpus, tmp_path, "falls", steps=40, **{"val-every": 20}))
     run = tmp_path / "falls"
-    vals = [r["val_loss"] for r in read_log(run) if "val_loss" in r and not r.get("summary")]
+    vals = [r["val_loss"] for r in read_log(run) if "train_loss" not in r and not r.get("summary")]
     assert vals[0] > math.log(VOCAB) - 0.3  # starts near uniform
     assert vals[-1] < vals[0] - 1.0, vals
     assert summary["val_loss"] == vals[-1] and summary["step"] == 40
     reported = report.training_summary(read_log(run))  # the evaluation report reads the same log
     assert reported["elapsed_s"] == summary["train_time_s"] > 0 and reported["final_val_loss"] == vals[-1]
     config = json.loads((run / "config.json").read_text())
-    assert config["model"]["n_embd"] == 32 and config["optim"]["optimizer"] == "adamw"
+    assert config["model"]["n_embd"] == 32 and config["train"]["optimizer"] == "adamw"
+    assert config["optim"] == {"lr": 3e-3, "weight_decay": 0.0, "decay_embeddings": False,
+                               "decay_norms_and_biases": False, "fused": True, "beta1": 0.9, "beta2": 0.999,
+                               "eps": 1e-8}  # every value that ran, none left to a later default
+    assert config["layout"] == {"world_size": 1, "micro_batch": 4, "grad_accum": 2}
     assert (run / "log.txt").read_text().startswith(Path(train_gpt.__file__).read_text()[:200])
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
     ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
@@ -102,18 +115,17 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path):
         assert loss == straight[step], (step, loss, straight[step])
 
 
-def test_two_gloo_processes_match_one(corpus, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+def test_two_gloo_processes_match_one_whatever_the_micro_batch(corpus, tmp_path):
+    """1 process with micro-batches of 2 (4 micro-steps) and 2 ranks deriving micro-batches of 4 from the default
+    bound see the same rows and the same biases, so the same losses."""
     common = {"steps": 5, "val-every": 0}
-    one = tiny_args(corpus, tmp_path, "one", **common)
-    two = tiny_args(corpus, tmp_path, "two", **common)
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=env, capture_output=True)
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train_gpt.py"), *two], env=env, capture_output=True, text=True)
+    one = tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2})
+    two = tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8})
+    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=ENV, capture_output=True)
+    result = torchrun(two)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "grad accumulation 1" in (tmp_path / "two" / "log.txt").read_text()
-    assert "grad accumulation 2" in (tmp_path / "one" / "log.txt").read_text()
+    assert "2 ranks x 1 micro-steps x 4 sequences" in (tmp_path / "two" / "log.txt").read_text()
+    assert "1 ranks x 4 micro-steps x 2 sequences" in (tmp_path / "one" / "log.txt").read_text()
     single, double = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert sorted(single) == sorted(double) == [1, 2, 3, 4, 5]
     for step in single:
@@ -123,70 +135,278 @@ def test_two_gloo_processes_match_one(corpus, tmp_path):
     assert vals2[-1] == pytest.approx(vals[-1], rel=1e-5)
 
 
+def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "single", steps=6, **{"val-every": 0, "micro-batch": 2})
+    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
+    args = tiny_args(corpus, tmp_path, "moved", steps=3, **{"val-every": 0, "micro-batch": 2})
+    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
+    result = torchrun(["--resume", str(tmp_path / "moved"), "--steps", "6", "--micro-batch", "8"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, moved = train_losses(tmp_path / "single"), train_losses(tmp_path / "moved")
+    assert sorted(moved) == list(range(1, 7))
+    for step in single:
+        assert moved[step] == pytest.approx(single[step], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("sequences, bound, world, layout", [
+    (8, 8, 1, (8, 1)), (8, 8, 8, (1, 1)), (8, 8, 2, (4, 1)), (16, 8, 1, (8, 2)), (12, 8, 1, (6, 2)),
+    (12, 5, 1, (4, 3)), (128, 8, 8, (8, 2)), (7, 8, 1, (7, 1)), (7, 4, 1, (1, 7)),
+])
+def test_batch_layout_picks_the_largest_micro_batch_that_splits(sequences, bound, world, layout):
+    hp = train_gpt.Hyperparameters(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
+    assert train_gpt.batch_layout(hp, world) == layout
+
+
+def test_default_batch_splits_over_eight_ranks_and_a_bad_split_names_the_fix(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    hp = train_gpt.parse_config(["--device", "cpu"]).train  # the paper's 8 x 512 batch: one sequence per rank
+    assert train_gpt.batch_layout(hp, 8) == (1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--device", "cpu"])
+    assert "do not split over 3 processes: set --batch-tokens to a multiple of 512 x 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, error", [
+    ({"val-files": "/nonexistent/nothing_*.bin"}, "no shard files match"),
+    ({"val-tokens": 16}, "raise --val-tokens"),
+])
+def test_unusable_validation_data_fails_before_the_first_step(corpus, tmp_path, flags, error):
+    with pytest.raises((ShardError, ValueError), match=error):
+        train_gpt.main(tiny_args(corpus, tmp_path, "badval", **{"val-every": 0}, **flags))
+    assert not (tmp_path / "badval").exists()  # nothing was trained, nothing written
+
+
+def test_an_evaluation_error_at_the_end_loses_no_checkpoint(corpus, tmp_path, monkeypatch):
+    def failing_evaluate(*args, **kwargs):
+        raise RuntimeError("validation exploded")
+
+    monkeypatch.setattr(train_gpt, "evaluate", failing_evaluate)
+    with pytest.raises(RuntimeError, match="validation exploded"):
+        train_gpt.main(tiny_args(corpus, tmp_path, "evalfail", steps=3, **{"val-every": 0}))
+    assert train_gpt.load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
+    assert "RuntimeError: validation exploded" in (tmp_path / "evalfail" / "log.txt").read_text()
+
+
 def test_target_val_loss_is_reported_and_can_stop_the_run(corpus, tmp_path):
     summary = train_gpt.main(tiny_args(corpus, tmp_path, "target", steps=40, **{
         "val-every": 4, "target-val-loss": 4.5, "stop-at-target": True}))
     reached = summary["reached_target"]
     assert reached is not None and reached["val_loss"] <= 4.5
     assert summary["step"] == reached["step"] < 40
+    assert train_gpt.load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
+def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, tmp_path, monkeypatch):
+    """NaN biases at step 6 poison the update; with a checkpoint every step and a log line every 5, the state after
+    it must not be written, and the kept checkpoint resumes (with a new --lr) to a finite end."""
+    sample = train_gpt.BiasSampler.sample
+
+    def poisoned(self, step, device="cpu"):
+        draws = sample(self, step, device)
+        return draws * float("nan") if step == 6 else draws
+
+    monkeypatch.setattr(train_gpt.BiasSampler, "sample", poisoned)
+    args = tiny_args(corpus, tmp_path, "nan", steps=12, **{"checkpoint-every": 1, "log-every": 5, "val-every": 0})
     with pytest.raises(SystemExit) as excinfo:
-        train_gpt.main(tiny_args(corpus, tmp_path, "nan", lr=1e20, **{"checkpoint-every": 1, "val-every": 0}))
+        train_gpt.main(args)
     assert excinfo.value.code == 2
-    ckpt = train_gpt.load_checkpoint(tmp_path / "nan" / "checkpoints" / "latest.pt")
-    assert ckpt["step"] >= 1
-    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
-    assert "training loss is" in (tmp_path / "nan" / "log.txt").read_text()
+    run = tmp_path / "nan"
+    assert "is not finite; stopping (the checkpoint of step 6" in (run / "log.txt").read_text()
+    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert ckpt["step"] == 6 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    monkeypatch.setattr(train_gpt.BiasSampler, "sample", sample)
+    summary = train_gpt.main(["--resume", str(run), "--lr", "1e-3"])
+    assert summary["step"] == 12 and math.isfinite(summary["val_loss"])
+    assert all(math.isfinite(loss) for loss in train_losses(run).values())
+
+
+def test_flags_given_on_resume_take_effect(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "first", steps=4, **{"weight-decay": 0.0}))
+    run = tmp_path / "first"
+    train_gpt.main(["--resume", str(run), "--steps", "6", "--lr", "5e-4", "--weight-decay", "0.05"])
+    records = read_log(run)
+    assert [r["lr"] for r in records if "lr" in r and r["step"] > 4] == [5e-4, 5e-4]
+    assert [r["lr"] for r in records if "lr" in r and r["step"] <= 4] == [3e-3] * 4
+    changed = next(r for r in records if "resumed_from" in r)["changed"]
+    assert changed["optim.lr"] == [3e-3, 5e-4] and changed["optim.weight_decay"] == [0.0, 0.05]
+    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert ckpt["optimizers"][0]["param_groups"][0]["weight_decay"] == 0.05
+    config = json.loads((run / "config.json").read_text())
+    assert config["optim"]["lr"] == 5e-4 and config["train"]["steps"] == 6
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--n-layer", "3"], "--n-layer cannot change when resuming"),
+    (["--seq-len", "16"], "--seq-len cannot change when resuming"),
+    (["--optimizer", "sgdm"], "--optimizer cannot change when resuming"),
+])
+def test_flags_that_cannot_change_on_resume_are_refused(corpus, tmp_path, capsys, flags, error):
+    train_gpt.main(tiny_args(corpus, tmp_path, "fixed", steps=1, **{"val-every": 0}))
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--resume", str(tmp_path / "fixed"), *flags])
+    assert error in capsys.readouterr().err
+
+
+def test_an_earlier_run_is_never_overwritten(corpus, tmp_path, capsys, monkeypatch):
+    train_gpt.main(tiny_args(corpus, tmp_path, "taken", steps=1, **{"val-every": 0}))
+    before = (tmp_path / "taken" / "log.jsonl").read_text()
+    with pytest.raises(SystemExit):
+        train_gpt.main(tiny_args(corpus, tmp_path, "taken", steps=1, **{"val-every": 0}))
+    assert "taken already holds a run; continue it with --resume" in capsys.readouterr().err
+    assert (tmp_path / "taken" / "log.jsonl").read_text() == before
+    monkeypatch.setattr(train_gpt.time, "strftime", lambda fmt: "20260101-000000")  # two runs in one second
+    first = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
+    second = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
+    assert Path(first["run_dir"]).name == "20260101-000000-custom-adamw"
+    assert Path(second["run_dir"]).name == "20260101-000000-custom-adamw-2"
+    assert "using 20260101-000000-custom-adamw-2 instead" in (Path(second["run_dir"]) / "log.txt").read_text()
+
+
+def test_resuming_a_loose_checkpoint_starts_a_new_run_directory(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path / "runs", "origin", steps=2, **{"val-every": 0}))
+    loose = tmp_path / "elsewhere" / "deep" / "saved.pt"
+    loose.parent.mkdir(parents=True)
+    loose.write_bytes((tmp_path / "runs" / "origin" / "checkpoints" / "latest.pt").read_bytes())
+    summary = train_gpt.main(["--resume", str(loose), "--steps", "3", "--run-dir", str(tmp_path / "new")])
+    assert Path(summary["run_dir"]).parent == tmp_path / "new" and summary["step"] == 3
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["deep"]  # nothing written beside it
+    assert train_gpt.run_dir_of(loose) is None
+    origin = tmp_path / "runs" / "origin"
+    assert train_gpt.run_dir_of(origin / "checkpoints" / "latest.pt") == origin
+
+
+def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "straight", steps=30, **{"val-every": 0})
+    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
+    args = tiny_args(corpus, tmp_path, "stopped", steps=30, **{"val-every": 0, "checkpoint-every": 0})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = proc.stdout.read()
+    assert proc.wait(timeout=120) == 128 + signal.SIGTERM, output
+    run = tmp_path / "stopped"
+    stopped_at = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
+    assert 3 <= stopped_at < 30 and f"SIGTERM at step {stopped_at}: checkpoint written" in output
+    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--resume", str(run)], check=True, env=ENV,
+                   capture_output=True)  # one thread, as the runs above: bit-exact on the CPU
+    straight, resumed = train_losses(tmp_path / "straight"), train_losses(run)
+    assert sorted(resumed) == list(range(1, 31))
+    assert all(resumed[step] == straight[step] for step in resumed)
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "ranks", steps=400, **{"val-every": 0, "log-every": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("step 4/"):
+            os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler's preemption sends to the whole job
+            break
+    output = proc.stdout.read()
+    proc.wait(timeout=120)
+    ckpt = train_gpt.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    assert 4 <= ckpt["step"] < 400 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
+
+
+def test_presets_compose_with_flags():
+    cfg = train_gpt.parse_config(["--preset", "smoke", "--n-layer", "3", "--optimizer", "sgdm"])
+    assert cfg.preset == "smoke" and cfg.model.n_layer == 3 and cfg.model.n_embd == 128
+    assert cfg.train.optimizer == "sgdm" and cfg.train.steps == train_gpt.PRESETS["smoke"]["steps"]
+    assert cfg.optim.lr == 0.03  # the preset's lr belongs to its own optimizer (adamw)
+    assert train_gpt.parse_config(["--preset", "smoke"]).optim.lr == 2e-3
+    assert train_gpt.parse_config(["--preset", "gpt2-124m"]).train.checkpoint_every > 0  # long runs checkpoint
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be divisible by --n-head 4"),
     (["--optimizer", "adam"], "invalid choice: 'adam'"),
     (["--steps", "ten"], "--steps expects int, got 'ten'"),
-    (["--batch-tokens", "1000"], "--batch-tokens 1000 must be a multiple of --micro-batch x --seq-len = 4096"),
+    (["--batch-tokens", "1000"], "--batch-tokens 1000 must be a multiple of --seq-len 512"),
     (["--seq-len", "1024"], "--seq-len 1024 exceeds --block-size 512"),
     (["--lr", "-1"], "--lr must be positive"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--bias-mode", "bk"], "invalid choice: 'bk'"),
     (["--optimizer", "muon", "--dynamics-every", "10"], "muon has none (set --dynamics-every 0)"),
+    (["--ecd-eta", "5"], "--ecd-eta is a flag of --optimizer ecd; this run uses adamw"),
 ])
 def test_bad_cli_values_give_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as excinfo:
-        train_gpt.parse_config(argv)
+        train_gpt.parse_config(["--device", "cpu", *argv])
     assert excinfo.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_resume_of_missing_checkpoint_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint at .*latest.pt"):
-        train_gpt.parse_config(["--resume", str(tmp_path)])
-
-
-def test_corrupt_shard_names_the_file(corpus, tmp_path):
-    bad = tmp_path / "bad_train_000001.bin"
-    bad.write_bytes(np.full(256, 7, dtype="<i4").tobytes() + b"\0" * 64)
-    with pytest.raises(ShardError, match=r"bad_train_000001\.bin: bad magic 7"):
-        train_gpt.main(tiny_args(corpus, tmp_path, "corrupt", **{"train-files": str(bad)}))
-
-
-def test_presets_compose_with_flags():
-    model, hp, opt, preset = train_gpt.parse_config(["--preset", "smoke", "--n-layer", "3", "--optimizer", "sgdm"])
-    assert preset == "smoke" and model.n_layer == 3 and model.n_embd == 128 and opt.optimizer == "sgdm"
-    assert hp.steps == train_gpt.PRESETS["smoke"]["steps"]
-
-
-def test_help_documents_every_field(capsys):
+def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train_gpt.parse_config(["--help"])
-    text = capsys.readouterr().out
-    for cls in train_gpt.CONFIG_CLASSES.values():
-        helps = train_gpt._field_help(cls)
-        for f in cls.__dataclass_fields__:
-            assert "--" + f.replace("_", "-") in text
-            assert f in helps, f"{cls.__name__}.{f} has no help comment"
+        train_gpt.parse_config(["--resume", str(tmp_path)])
+    assert "no checkpoint at" in capsys.readouterr().err
+    foreign = tmp_path / "weights.pt"
+    torch.save({"w": torch.zeros(2)}, foreign)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello")
+    for path, reason in ((foreign, "not a symgpt-checkpoint-v1 checkpoint"), (notes, "not a readable checkpoint")):
+        with pytest.raises(SystemExit):
+            train_gpt.parse_config(["--resume", str(path)])
+        assert f"{path}: {reason}" in capsys.readouterr().err
+
+
+def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_path):
+    """A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC)."""
+    script = (
+        "import resource, signal, sys, torch, train_gpt\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
+        "try:\n"
+        f"    train_gpt.save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'w': torch.zeros(1 << 16)}})\n"
+        "except OSError as exc:\n"
+        "    print(exc)\n"
+        "    sys.exit(3)\n")
+    result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert f"could not write checkpoint {tmp_path}/checkpoints/latest.pt" in result.stdout
+    assert "MiB free there" in result.stdout and "enforce fail" not in result.stdout
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_errors_and_notes_reach_log_txt(corpus, tmp_path, monkeypatch):
+    real = train_gpt.default_data_files
+
+    def noted(hp, is_master):
+        return (*real(hp, is_master)[:2], "a note about the data")
+
+    monkeypatch.setattr(train_gpt, "default_data_files", noted)
+    train_gpt.main(tiny_args(corpus, tmp_path, "noted", steps=1, **{"val-every": 0}))
+    text = (tmp_path / "noted" / "log.txt").read_text()
+    assert "a note about the data" in text.split("=" * 100)[-1]  # after the code, with the printed lines
+
+
+def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(corpus, tmp_path):
+    for optimizer in ("adamw", "ecd"):
+        lr = {"adamw": 3e-3, "ecd": 0.5}[optimizer]
+        train_gpt.main(tiny_args(corpus, tmp_path, optimizer, steps=3, optimizer=optimizer, lr=lr,
+                                 **{"grad-clip": 0.1, "val-every": 0}))
+        norms = [r["grad_norm"] for r in read_log(tmp_path / optimizer) if "grad_norm" in r]
+        assert len(norms) == 3 and all(n > 0.1 for n in norms)  # the norm before clipping, which was active
+
+
+def test_help_shows_real_defaults_and_every_optimizer(capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--optimizer", "ecd", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "None" not in text
+    assert "--lr FLOAT ℓ; the position step is lr/sqrt(ecd_eta) (default: 1.0)" in text
+    for cls in train_gpt.config_classes("ecd").values():
+        for field in train_gpt.dataclasses.fields(cls):
+            assert train_gpt.option(field.name) in text and field.metadata["help"], field.name
     for name, spec in train_gpt.OPTIMIZERS.items():
-        assert f"[{name}] {spec.description}." in " ".join(text.split())
+        assert f"{name} {spec.description}" in text
 
 
 def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(monkeypatch):
@@ -194,13 +414,11 @@ def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(m
 
     monkeypatch.setattr(fineweb_edu, "fineweb_shards_present", lambda: True)
     hp = train_gpt.Hyperparameters
-    assert train_gpt.resolve_data_files(hp(val_files="v_*.bin"), True) == (fineweb_edu.DEFAULT_TRAIN_PATTERN,
-                                                                           "v_*.bin")
-    assert train_gpt.resolve_data_files(hp(), True) == (fineweb_edu.DEFAULT_TRAIN_PATTERN,
-                                                        fineweb_edu.DEFAULT_VAL_PATTERN)
-    assert train_gpt.resolve_data_files(hp(train_files="t_*.bin"), True) == ("t_*.bin", "t_*.bin")
-    assert train_gpt.resolve_data_files(hp(train_files="t_*.bin", val_files="v_*.bin"), True) == ("t_*.bin",
-                                                                                                   "v_*.bin")
+    files = lambda h: train_gpt.resolve_data_files(h, True)[:2]  # noqa: E731
+    assert files(hp(val_files="v_*.bin")) == (fineweb_edu.DEFAULT_TRAIN_PATTERN, "v_*.bin")
+    assert files(hp()) == (fineweb_edu.DEFAULT_TRAIN_PATTERN, fineweb_edu.DEFAULT_VAL_PATTERN)
+    assert files(hp(train_files="t_*.bin")) == ("t_*.bin", "t_*.bin")
+    assert files(hp(train_files="t_*.bin", val_files="v_*.bin")) == ("t_*.bin", "v_*.bin")
 
 
 def test_lr_schedules():
@@ -235,11 +453,23 @@ def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_p
     assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
 
 
-def test_batch_that_does_not_split_over_ranks_names_the_fix(corpus, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    args = tiny_args(corpus, tmp_path, "split", **{"batch-tokens": 128})  # one micro-batch, two ranks
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(ROOT / "train_gpt.py"), *args], env=env, capture_output=True, text=True)
-    assert result.returncode != 0
-    assert "--micro-batch 2 keeps the global batch" in result.stderr + result.stdout
+def test_corrupt_shard_names_the_file(corpus, tmp_path):
+    bad = tmp_path / "bad_train_000001.bin"
+    bad.write_bytes(np.full(256, 7, dtype="<i4").tobytes() + b"\0" * 64)
+    with pytest.raises(ShardError, match=r"bad_train_000001\.bin: bad magic 7"):
+        train_gpt.main(tiny_args(corpus, tmp_path, "corrupt", **{"train-files": str(bad)}))
+
+
+def test_sigint_stops_a_single_process_promptly(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "ctrlc", steps=100000, **{"val-every": 0, "log-every": 1000})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("optimizer state"):  # the first step is done
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            break
+    output = proc.stdout.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGINT, output  # long before the next log step at 1000
+    step = train_gpt.load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
+    assert 1 <= step < 1000 and f"SIGINT at step {step}" in output
