@@ -253,7 +253,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     Subclasses start step() with `grads = self.reduced_gradients()` (this rank's averaged, clipped chunk per region)
     and end it with `region.gather_params()`. `max_grad_norm` > 0 clips the global gradient norm to it (the norm
     of the averaged gradient, so it needs the reduction first: gradients are local until step()); `grad_norm`
-    then holds the norm before clipping as a device tensor.
+    then holds the norm before clipping as a device tensor. `overlap` = False leaves every reduction to step().
 
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
     has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
@@ -278,13 +278,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.calls = 0
         self.max_grad_norm = 0.0
         self.grad_norm: Tensor | None = None
+        self.overlap = True
         self._sync = True
         if self.regions[0].world_size > 1:
             for i, p in enumerate(self.params_in_order):
                 p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, i))
 
     def _gradient_ready(self, index: int, param: Tensor) -> None:
-        if self._sync:
+        if self._sync and self.overlap:
             self.region_of[index].gradient_ready(index)
 
     @contextlib.contextmanager

@@ -396,6 +396,15 @@ def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(co
         assert len(norms) == 3 and all(n > 0.1 for n in norms)  # the norm before clipping, which was active
 
 
+def test_sharded_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
+    cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings", optimizer="soap",
+                                           **{"grad-clip": 0.5, "overlap-reduce": False}))
+    rt = train_gpt.setup(cfg)
+    state = train_gpt.build(cfg, rt, train_gpt.RunLog(rt.is_master))
+    state.loader.close()
+    assert [(opt.max_grad_norm, opt.overlap) for opt in state.optimizers] == [(0.5, False)]
+
+
 def test_help_shows_real_defaults_and_every_optimizer(capsys):
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--optimizer", "ecd", "--help"])
