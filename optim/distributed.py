@@ -125,6 +125,7 @@ class Region:
         """Zero the flat gradient buffer and point every `param.grad` back at its view (dropping any gradient that
         autograd allocated elsewhere after a set_to_none)."""
         self._wait()
+        self._not_ready = set(self.indices)
         self.grads.zero_()
         for p, view in self._grad_views.values():
             p.grad = view
@@ -302,7 +303,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's chunk of the rank-averaged gradient for every region, clipped to `max_grad_norm` if set."""
         grads = [region.reduce_gradients() for region in self.regions]
         if self.max_grad_norm > 0:
-            local = sum(g.double().square().sum() for g in grads)
+            local = torch.stack([torch.linalg.vector_norm(g).double() for g in grads]).square().sum()
             self.grad_norm = all_reduce_sum(local.reshape(1))[0].sqrt()
             scale = (self.max_grad_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
             for g in grads:

@@ -55,7 +55,8 @@ def make(name: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 NAMES = ["ecd_global", "ecd_per_tensor", "soap", "muon"]
-VARIANTS = {"clipped": {"clip": 0.05}, "accumulated": {"micro_steps": 2}, "in_step": {"overlap": False}}
+VARIANTS = {"clipped": {"clip": 0.05}, "accumulated": {"micro_steps": 2}, "in_step": {"overlap": False},
+            "after_partial_backward": {"partial_backward": True}}
 
 
 def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,9 +67,14 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rows], y[rows]
 
 
-def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None, micro_steps=1, clip=0.0, overlap=True):
-    """Returns how many reductions the last backward pass had started before step() (0 on one process)."""
+def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None, micro_steps=1, clip=0.0, overlap=True,
+          partial_backward=False):
+    """Returns how many reductions the last backward pass had started before step() (0 on one process).
+    partial_backward: first a discarded backward pass that reaches only l1 (a bucket left half ready)."""
     opt.max_grad_norm, opt.overlap = clip, overlap
+    if partial_backward:
+        model.l1(batch(0, rank, world)[0]).square().mean().backward()
+        opt.zero_grad()
     for step in range(first, first + steps):
         if on_step:
             on_step(step, model, opt)
