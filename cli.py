@@ -22,6 +22,8 @@ def add_flags(group: argparse._ActionsContainer, cls: type, defaults: dict[str, 
     types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind, meta = types[f.name], f.metadata
+        if kind not in (bool, int, float, str):
+            raise TypeError(f"{cls.__name__}.{f.name}: a flag's type is bool, int, float or str, not {kind}")
         kwargs: dict = {"default": defaults[f.name], "dest": f.name, "help": meta.get("help", "")}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
