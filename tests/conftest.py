@@ -15,7 +15,7 @@ if str(ROOT) not in sys.path:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine (run on the device machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
