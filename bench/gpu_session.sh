@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One session on a GPU machine: correctness first, then every benchmark.
-# Results (at most 8 files) go to $OUT (the device tool's folder) or runs/gpu. Record the tables in BENCHMARKS.md.
+# Results go to $OUT (if set) or runs/gpu. Record the tables in BENCHMARKS.md.
 #   bash bench/gpu_session.sh
 # The tokenizer tests need data/cache/tiktoken (carry it: the GPU machine has no package registry).
 set -uo pipefail
