@@ -9,11 +9,14 @@ Two implementations live here, kernel next to its oracle:
 - `attention_reference`: PyTorch SDPA with the biases applied outside. Runs on every device; the tests' oracle.
 - `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
   tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
-  key blocks and a separate dQ pass over query blocks, so no atomics). b_Q is added to each q tile as it is
-  loaded (in fp32, then rounded to the input dtype as the reference does; dK is taken against q + b_Q), b_V is
+  key blocks and a separate dQ pass over query blocks, so no atomics). b_Q enters only as a per-key logit bias,
+  (q + b_Q)·k = q·k + b_Q·k (SPEC §1): c_j = b_Q·k_j/√d is computed once per (batch, head) in fp32 (a small
+  kernel before the forward, fused into the backward's preprocess) and added to each score tile, so no q tile is
+  ever modified; the dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is
   added to the output in the epilogue (and subtracted again where the backward needs softmax·v alone). It is
   registered as the custom op `symgpt::attention_fwd` / `symgpt::attention_bwd` so torch.compile traces it
-  without a graph break. Gradients of b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time.
+  without a graph break. Gradients of b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time
+  (dQ is also the gradient of q + b_Q).
 
 `attention` uses the Triton op for CUDA tensors in fp16/bf16 with d in {64, 128} and the reference otherwise.
 The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
@@ -22,7 +25,9 @@ interpreter, CUDA in-process); benchmark: bench/attention.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -70,10 +75,10 @@ def attention_reference(
 # work) and the few that do: the causal diagonal and the ragged tail where T is not a multiple of the block.
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T, qk_scale,
-                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS: tl.constexpr,
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T, qk_scale,
+                    BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr):
-    """Online softmax over the key blocks starting in [lo, hi); K, V point at this (batch, head)."""
+    """Online softmax over the key blocks starting in [lo, hi); K, V, C point at this (batch, head)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -86,6 +91,8 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if HAS_BQ:
+            s += _key_bias(C, cols, T, BOUNDS)[None, :]
         if CAUSAL_MASK:
             s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
         if BOUNDS:
@@ -115,45 +122,65 @@ def _query_block(H, T, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl
 
 
 @triton.jit
-def _load_biased_q(Q_head, BQ_head, stride_qt, offs_m, offs_d, row_ok, HAS_BQ: tl.constexpr):
-    """A q tile with b_Q added in fp32 and rounded to the input dtype, exactly as the reference forms q + b_Q."""
-    q = tl.load(Q_head + offs_m[:, None] * stride_qt + offs_d[None, :], mask=row_ok, other=0.0)
-    if HAS_BQ:
-        b_q = tl.load(BQ_head + offs_d).to(tl.float32)
-        q = (q.to(tl.float32) + b_q[None, :]).to(Q_head.dtype.element_ty)
-    return q
+def _key_bias(C, cols, T, BOUNDS: tl.constexpr):
+    """The logit biases c of the keys `cols` (0 past T, where the scores are masked anyway)."""
+    if BOUNDS:
+        return tl.load(C + cols, mask=cols < T, other=0.0)
+    return tl.load(C + cols)
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, BQ, BV, O, LSE,
+def _key_logit_bias_rows(K_head, BQ_head, stride_kt, offs_t, offs_d, T, qk_scale):
+    """c_t = (b_Q · k_t) · log2(e)/√d in fp32 for the keys offs_t of one (batch, head): b_Q's whole effect on the
+    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (SPEC §1)."""
+    k = tl.load(K_head + offs_t[:, None] * stride_kt + offs_d[None, :], mask=offs_t[:, None] < T, other=0.0)
+    b_q = tl.load(BQ_head + offs_d).to(tl.float32)
+    return tl.sum(k.to(tl.float32) * b_q[None, :], 1) * qk_scale
+
+
+@triton.jit
+def _key_logit_bias(K, BQ, C, stride_kb, stride_kh, stride_kt, stride_bqh, H, T, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """C[b, h, t] = c_t for BLOCK keys of one (batch, head) (see _key_logit_bias_rows); runs before the forward."""
+    off_bh = tl.program_id(1)
+    offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = _key_logit_bias_rows(K + (off_bh // H) * stride_kb + (off_bh % H) * stride_kh, BQ + (off_bh % H) * stride_bqh,
+                             stride_kt, offs_t, tl.arange(0, HEAD_DIM), T, qk_scale)
+    tl.store(C + off_bh * T + offs_t, c, mask=offs_t < T)
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, C, BV, O, LSE,
               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
               stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-              stride_bqh, stride_bvh, H, T, qk_scale,
+              stride_bvh, H, T, qk_scale,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr, HAS_BV: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: BLOCK_M query rows of one (batch, head). Writes O = softmax((q + b_Q)kᵀ/√d)v + b_V and lse2."""
+    """One program: BLOCK_M query rows of one (batch, head). Writes O = softmax((q·kᵀ + b_Q·kᵀ)/√d)v + b_V and lse2
+    (C holds the keys' logit biases b_Q·k/√d in base 2 when HAS_BQ)."""
     off_bh, off_b, off_h, start_m, offs_m, offs_n, offs_d, row_ok = _query_block(H, T, CAUSAL, HEAD_DIM, BLOCK_M,
                                                                                  BLOCK_N)
-    q = _load_biased_q(Q + off_b * stride_qb + off_h * stride_qh, BQ + off_h * stride_bqh, stride_qt, offs_m,
-                       offs_d, row_ok, HAS_BQ)
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=row_ok, other=0.0)
     K += off_b * stride_kb + off_h * stride_kh
     V += off_b * stride_vb + off_h * stride_vh
+    C += off_bh * T
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if CAUSAL:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        0, start_m, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        0, start_m, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
                                         start_m, min(start_m + BLOCK_M, T), T, qk_scale,
-                                        BLOCK_N, True, True, INPUT_PRECISION)
+                                        BLOCK_N, HAS_BQ, True, True, INPUT_PRECISION)
     else:
         t_full = (T // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        0, t_full, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        t_full, T, T, qk_scale, BLOCK_N, False, True, INPUT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        0, t_full, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                        t_full, T, T, qk_scale, BLOCK_N, HAS_BQ, False, True, INPUT_PRECISION)
 
     out = acc / l_i[:, None]
     if HAS_BV:
@@ -164,10 +191,12 @@ def _attn_fwd(Q, K, V, BQ, BV, O, LSE,
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, BV, DELTA,
-                         stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_bvh, H, T,
-                         HEAD_DIM: tl.constexpr, HAS_BV: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta_i = Σ_j P_ij dP_ij = dO_i · (O_i − b_V): the softmax-backward row term (b_V is not part of P·V)."""
+def _attn_bwd_preprocess(O, DO, BV, DELTA, K, BQ, C,
+                         stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_bvh,
+                         stride_kb, stride_kh, stride_kt, stride_bqh, H, T, qk_scale,
+                         HEAD_DIM: tl.constexpr, HAS_BV: tl.constexpr, HAS_BQ: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = Σ_j P_ij dP_ij = dO_i · (O_i − b_V): the softmax-backward row term (b_V is not part of P·V); and
+    the keys' logit biases c (as the forward's _key_logit_bias) when HAS_BQ."""
     off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -181,14 +210,19 @@ def _attn_bwd_preprocess(O, DO, BV, DELTA,
     if HAS_BV:
         o -= tl.load(BV + off_h * stride_bvh + offs_d).to(tl.float32)[None, :]
     tl.store(DELTA + off_bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
+    if HAS_BQ:
+        c = _key_logit_bias_rows(K + off_b * stride_kb + off_h * stride_kh, BQ + off_h * stride_bqh, stride_kt,
+                                 offs_m, offs_d, T, qk_scale)
+        tl.store(C + off_bh * T + offs_m, c, mask=offs_m < T)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+def _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
                          offs_n, offs_m, offs_d, lo, hi, T, qk_scale,
                          BLOCK_M: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                          BOUNDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """Accumulate dK, dV of one key block over the query blocks starting in [lo, hi) (transposed: keys are rows)."""
+    """Accumulate dK (without b_Q's term), dV and Σ_i dS_ij of one key block over the query blocks starting in
+    [lo, hi) (transposed: keys are rows); c is the block's key logit biases."""
     for start_m in range(lo, hi, BLOCK_M):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         rows = start_m + offs_m
@@ -204,26 +238,30 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, D
             do = tl.load(do_ptrs)
             lse = tl.load(LSE + rows)
             delta = tl.load(DELTA + rows)
+        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
         if HAS_BQ:
-            q = (q.to(tl.float32) + b_q[None, :]).to(k.dtype)
-        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale - lse[None, :])
+            s_t += c[:, None]
+        p_t = tl.math.exp2(s_t - lse[None, :])
         if CAUSAL_MASK:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-    return dk, dv
+        if HAS_BQ:
+            ds_sum += tl.sum(ds_t, 1)
+    return dk, dv, ds_sum
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, BQ, DO, LSE, DELTA, DK, DV,
+def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV,
                    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                    stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
                    stride_gb, stride_gh, stride_gt, stride_bqh, H, T, qk_scale, sm_scale,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: dK = Σ dSᵀ(q + b_Q)/√d and dV = Σ Pᵀ dO for BLOCK_N keys of one (batch, head)."""
+    """One program: dK = Σ dSᵀ(q + b_Q)/√d = (Σ dSᵀq + b_Q Σ dSᵀ)/√d and dV = Σ Pᵀ dO for BLOCK_N keys of one
+    (batch, head)."""
     off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
@@ -237,10 +275,7 @@ def _attn_bwd_dkdv(Q, K, V, BQ, DO, LSE, DELTA, DK, DV,
                 mask=key_ok, other=0.0)
     v = tl.load(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
                 mask=key_ok, other=0.0)
-    if HAS_BQ:
-        b_q = tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)
-    else:
-        b_q = tl.zeros([HEAD_DIM], tl.float32)
+    c = _key_bias(C + off_bh * T, offs_n, T, True) if HAS_BQ else tl.zeros([BLOCK_N], tl.float32)
     Q += off_b * stride_qb + off_h * stride_qh
     DO += off_b * stride_dob + off_h * stride_doh
     LSE += off_bh * T
@@ -248,25 +283,28 @@ def _attn_bwd_dkdv(Q, K, V, BQ, DO, LSE, DELTA, DK, DV,
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    ds_sum = tl.zeros([BLOCK_N], tl.float32)
     t_full = (T // BLOCK_M) * BLOCK_M
     if CAUSAL:
         diag_end = start_n + BLOCK_N  # a multiple of BLOCK_M: the unmasked blocks start there
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                      offs_n, offs_m, offs_d, start_n, min(diag_end, T), T, qk_scale,
-                                      BLOCK_M, HAS_BQ, True, True, INPUT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                      offs_n, offs_m, offs_d, diag_end, t_full, T, qk_scale,
-                                      BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                      offs_n, offs_m, offs_d, max(t_full, diag_end), T, T, qk_scale,
-                                      BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
+        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                              offs_n, offs_m, offs_d, start_n, min(diag_end, T), T, qk_scale,
+                                              BLOCK_M, HAS_BQ, True, True, INPUT_PRECISION)
+        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                              offs_n, offs_m, offs_d, diag_end, t_full, T, qk_scale,
+                                              BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
+        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                              offs_n, offs_m, offs_d, max(t_full, diag_end), T, T, qk_scale,
+                                              BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
     else:
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                      offs_n, offs_m, offs_d, 0, t_full, T, qk_scale,
-                                      BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, b_q, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                      offs_n, offs_m, offs_d, t_full, T, T, qk_scale,
-                                      BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
+        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                              offs_n, offs_m, offs_d, 0, t_full, T, qk_scale,
+                                              BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
+        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
+                                              offs_n, offs_m, offs_d, t_full, T, T, qk_scale,
+                                              BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
+    if HAS_BQ:  # b_Q's rank-1 term: dK_j += b_Q Σ_i dS_ij (the 1/√d follows below)
+        dk += ds_sum[:, None] * tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)[None, :]
 
     out_offs = off_b * stride_gb + off_h * stride_gh + offs_n[:, None] * stride_gt + offs_d[None, :]
     tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
@@ -274,9 +312,9 @@ def _attn_bwd_dkdv(Q, K, V, BQ, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T,
-                       qk_scale, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS: tl.constexpr,
-                       INPUT_PRECISION: tl.constexpr):
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T,
+                       qk_scale, BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                       BOUNDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Accumulate dQ of one query block over the key blocks starting in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -289,7 +327,10 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale - lse[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+        if HAS_BQ:
+            s += _key_bias(C, cols, T, BOUNDS)[None, :]
+        p = tl.math.exp2(s - lse[:, None])
         if CAUSAL_MASK:
             p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
         if BOUNDS:
@@ -301,47 +342,89 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, BQ, DO, LSE, DELTA, DQ,
+def _attn_bwd_dq(Q, K, V, C, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
                  stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                 stride_gb, stride_gh, stride_gt, stride_bqh, H, T, qk_scale, sm_scale,
+                 stride_gb, stride_gh, stride_gt, H, T, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One program: dQ = Σ dS k/√d for BLOCK_M query rows of one (batch, head); also the gradient of q + b_Q."""
+    """One program: dQ = Σ dS k/√d for BLOCK_M query rows of one (batch, head); also the gradient of q + b_Q
+    (b_Q itself enters only through the key logit biases C)."""
     off_bh, off_b, off_h, start_m, offs_m, offs_n, offs_d, row_ok = _query_block(H, T, CAUSAL, HEAD_DIM, BLOCK_M,
                                                                                  BLOCK_N)
-    q = _load_biased_q(Q + off_b * stride_qb + off_h * stride_qh, BQ + off_h * stride_bqh, stride_qt, offs_m,
-                       offs_d, row_ok, HAS_BQ)
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=row_ok, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
                  mask=row_ok, other=0.0)
     lse = tl.load(LSE + off_bh * T + offs_m, mask=offs_m < T, other=float("inf"))
     delta = tl.load(DELTA + off_bh * T + offs_m, mask=offs_m < T, other=0.0)
     K += off_b * stride_kb + off_h * stride_kh
     V += off_b * stride_vb + off_h * stride_vh
+    C += off_bh * T
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if CAUSAL:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                0, start_m, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                0, start_m, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
                                 start_m, min(start_m + BLOCK_M, T), T, qk_scale,
-                                BLOCK_N, True, True, INPUT_PRECISION)
+                                BLOCK_N, HAS_BQ, True, True, INPUT_PRECISION)
     else:
         t_full = (T // BLOCK_N) * BLOCK_N
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                0, t_full, T, qk_scale, BLOCK_N, False, False, INPUT_PRECISION)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                t_full, T, T, qk_scale, BLOCK_N, False, True, INPUT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                0, t_full, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
+                                t_full, T, T, qk_scale, BLOCK_N, HAS_BQ, False, True, INPUT_PRECISION)
 
     tl.store(DQ + off_b * stride_gb + off_h * stride_gh + offs_m[:, None] * stride_gt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok)
 
 
 # -----------------------------------------------------------------------------
-# Autotuning, keyed by (T, d, causal) plus the dtypes of the tensor arguments (Triton adds those to every key).
-# On Hopper every config compiles to wgmma (HGMMA). Which warp count avoids register spills depends on the tile
-# and d (offline sm_90 compile of every config: at d = 64, 4 warps spill only on the largest tiles and 8 never;
-# at d = 128 the dK/dV pass spills a little in most configs, least with 8 warps), so both counts are tried.
+# Tile shapes. By default each pass runs one shipped tile choice per (GPU generation, head dim), so the first call on
+# a new sequence length compiles one kernel per pass instead of autotuning dozens (minutes on a cold machine).
+# SYMGPT_ATTENTION_AUTOTUNE=1 autotunes over the lists below instead, keyed by (T, d, causal) plus the dtypes of the
+# tensor arguments (Triton adds those to every key).
+# Forward and dQ: BLOCK_M query rows per program, BLOCK_N keys per step (BLOCK_M % BLOCK_N == 0); dK/dV: BLOCK_N keys
+# per program, BLOCK_M query rows per step (BLOCK_N % BLOCK_M == 0).
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Hopper (sm_90): the shapes of Triton's fused-attention tutorial for Hopper (forward 128 x 64; backward 32 x 128
+# for dK/dV and 128 x 32 for dQ, deep pipelines), with the warp counts that compile without register spills in the
+# offline sm_90 build (bench/attention_sass.py; the dK/dV pass at d = 128 spills 16 bytes, the least of every
+# config tried). Other GPUs (and the CPU interpreter): smaller, shallower tiles.
+# Chosen, not yet tuned on a GPU: measure with SYMGPT_ATTENTION_AUTOTUNE=1 and bench/attention.py, then update.
+TILES: dict[tuple[str, str, int], Tile] = {
+    ("hopper", "fwd", 64): Tile(128, 64, 4, 3),
+    ("hopper", "fwd", 128): Tile(128, 64, 8, 3),
+    ("hopper", "dkdv", 64): Tile(32, 128, 8, 4),
+    ("hopper", "dkdv", 128): Tile(32, 128, 8, 4),
+    ("hopper", "dq", 64): Tile(128, 32, 4, 4),
+    ("hopper", "dq", 128): Tile(128, 32, 8, 3),
+    ("other", "fwd", 64): Tile(64, 64, 4, 2),
+    ("other", "fwd", 128): Tile(64, 32, 4, 2),
+    ("other", "dkdv", 64): Tile(32, 64, 4, 2),
+    ("other", "dkdv", 128): Tile(32, 64, 4, 2),
+    ("other", "dq", 64): Tile(64, 32, 4, 2),
+    ("other", "dq", 128): Tile(64, 32, 4, 2),
+}
+AUTOTUNE_ENV = "SYMGPT_ATTENTION_AUTOTUNE"
+
+
+def tile_for(pass_name: str, q: torch.Tensor) -> Tile:
+    """The shipped tile of a pass ("fwd", "dkdv", "dq") for q's device and head dim, shrunk to a short sequence."""
+    hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    tile = TILES[("hopper" if hopper else "other", pass_name, q.shape[-1])]
+    t = max(16, triton.next_power_of_2(q.shape[2]))  # rows or keys past the sequence would be pure masking
+    return dataclasses.replace(tile, block_m=min(tile.block_m, t), block_n=min(tile.block_n, t))
+
 
 def _configs(pairs: list[tuple[int, int]], stages: tuple[int, ...]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
@@ -357,18 +440,16 @@ def _prune_small_t(configs: list[triton.Config], named_args: dict, **kwargs) -> 
 
 _TUNE_KEY = ["T", "HEAD_DIM", "CAUSAL"]
 _PRUNE = {"early_config_prune": _prune_small_t}
-# forward and dQ: BLOCK_M query rows per program, BLOCK_N keys per step (BLOCK_M % BLOCK_N == 0);
-# dK/dV: BLOCK_N keys per program, BLOCK_M query rows per step (BLOCK_N % BLOCK_M == 0).
 _attn_fwd_tuned = triton.autotune(
     _configs([(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)], (3, 4)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
 )(_attn_fwd)
 _attn_bwd_dkdv_tuned = triton.autotune(
-    _configs([(32, 64), (64, 64), (32, 128), (64, 128)], (2, 3)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
+    _configs([(32, 64), (64, 64), (32, 128), (64, 128)], (2, 3, 4)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
 )(_attn_bwd_dkdv)
 _attn_bwd_dq_tuned = triton.autotune(
-    _configs([(64, 32), (64, 64), (128, 32), (128, 64)], (2, 3)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
+    _configs([(64, 32), (64, 64), (128, 32), (128, 64)], (2, 3, 4)), key=_TUNE_KEY, prune_configs_by=_PRUNE,
 )(_attn_bwd_dq)
-_PREPROCESS_BLOCK = 64
+_ROWS_BLOCK = 64  # rows per program of the small row-wise kernels (backward preprocess, key logit biases)
 
 
 # -----------------------------------------------------------------------------
@@ -400,21 +481,37 @@ def _launch_meta(q: torch.Tensor) -> dict:
     return {"HEAD_DIM": q.shape[-1], "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
 
 
+def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, blocks: list[int], grid, args: tuple, meta: dict) -> None:
+    """Run one pass: the forced `blocks` (tests), the autotuned kernel (SYMGPT_ATTENTION_AUTOTUNE=1) or the shipped
+    tile. `grid(block_m, block_n)` is the launch grid; blocks are given as (BLOCK_M, BLOCK_N) of this pass."""
+    if blocks:
+        kernel[grid(*blocks)](*args, **meta, BLOCK_M=blocks[0], BLOCK_N=blocks[1])
+    elif os.environ.get(AUTOTUNE_ENV) == "1":
+        tuned[lambda cfg: grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
+    else:
+        tile = tile_for(pass_name, q)
+        kernel[grid(tile.block_m, tile.block_n)](*args, **meta, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                                                 num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
              b_v: torch.Tensor | None, causal: bool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     B, H, T, D = q.shape
+    qk_scale = LOG2_E / math.sqrt(D)
     o = _token_major_empty(q)
     lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-    bq, stride_bqh = _bias_arg(b_q, q)
+    c = lse  # a placeholder pointer without b_Q
+    if b_q is not None:
+        bq, stride_bqh = _bias_arg(b_q, q)
+        c = torch.empty_like(lse)
+        _key_logit_bias[(triton.cdiv(T, _ROWS_BLOCK), B * H)](k, bq, c, *_strides(k), stride_bqh, H, T, qk_scale,
+                                                             HEAD_DIM=D, BLOCK=_ROWS_BLOCK)
     bv, stride_bvh = _bias_arg(b_v, q)
-    args = (q, k, v, bq, bv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            stride_bqh, stride_bvh, H, T, LOG2_E / math.sqrt(D))
+    args = (q, k, v, c, bv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), stride_bvh, H, T,
+            qk_scale)
     meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
-    if blocks:
-        _attn_fwd[(triton.cdiv(T, blocks[0]), B * H)](*args, **meta, BLOCK_M=blocks[0], BLOCK_N=blocks[1])
-    else:
-        _attn_fwd_tuned[lambda cfg: (triton.cdiv(T, cfg["BLOCK_M"]), B * H)](*args, **meta)
+    _launch(_attn_fwd, _attn_fwd_tuned, "fwd", q, blocks, lambda m, n: (triton.cdiv(T, m), B * H), args, meta)
     return o, lse
 
 
@@ -424,29 +521,24 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     do, q, k, v = (_last_dim_contiguous(x) for x in (do, q, k, v))
     B, H, T, D = q.shape
     sm_scale = 1.0 / math.sqrt(D)
-    meta = _launch_meta(q)
+    qk_scale = sm_scale * LOG2_E
     bq, stride_bqh = _bias_arg(b_q, q)
     bv, stride_bvh = _bias_arg(b_v, q)
 
     delta = torch.empty_like(lse)
-    _attn_bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK), B * H)](
-        o, do, bv, delta, *_strides(o), *_strides(do), stride_bvh, H, T,
-        HEAD_DIM=D, HAS_BV=b_v is not None, BLOCK_M=_PREPROCESS_BLOCK)
+    c = torch.empty_like(lse) if b_q is not None else lse  # the forward's key logit biases, recomputed here
+    _attn_bwd_preprocess[(triton.cdiv(T, _ROWS_BLOCK), B * H)](
+        o, do, bv, delta, k, bq, c, *_strides(o), *_strides(do), stride_bvh, *_strides(k), stride_bqh, H, T,
+        qk_scale, HEAD_DIM=D, HAS_BV=b_v is not None, HAS_BQ=b_q is not None, BLOCK_M=_ROWS_BLOCK)
 
     dq, dk, dv = _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), stride_bqh, H, T,
-              sm_scale * LOG2_E, sm_scale)
-    meta.update(CAUSAL=causal, HAS_BQ=b_q is not None)
-    if blocks:
-        _attn_bwd_dkdv[(triton.cdiv(T, blocks[0]), B * H)](
-            q, k, v, bq, do, lse, delta, dk, dv, *common, **meta, BLOCK_M=blocks[1], BLOCK_N=blocks[0])
-        _attn_bwd_dq[(triton.cdiv(T, blocks[0]), B * H)](
-            q, k, v, bq, do, lse, delta, dq, *common, **meta, BLOCK_M=blocks[0], BLOCK_N=blocks[1])
-    else:
-        _attn_bwd_dkdv_tuned[lambda cfg: (triton.cdiv(T, cfg["BLOCK_N"]), B * H)](
-            q, k, v, bq, do, lse, delta, dk, dv, *common, **meta)
-        _attn_bwd_dq_tuned[lambda cfg: (triton.cdiv(T, cfg["BLOCK_M"]), B * H)](
-            q, k, v, bq, do, lse, delta, dq, *common, **meta)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
+    meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None)
+    _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", q, blocks[::-1],  # keys per program come first in blocks
+            lambda m, n: (triton.cdiv(T, n), B * H),
+            (q, k, v, bq, c, do, lse, delta, dk, dv, *strides, stride_bqh, H, T, qk_scale, sm_scale), meta)
+    _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", q, blocks, lambda m, n: (triton.cdiv(T, m), B * H),
+            (q, k, v, c, do, lse, delta, dq, *strides, H, T, qk_scale, sm_scale), meta)
     return dq, dk, dv
 
 

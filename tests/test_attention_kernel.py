@@ -40,7 +40,7 @@ class Case:
     b_q: str = "none"  # "none", "shared" (d,), "head" (H, d)
     b_v: str = "none"
     dtype: str = "float32"
-    blocks: tuple[int, int] | None = (32, 16)  # None: autotune (CUDA only)
+    blocks: tuple[int, int] | None = (32, 16)  # None: the shipped tile table (kernels.attention.TILES)
     bias_grad: bool = True  # learned biases (require grad) or sampled ones (do not)
     token_major: bool = False  # q, k, v, dO as (B, T, H, d) memory viewed as (B, H, T, d), like the model's
 
@@ -62,6 +62,8 @@ CPU_CASES = [
     Case("f16_full_sampled_bq_tokmajor", 1, 2, 65, 64, False, "shared", dtype="float16", bias_grad=False,
          token_major=True),
     Case("f16_causal_d128_bv_head", 1, 2, 48, 128, True, b_v="head", dtype="float16"),
+    Case("f32_causal_shipped_tiles", 1, 2, 70, 64, True, "shared", "head", blocks=None),
+    Case("f16_full_d128_shipped_tiles", 1, 1, 40, 128, False, "head", "shared", dtype="float16", blocks=None),
 ]
 
 CUDA_CASES = [
@@ -274,6 +276,41 @@ def test_cuda_compile_fullgraph() -> None:
 
 # -----------------------------------------------------------------------------
 # In-process, no kernel launch: dispatch and input validation
+
+def test_shipped_tiles_fit_every_pass_and_shrink_to_short_sequences() -> None:
+    from kernels.attention import TILES, tile_for
+
+    for (_, pass_name, _), tile in TILES.items():
+        rows_per_step, per_program = (tile.block_m, tile.block_n) if pass_name == "dkdv" else (tile.block_n,
+                                                                                               tile.block_m)
+        assert per_program % rows_per_step == 0 and min(tile.block_m, tile.block_n) >= 16, (pass_name, tile)
+    for pass_name in ("fwd", "dkdv", "dq"):
+        assert tile_for(pass_name, torch.empty(1, 1, 20, 64)).block_m <= 32  # T = 20: no tile taller than 32
+        assert tile_for(pass_name, torch.empty(1, 1, 1, 64)) == dataclasses.replace(
+            TILES[("other", pass_name, 64)], block_m=16, block_n=16)
+
+
+def test_autotuning_only_when_asked(monkeypatch) -> None:
+    from kernels import attention as attn
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append((self.name, meta.get("BLOCK_M"), meta.get("num_warps")))
+
+    q = torch.empty(1, 1, 256, 64)
+    monkeypatch.delenv(attn.AUTOTUNE_ENV, raising=False)
+    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, [], lambda m, n: (1,), (), {})
+    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, [32, 16], lambda m, n: (1,), (), {})
+    monkeypatch.setenv(attn.AUTOTUNE_ENV, "1")
+    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, [], lambda m, n: (1,), (), {})
+    shipped = attn.TILES[("other", "fwd", 64)]
+    assert calls == [("plain", shipped.block_m, shipped.num_warps), ("plain", 32, None), ("tuned", None, None)]
+
 
 def test_attention_on_cpu_is_the_reference() -> None:
     from kernels.attention import attention, attention_reference
