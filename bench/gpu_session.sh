@@ -19,4 +19,7 @@ export PYTHONUNBUFFERED=1
     python -m bench.e2e --preset gpt2-124m --steps 40 --out "$OUT/e2e_large_batch.json" -- \
         --micro-batch 64 --batch-tokens 32768
 } 2>&1 | grep -v "^step " | tee "$OUT/e2e.txt"
-python -m bench.optim 2>&1 | tee "$OUT/optim.txt"
+{
+    python -m bench.optim --optimizers ecd,ecd:unfused,soap,muon,adamw,sgdm
+    python -m bench.optim --optimizers ecd,ecd:unfused --state-dtype bf16
+} 2>&1 | tee "$OUT/optim.txt"

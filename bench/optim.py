@@ -2,11 +2,15 @@
 
     python -m bench.optim                                        # the 124M preset on CUDA if available
     python -m bench.optim --n-layer 2 --n-embd 256 --n-head 4    # a small model (what a 2-core CPU can time)
+    python -m bench.optim --optimizers ecd,ecd:unfused,adamw     # NAME:unfused turns the fused kernels off
 
 Builds `train_gpt.GPT(GPTConfig(...))`, fills its gradients with one real forward/backward, then for each
-optimizer builds it from the registry with its SPEC §2 defaults and times `step()` alone (gradients fixed,
-median over --steps after --warmup steps; CUDA synchronised around each step). ECD gets the measured loss.
+optimizer builds it from the registry with its defaults and times `step()` alone (gradients fixed, median over
+--steps after --warmup steps; CUDA synchronised around each step). ECD gets the measured loss.
 The first SOAP step only builds its eigenbases, so warm-up must be >= 2 for SOAP's steady state.
+For the elementwise optimizers (ECD, SGDM, AdamW) it also prints the memory floor: the bytes a step must move at
+least (read θ and g, write θ, read and write each state vector) over the copy bandwidth measured in the same run
+(`dst.copy_(src)` of a 256 MiB buffer), and the step's fraction of it.
 """
 from __future__ import annotations
 
@@ -25,13 +29,37 @@ import train_gpt  # noqa: E402
 from optim import OPTIMIZERS, optimizer_state_bytes  # noqa: E402
 
 
-def time_optimizer(name: str, model_cfg: train_gpt.GPTConfig, device: torch.device, args) -> dict:
+STATE_VECTORS = {"ecd": 1, "sgdm": 1, "adamw": 2}  # state tensors per parameter of the elementwise optimizers
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of `dst.copy_(src)` (read + write) on a 256 MiB fp32 buffer, median of 5."""
+    src = torch.randn(1 << 26, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def time_optimizer(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.device, args) -> dict:
     torch.manual_seed(0)
     model = train_gpt.GPT(model_cfg).to(device)
+    name, _, mode = variant.partition(":")
     spec = OPTIMIZERS[name]
-    sharded = "optim_state_dtype" in {f.name for f in dataclasses.fields(spec.config)}
-    opt_cfg = spec.config(optim_state_dtype=args.state_dtype) if sharded else spec.config()
-    optimizers = spec.build(model, opt_cfg)
+    fields = {f.name for f in dataclasses.fields(spec.config)}
+    overrides = {"optim_state_dtype": args.state_dtype} if "optim_state_dtype" in fields else {}
+    if mode == "unfused":
+        if "fused" not in fields:
+            raise SystemExit(f"--optimizers {variant}: {name} has no fused path to turn off")
+        overrides["fused"] = False
+    optimizers = spec.build(model, spec.config(**overrides))
     idx = torch.randint(0, model_cfg.vocab_size, (args.batch, args.seq_len), device=device)
     _, loss = model(idx, idx)
     loss.backward()
@@ -55,8 +83,13 @@ def time_optimizer(name: str, model_cfg: train_gpt.GPTConfig, device: torch.devi
         step()
     times = [step() for _ in range(args.steps)]
     num_params = model.get_num_params()
-    return {"optimizer": name, "step_ms": 1e3 * statistics.median(times),
-            "state_bytes_per_param": optimizer_state_bytes(optimizers) / num_params, "params": num_params}
+    state_bytes = optimizer_state_bytes(optimizers) / num_params
+    floor_bytes = None
+    if name in STATE_VECTORS:  # θ read and written, g read, each state vector read and written
+        param_bytes = next(model.parameters()).element_size()
+        floor_bytes = num_params * (3 * param_bytes + 2 * state_bytes)
+    return {"optimizer": variant, "step_ms": 1e3 * statistics.median(times), "state_bytes_per_param": state_bytes,
+            "params": num_params, "floor_bytes": floor_bytes}
 
 
 def main() -> None:
@@ -77,10 +110,17 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {where} | torch {torch.__version__} | L={args.n_layer} H={args.n_head} C={args.n_embd} "
           f"| state dtype {args.state_dtype} | median of {args.steps} steps after {args.warmup} warm-up")
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     for name in args.optimizers.split(","):
         r = time_optimizer(name, model_cfg, device, args)
-        print(f"{r['optimizer']:>6}: {r['step_ms']:9.1f} ms/step | {r['state_bytes_per_param']:5.2f} bytes/param "
-              f"of optimizer state | {r['params']:,} parameters")
+        floor = ""
+        if r["floor_bytes"]:
+            floor_ms = 1e3 * r["floor_bytes"] / bandwidth
+            share = 100 * floor_ms / r["step_ms"]
+            floor = f" | floor {floor_ms:.2f} ms ({r['floor_bytes'] / 1e9:.2f} GB): {share:.0f}%"
+        print(f"{r['optimizer']:>12}: {r['step_ms']:9.1f} ms/step | {r['state_bytes_per_param']:5.2f} bytes/param "
+              f"of optimizer state | {r['params']:,} parameters{floor}")
 
 
 if __name__ == "__main__":

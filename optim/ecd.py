@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from cli import flag
+from kernels import ecd as ecd_kernels
 from optim.distributed import ShardedOptimizer, all_reduce_sum, rank_and_world_size
 from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
 
@@ -38,7 +39,9 @@ class ECDConfig(ShardedOptimizerConfig):
     ecd_energy_conservation: bool = flag(True, "renormalise Π to unit norm every step")
     ecd_projection: str = flag("global", "Π·g over all parameters (global, the Hamiltonian's) or per tensor "
                                "(the published code)", choices=PROJECTIONS)
-    optim_seed: int = flag(0, "seed of the momentum noise")
+    optim_seed: int = flag(0, "seed of the momentum noise (and of the stochastic rounding of a bf16 Π)")
+    fused: bool = flag(True, "on CUDA with fp32 parameters: the Triton step kernels (kernels/ecd.py, no host sync, "
+                             "a bf16 Π rounded stochastically); off: the per-tensor PyTorch path")
 
 
 def ecd_noise(seed: int, call: int, stream: int, start: int, stop: int, dtype: torch.dtype, device) -> Tensor:
@@ -98,6 +101,7 @@ class ECD(ShardedOptimizer):
         projection: str = ECDConfig.ecd_projection,
         seed: int = ECDConfig.optim_seed,
         state_dtype: torch.dtype | None = None,
+        fused: bool | None = None,
         eps1: float = 1e-10,
         eps2: float = 1e-40,
     ) -> None:
@@ -125,7 +129,16 @@ class ECD(ShardedOptimizer):
         self.key_of = list(range(len(self.params_in_order))) if per_tensor else self.group_of
         self.group_of_key = self.group_of if per_tensor else list(range(len(self.param_groups)))
         self.ranges = [self._ranges(region) for region in self.regions]
-        self.range_keys = torch.tensor([k for rs in self.ranges for k, _, _ in rs], dtype=torch.long, device=device)
+        self.range_gather = ecd_kernels.key_gather_index([k for rs in self.ranges for k, _, _ in rs],
+                                                         self.num_keys).to(device)
+        # fused (kernels/ecd.py): default on CUDA with fp32 parameters; forced on elsewhere it needs Triton's
+        # interpreter (TRITON_INTERPRET=1), which the tests use
+        dtypes = {p.dtype for p in self.params_in_order}
+        self.fused = fused if fused is not None else device.type == "cuda" and dtypes == {torch.float32}
+        if self.fused:
+            self.tables = [ecd_kernels.block_table(rs, device) for rs in self.ranges]
+            block_keys = [k for rs in self.ranges for k, lo, hi in rs for _ in range(lo, hi, ecd_kernels.BLOCK)]
+            self.block_gather = ecd_kernels.key_gather_index(block_keys, self.num_keys).to(device)
         self.pending = torch.zeros((), dtype=torch.bool, device=device)  # logical Π = σ·Π/‖Π‖ (True) or Π
         self.sigma = torch.ones((), dtype=torch.float64, device=device)
         self.skipped = _DeferredFlag(device)
@@ -189,8 +202,14 @@ class ECD(ShardedOptimizer):
             self.sigma.fill_(1.0)
 
         grads, pis, rows = self.reduced_gradients(), [], []
-        for region, stored, ranges, g in zip(self.regions, self.flat_state["pi"], self.ranges, grads):
+        for j, (region, stored, ranges, g) in enumerate(zip(self.regions, self.flat_state["pi"], self.ranges, grads)):
             theta = region.local_params
+            if self.fused:  # Π stays in its storage dtype: the kernels widen it
+                if first:
+                    stored.copy_(g.neg())
+                rows.append(ecd_kernels.partial_dots(theta, g, stored, *self.tables[j][:2]))
+                pis.append(stored)
+                continue
             compute = torch.promote_types(theta.dtype, torch.float32)
             pi = stored if stored.dtype == compute else stored.to(compute)
             if first:
@@ -198,20 +217,27 @@ class ECD(ShardedOptimizer):
             for _, lo, hi in ranges:
                 t, gr, p = theta[lo:hi].to(compute), g[lo:hi].to(compute), pi[lo:hi]
                 dots = [t.dot(t), t.dot(gr), gr.dot(gr), p.dot(gr), p.dot(t), p.dot(p)]
-                rows.append(torch.stack(dots).double())
+                rows.append(torch.stack(dots).double().reshape(1, 6))
             pis.append(pi)
-        sums = torch.zeros(self.num_keys, 6, dtype=torch.float64, device=device)
-        if rows:
-            sums.index_add_(0, self.range_keys, torch.stack(rows))
+        sums = ecd_kernels.sum_by_key(torch.cat(rows) if rows else torch.zeros(0, 6, device=device),
+                                      self.block_gather if self.fused else self.range_gather)
         vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
         coef = self._coefficients(vec, h, kappa)
+        lam = self._lam(device) if any(g["weight_decay"] for g in self.param_groups) else None
 
         for j, (region, stored, ranges) in enumerate(zip(self.regions, self.flat_state["pi"], self.ranges)):
             g, pi, theta = grads[j], pis[j], region.local_params
             z = None
             if self.nu > 0:
                 lo0 = region.rank * region.chunk
-                z = ecd_noise(self.seed, self.calls, j, lo0, lo0 + region.chunk, pi.dtype, pi.device)
+                z = ecd_noise(self.seed, self.calls, j, lo0, lo0 + region.chunk,
+                              torch.float32 if self.fused else pi.dtype, pi.device)
+            if self.fused:
+                rounding_seed = ((self.seed * 1_000_003 + self.calls) * 1_000_003 + j) % (1 << 31)
+                ecd_kernels.apply_update(theta, g, stored, z, self.tables[j], coef, lam, rounding_seed,
+                                         region.rank * region.chunk)
+                region.gather_params()
+                continue
             for key, lo, hi in ranges:
                 p, gr, t = pi[lo:hi], g[lo:hi], theta[lo:hi]
                 # step 2: Π ← Π − κ/(F̃−F0)·(g̃ − Π(Π·g̃)), with the renormalisation folded into A
@@ -323,6 +349,7 @@ def build_ecd(model: nn.Module, cfg: ECDConfig) -> list[torch.optim.Optimizer]:
             projection=cfg.ecd_projection,
             seed=cfg.optim_seed,
             state_dtype=state_dtype(cfg),
+            fused=None if cfg.fused else False,
         )
     ]
 

@@ -220,17 +220,9 @@ def _opcheck_and_compile() -> dict[str, str]:
 
 def _interpreter_main(path: str) -> None:
     """Entry point of the TRITON_INTERPRET=1 subprocess: run every CPU case and check, write JSON to path."""
-    import triton.runtime.interpreter as interpreter
+    from tests.conftest import patch_triton_interpreter
 
-    # Triton <= 3.6's interpreter converts (1,)-shaped scalars with int(), an error since NumPy 2.4
-    # (triton-lang/triton#9171, fixed upstream by #9172); apply the upstream fix for this process only.
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
+    patch_triton_interpreter()
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     results: dict = {}

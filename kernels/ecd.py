@@ -1,0 +1,172 @@
+"""Fused ECD (q = 1) step kernels (SPEC §3): one pass for the step's dot products, one pass for the update.
+
+The optimizer (optim.ecd.ECD) keeps parameters, gradients and Π in flat chunks; a chunk is cut into blocks of at
+most BLOCK elements that never straddle two keys (a key is a weight-decay group, or a tensor with
+projection="per_tensor"). Then:
+1. `partial_dots`: per block, the six sums θ·θ, θ·g, g·g, Π·g, Π·θ, Π·Π in fp32 (one read of θ, g, Π);
+   `sum_by_key` adds the blocks of each key in a fixed order in float64 (no atomics: the same result run to run).
+2. the optimizer derives the step's scalars from those sums on the device (no host synchronisation);
+3. `apply_update`: per element, Π ← A·Π − k·(g + λθ); θ ← θ + hΠ; with noise Π ← Π/s + ν̂z, reading the scalars
+   from device memory (one read of θ, g, Π [, z], one write of θ, Π).
+Π may be stored in bf16 (as raw 16-bit patterns, so the same code runs in Triton's CPU interpreter, which has no
+bf16): read by widening, written with stochastic rounding (`stochastic` — unbiased, so small updates are not lost
+on average) or round-to-nearest-even.
+
+Each kernel has its PyTorch reference beside it (`*_reference`); tests/test_ecd_kernels.py compares them, and the
+optimizer's reference path (per tensor torch ops) against the fused one over whole runs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # elements per program: large enough to amortise the per-block scalars, small enough for many programs
+
+
+def block_table(ranges: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(starts, lengths, keys) of the blocks covering the (key, lo, hi) ranges of a chunk, each block inside one
+    range; int32 device tensors."""
+    rows = [(lo, min(block, hi - lo), key) for key, start, hi in ranges for lo in range(start, hi, block)]
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous()
+    return table[0].to(device), table[1].to(device), table[2].to(device)
+
+
+def key_gather_index(block_keys: list[int], num_keys: int) -> torch.Tensor:
+    """(num_keys, most blocks per key) indices into the blocks' rows, padded with len(block_keys) (a zero row)."""
+    members = [[b for b, k in enumerate(block_keys) if k == key] for key in range(num_keys)]
+    width = max(1, max(len(m) for m in members))
+    return torch.tensor([m + [len(block_keys)] * (width - len(m)) for m in members], dtype=torch.long)
+
+
+def sum_by_key(rows: torch.Tensor, gather_index: torch.Tensor) -> torch.Tensor:
+    """Float64 sums of `rows` (n, 6) per key in a fixed order (deterministic: no atomics)."""
+    padded = torch.cat([rows.double(), rows.new_zeros(1, rows.shape[1], dtype=torch.float64)])
+    return padded[gather_index].sum(1)
+
+
+@triton.jit
+def _load_pi(PI, offs, mask, PI_BF16: tl.constexpr):
+    """Π as fp32; a bf16 Π arrives as int16 bit patterns and is widened exactly."""
+    if PI_BF16:
+        return (tl.load(PI + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return tl.load(PI + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _round_to_bf16_bits(x, seed, offs, STOCHASTIC: tl.constexpr):
+    """fp32 → bf16 bit patterns (int16): stochastic rounding (add 16 random low bits, truncate), or
+    round-to-nearest-even. Inf and NaN pass through."""
+    bits = x.to(tl.int32, bitcast=True)
+    if STOCHASTIC:
+        noise = (tl.randint(seed, offs) & 0xFFFF).to(tl.int32)
+    else:
+        noise = 0x7FFF + ((bits >> 16) & 1)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = tl.where(finite, bits + noise, bits)
+    return (rounded >> 16).to(tl.int16)
+
+
+@triton.jit
+def _partial_dots_kernel(THETA, GRAD, PI, START, LEN, OUT, PI_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    start = tl.load(START + b)
+    lanes = tl.arange(0, BLOCK)
+    mask = lanes < tl.load(LEN + b)
+    offs = start + lanes
+    t = tl.load(THETA + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
+    p = _load_pi(PI, offs, mask, PI_BF16)
+    tl.store(OUT + b * 6 + 0, tl.sum(t * t, 0))
+    tl.store(OUT + b * 6 + 1, tl.sum(t * g, 0))
+    tl.store(OUT + b * 6 + 2, tl.sum(g * g, 0))
+    tl.store(OUT + b * 6 + 3, tl.sum(p * g, 0))
+    tl.store(OUT + b * 6 + 4, tl.sum(p * t, 0))
+    tl.store(OUT + b * 6 + 5, tl.sum(p * p, 0))
+
+
+def _pi_arg(pi: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Π as the kernels take it: bf16 as its int16 bit patterns."""
+    return (pi.view(torch.int16), True) if pi.dtype == torch.bfloat16 else (pi, False)
+
+
+def partial_dots(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, starts: torch.Tensor,
+                 lengths: torch.Tensor) -> torch.Tensor:
+    """(blocks, 6) fp32: θ·θ, θ·g, g·g, Π·g, Π·θ, Π·Π over each block of the chunk."""
+    out = torch.empty(len(starts), 6, dtype=torch.float32, device=theta.device)
+    pi_arg, pi_bf16 = _pi_arg(pi)
+    if len(starts):
+        _partial_dots_kernel[(len(starts),)](theta, grad, pi_arg, starts, lengths, out, PI_BF16=pi_bf16, BLOCK=BLOCK)
+    return out
+
+
+def partial_dots_reference(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, starts: torch.Tensor,
+                           lengths: torch.Tensor) -> torch.Tensor:
+    rows = []
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        t, g, p = (x[start:start + length].float() for x in (theta, grad, pi))
+        rows.append(torch.stack([t.dot(t), t.dot(g), g.dot(g), p.dot(g), p.dot(t), p.dot(p)]))
+    return torch.stack(rows) if rows else theta.new_zeros(0, 6, dtype=torch.float32)
+
+
+@triton.jit
+def _apply_update_kernel(THETA, GRAD, PI, Z, START, LEN, KEY, A, NEG_K, LAM, H, INV_S, NU, seed, base,
+                         HAS_LAM: tl.constexpr, HAS_Z: tl.constexpr, PI_BF16: tl.constexpr,
+                         STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    start = tl.load(START + b)
+    key = tl.load(KEY + b)
+    lanes = tl.arange(0, BLOCK)
+    mask = lanes < tl.load(LEN + b)
+    offs = start + lanes
+    t = tl.load(THETA + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
+    p = _load_pi(PI, offs, mask, PI_BF16)
+    neg_k = tl.load(NEG_K).to(tl.float32)
+    p = p * tl.load(A + key).to(tl.float32) + g * neg_k  # SPEC §3 step 2, the renormalisation folded into A
+    if HAS_LAM:
+        p = p + t * (neg_k * tl.load(LAM + key).to(tl.float32))
+    t = t + p * tl.load(H).to(tl.float32)  # step 3
+    if HAS_Z:  # step 4 (the rescale by s/|Π| is resolved by the optimizer at the next step)
+        z = tl.load(Z + offs, mask=mask, other=0.0).to(tl.float32)
+        p = p * tl.load(INV_S).to(tl.float32) + z * tl.load(NU).to(tl.float32)
+    tl.store(THETA + offs, t.to(THETA.dtype.element_ty), mask=mask)
+    if PI_BF16:
+        tl.store(PI + offs, _round_to_bf16_bits(p, seed, base + offs, STOCHASTIC), mask=mask)
+    else:
+        tl.store(PI + offs, p.to(PI.dtype.element_ty), mask=mask)
+
+
+def apply_update(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, z: torch.Tensor | None,
+                 table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], coef: dict[str, torch.Tensor],
+                 lam: torch.Tensor | None, seed: int = 0, base: int = 0, stochastic: bool = True) -> None:
+    """θ and Π of one chunk updated in place (see the module docstring); `coef` holds the device scalars A (per
+    key), neg_k, h, inv_s, nu; `lam` the per-key weight decay (None: no decay). A bf16 Π is rounded
+    stochastically with random bits keyed by (seed, base + offset in the chunk): `base` is the chunk's first global
+    element, so the bits do not depend on how the elements are sharded."""
+    starts, lengths, keys = table
+    if not len(starts):
+        return
+    pi_arg, pi_bf16 = _pi_arg(pi)
+    _apply_update_kernel[(len(starts),)](
+        theta, grad, pi_arg, z if z is not None else grad, starts, lengths, keys, coef["A"], coef["neg_k"],
+        lam if lam is not None else coef["A"], coef["h"], coef["inv_s"], coef["nu"], seed, base,
+        HAS_LAM=lam is not None, HAS_Z=z is not None, PI_BF16=pi_bf16, STOCHASTIC=stochastic, BLOCK=BLOCK)
+
+
+def apply_update_reference(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, z: torch.Tensor | None,
+                           table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], coef: dict[str, torch.Tensor],
+                           lam: torch.Tensor | None) -> None:
+    """apply_update in torch ops, Π rounded to nearest when stored in bf16."""
+    for start, length, key in zip(*(x.tolist() for x in table)):
+        sl = slice(start, start + length)
+        t, g, p = (x[sl].float() for x in (theta, grad, pi))
+        neg_k = coef["neg_k"].float()
+        p = p * coef["A"][key].float() + g * neg_k
+        if lam is not None:
+            p = p + t * (neg_k * lam[key].float())
+        t = t + p * coef["h"].float()
+        if z is not None:
+            p = p * coef["inv_s"].float() + z[sl].float() * coef["nu"].float()
+        theta[sl], pi[sl] = t, p

@@ -1,0 +1,188 @@
+"""The fused ECD step kernels (kernels/ecd.py) against their PyTorch references, and the fused optimizer against the
+reference optimizer path over whole runs (SPEC §3).
+
+On CPU the kernels run in Triton's interpreter: as in test_attention_kernel.py, this file runs itself once as a
+subprocess with TRITON_INTERPRET=1 (`python tests/test_ecd_kernels.py RESULT.json`) and each test asserts on its entry
+of the JSON it writes. The interpreter has no bf16; a bf16 Π travels as int16 bit patterns, so that path runs here too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 20
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 12), nn.LayerNorm(12))
+
+
+def groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+
+
+def run_ecd(fused: bool, projection: str, nu: float, weight_decay: float, steps: int = STEPS,
+            state_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    from optim.ecd import ECD
+
+    model = tiny_model()
+    opt = ECD(groups(model, weight_decay), lr=0.3, eta=4.0, F0=0.0, nu=nu, projection=projection, seed=5,
+              state_dtype=state_dtype, fused=fused)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(32, 12, generator=gen), torch.randn(32, 12, generator=gen)
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step(loss.detach())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """|a − b| / |b| over all tensors together."""
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in a])
+    return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
+
+
+def kernel_checks() -> dict:
+    """Each kernel against its reference on a ragged chunk of three keys."""
+    from kernels import ecd as K
+
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * K.BLOCK + 123
+    theta, grad, pi = (torch.randn(n, generator=gen) for _ in range(3))
+    ranges = [(0, 0, 1000), (1, 1000, 2 * K.BLOCK + 7), (2, 2 * K.BLOCK + 7, n)]
+    table = K.block_table(ranges, torch.device("cpu"))
+    out = {}
+    got = K.partial_dots(theta, grad, pi, *table[:2])
+    want = K.partial_dots_reference(theta, grad, pi, *table[:2])
+    out["partial_dots"] = ((got - want).abs().max() / want.abs().max()).item()
+    keys = table[2].tolist()
+    gather = K.key_gather_index(keys, 3)
+    direct = torch.stack([torch.stack([theta[lo:hi].double().dot(g[lo:hi].double()) for g in (theta, grad)])
+                          for _, lo, hi in ranges])
+    out["sum_by_key"] = (K.sum_by_key(got, gather)[:, :2] - direct).abs().max().item() / direct.abs().max().item()
+    coef = {"A": torch.tensor([0.9, 1.1, 0.7], dtype=torch.float64), "neg_k": torch.tensor(-0.05, dtype=torch.float64),
+            "h": torch.tensor(0.2, dtype=torch.float64), "inv_s": torch.tensor(1.3, dtype=torch.float64),
+            "nu": torch.tensor(0.01, dtype=torch.float64)}
+    lam = torch.tensor([0.1, 0.0, 0.02], dtype=torch.float64)
+    z = torch.randn(n, generator=gen)
+    for name, zz, ll in (("update", None, None), ("update_noise_decay", z, lam)):
+        a = [x.clone() for x in (theta, grad, pi)]
+        b = [x.clone() for x in (theta, grad, pi)]
+        K.apply_update(a[0], a[1], a[2], zz, table, coef, ll)
+        K.apply_update_reference(b[0], b[1], b[2], zz, table, coef, ll)
+        out[name] = max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+    # bf16 Π: round-to-nearest bit-identical to torch's; stochastic rounding unbiased and between the neighbours
+    pi16 = pi.bfloat16()
+    a, b = [theta.clone(), grad.clone(), pi16.clone()], [theta.clone(), grad.clone(), pi16.clone()]
+    K.apply_update(*a, None, table, coef, None, stochastic=False)
+    K.apply_update_reference(*b, None, table, coef, None)
+    out["bf16_nearest_mismatches"] = int((a[2].view(torch.int16) != b[2].view(torch.int16)).sum())
+    x = 1.0 + 2.0 ** -10  # a quarter of the way from bf16 1.0 to its next value 1.0078125
+    m = 1 << 16
+    flat = K.block_table([(0, 0, m)], torch.device("cpu"))
+    keep = {"A": torch.tensor([x], dtype=torch.float64), "neg_k": torch.zeros((), dtype=torch.float64),
+            "h": torch.zeros((), dtype=torch.float64), "inv_s": torch.ones((), dtype=torch.float64),
+            "nu": torch.zeros((), dtype=torch.float64)}  # Π ← x · Π from Π = 1: every element is set to x
+    rounded = []
+    for seed in (1, 2):
+        p16 = torch.ones(m, dtype=torch.bfloat16)
+        K.apply_update(torch.zeros(m), torch.zeros(m), p16, None, flat, keep, None, seed=seed)
+        rounded.append(p16.float())
+    out["sr_mean_error"] = abs(rounded[0].double().mean().item() - x) / x
+    out["sr_values"] = sorted({round(v, 8) for v in rounded[0].unique().tolist()})
+    out["sr_seed_differs"] = bool((rounded[0] != rounded[1]).any())
+    out["sr_nearest_error"] = abs(torch.tensor(x).bfloat16().item() - x) / x
+    return out
+
+
+def optimizer_checks() -> dict:
+    out = {}
+    for projection in ("global", "per_tensor"):
+        for nu in (0.0, 0.3):
+            for wd in (0.0, 0.05):
+                name = f"{projection}_nu{nu}_wd{wd}"
+                fused = run_ecd(True, projection, nu, wd)
+                out[name] = relative_difference(fused, run_ecd(False, projection, nu, wd))
+                out[name + "_moved"] = relative_difference(fused, tiny_model().state_dict())
+    first, again = run_ecd(True, "global", 0.3, 0.05), run_ecd(True, "global", 0.3, 0.05)
+    out["fused_bitwise_repeatable"] = all(torch.equal(first[k], again[k]) for k in first)
+    fp32 = run_ecd(False, "global", 0.0, 0.0, steps=100)
+    out["bf16_sr_100_steps"] = relative_difference(run_ecd(True, "global", 0.0, 0.0, 100, torch.bfloat16), fp32)
+    out["bf16_nearest_100_steps"] = relative_difference(run_ecd(False, "global", 0.0, 0.0, 100, torch.bfloat16), fp32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("ecd_interpreter") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, __file__, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and path.exists(), f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    data = json.loads(path.read_text())
+    assert "traceback" not in data, data["traceback"]
+    return data
+
+
+def test_kernels_match_their_references(results: dict) -> None:
+    k = results["kernels"]
+    assert k["partial_dots"] < 1e-5 and k["sum_by_key"] < 1e-6
+    assert k["update"] < 1e-6 and k["update_noise_decay"] < 1e-6
+
+
+def test_bf16_pi_round_to_nearest_matches_torch(results: dict) -> None:
+    assert results["kernels"]["bf16_nearest_mismatches"] == 0
+
+
+def test_stochastic_rounding_is_unbiased(results: dict) -> None:
+    k = results["kernels"]
+    assert k["sr_values"] == [1.0, 1.0078125]  # only the two bf16 neighbours of x
+    assert k["sr_mean_error"] < 0.02 * k["sr_nearest_error"]  # nearest rounding is off by 2^-10 every time
+    assert k["sr_seed_differs"]
+
+
+@pytest.mark.parametrize("projection", ["global", "per_tensor"])
+@pytest.mark.parametrize("nu", [0.0, 0.3])
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_fused_optimizer_equals_reference_over_20_steps(results: dict, projection: str, nu: float, wd: float) -> None:
+    name = f"{projection}_nu{nu}_wd{wd}"
+    assert results["optimizer"][name + "_moved"] > 0.05  # the run moved
+    assert results["optimizer"][name] < 1e-5
+
+
+def test_fused_step_is_bitwise_repeatable(results: dict) -> None:
+    assert results["optimizer"]["fused_bitwise_repeatable"]
+
+
+def test_bf16_pi_with_stochastic_rounding_stays_near_fp32(results: dict) -> None:
+    o = results["optimizer"]
+    assert o["bf16_sr_100_steps"] < 0.05, o
+
+
+def _interpreter_main(path: str) -> None:
+    from tests.conftest import patch_triton_interpreter
+
+    patch_triton_interpreter()
+    try:
+        results = {"kernels": kernel_checks(), "optimizer": optimizer_checks()}
+    except Exception:
+        results = {"traceback": traceback.format_exc()}
+    Path(path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _interpreter_main(sys.argv[1])
