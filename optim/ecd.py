@@ -8,6 +8,9 @@ from them stays on the device: the loss arrives as a device tensor and the host 
 Π is stored up to a positive scale that is resolved lazily: after the noise step (SPEC §3 step 4) the state is
 Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
 costs no second collective. state_dict() and unit_velocity() return the logical Π.
+
+Two implementations of the elementwise work: per-tensor PyTorch ops (CPU, float64 tests, `fused=False`) and the
+Triton kernels of kernels/ecd.py (default on CUDA with fp32 parameters); tests/test_ecd_kernels.py shows they agree.
 """
 from __future__ import annotations
 
@@ -86,7 +89,9 @@ class ECD(ShardedOptimizer):
 
     lr is the user's ℓ (the position step is h = ℓ/√η); weight_decay λ enters the loss, F̃ = F + ½λ‖θ‖²;
     projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
-    (the published implementation). state_dtype stores Π in another dtype (bf16) and computes in fp32.
+    (the published implementation). state_dtype stores Π in another dtype (bf16) and computes in fp32 (the fused
+    kernels round a bf16 Π stochastically, the PyTorch path to nearest). fused: None picks the kernels on CUDA with
+    fp32 parameters; True elsewhere needs Triton's interpreter (TRITON_INTERPRET=1).
     """
 
     def __init__(
