@@ -228,7 +228,7 @@ class ECD(ShardedOptimizer):
                                       self.block_gather if self.fused else self.range_gather)
         vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
         coef = self._coefficients(vec, h, kappa)
-        lam = self._lam(device) if any(g["weight_decay"] for g in self.param_groups) else None
+        lam = self._lam(device) if self.fused and any(g["weight_decay"] for g in self.param_groups) else None
 
         for j, (region, stored, ranges) in enumerate(zip(self.regions, self.flat_state["pi"], self.ranges)):
             g, pi, theta = grads[j], pis[j], region.local_params
