@@ -69,15 +69,20 @@ def _round_to_bf16_bits(x, seed, offs, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit
-def _partial_dots_kernel(THETA, GRAD, PI, START, LEN, OUT, PI_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    start = tl.load(START + b)
+def _load_block(THETA, GRAD, PI, START, LEN, b, PI_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """Offsets, mask and the fp32 θ, g, Π of block b of the table."""
     lanes = tl.arange(0, BLOCK)
     mask = lanes < tl.load(LEN + b)
-    offs = start + lanes
+    offs = tl.load(START + b) + lanes
     t = tl.load(THETA + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _load_pi(PI, offs, mask, PI_BF16)
+    return offs, mask, t, g, _load_pi(PI, offs, mask, PI_BF16)
+
+
+@triton.jit
+def _partial_dots_kernel(THETA, GRAD, PI, START, LEN, OUT, PI_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0)
+    _, _, t, g, p = _load_block(THETA, GRAD, PI, START, LEN, b, PI_BF16, BLOCK)
     tl.store(OUT + b * 6 + 0, tl.sum(t * t, 0))
     tl.store(OUT + b * 6 + 1, tl.sum(t * g, 0))
     tl.store(OUT + b * 6 + 2, tl.sum(g * g, 0))
@@ -115,14 +120,8 @@ def _apply_update_kernel(THETA, GRAD, PI, Z, START, LEN, KEY, A, NEG_K, LAM, H, 
                          HAS_LAM: tl.constexpr, HAS_Z: tl.constexpr, PI_BF16: tl.constexpr,
                          STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0)
-    start = tl.load(START + b)
     key = tl.load(KEY + b)
-    lanes = tl.arange(0, BLOCK)
-    mask = lanes < tl.load(LEN + b)
-    offs = start + lanes
-    t = tl.load(THETA + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
-    p = _load_pi(PI, offs, mask, PI_BF16)
+    offs, mask, t, g, p = _load_block(THETA, GRAD, PI, START, LEN, b, PI_BF16, BLOCK)
     neg_k = tl.load(NEG_K).to(tl.float32)
     p = p * tl.load(A + key).to(tl.float32) + g * neg_k  # SPEC §3 step 2, the renormalisation folded into A
     if HAS_LAM:

@@ -1,6 +1,9 @@
 """Shared test setup: the repository root on sys.path and the `cuda` marker's skip rule."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,3 +36,14 @@ def patch_triton_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
+
+
+def run_in_interpreter(test_file: str, out_dir: Path, timeout: int) -> dict:
+    """Run `python test_file RESULT.json` with TRITON_INTERPRET=1 (kernels on the CPU; the variable must not leak
+    into other tests, so it gets its own process) and return the JSON it writes."""
+    path = out_dir / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, test_file, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0 and path.exists(), f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(path.read_text())

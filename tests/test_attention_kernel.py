@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
 import traceback
 import zlib
@@ -25,7 +23,6 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # ‖out − ref‖ / ‖ref‖ against float64
 
 
@@ -160,12 +157,9 @@ def poisoned_empty():
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    path = tmp_path_factory.mktemp("attention_interpreter") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and path.exists(), f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(path.read_text())
+    from tests.conftest import run_in_interpreter
+
+    return run_in_interpreter(__file__, tmp_path_factory.mktemp("attention_interpreter"), timeout=600)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: c.name)

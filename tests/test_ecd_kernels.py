@@ -8,8 +8,6 @@ of the JSON it writes. The interpreter has no bf16; a bf16 Π travels as int16 b
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -18,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 
 
@@ -128,12 +125,9 @@ def optimizer_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    path = tmp_path_factory.mktemp("ecd_interpreter") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, __file__, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0 and path.exists(), f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    data = json.loads(path.read_text())
+    from tests.conftest import run_in_interpreter
+
+    data = run_in_interpreter(__file__, tmp_path_factory.mktemp("ecd_interpreter"), timeout=900)
     assert "traceback" not in data, data["traceback"]
     return data
 
