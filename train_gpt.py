@@ -1095,9 +1095,10 @@ def save(state: TrainState) -> None:
     state.checkpoint_step = state.step
 
 
-def log_progress(state: TrainState, loss: torch.Tensor, stop: StopRequest, clock: Stopwatch,
-                 mark: list[float]) -> bool:
-    """A log line and record (the only host sync of the loop); returns whether every rank agrees to stop."""
+def log_progress(state: TrainState, loss: torch.Tensor, stop: StopRequest, clock: Stopwatch, mark: list[float],
+                 mfu_per_token_s: float | None) -> bool:
+    """A log line and record (the only host sync of the loop); returns whether every rank agrees to stop.
+    mfu_per_token_s: the MFU of one token per second (None when the GPU's peak is unknown)."""
     hp, rt = state.cfg.train, state.rt
     votes = all_reduce_sum(torch.stack([loss.float(), torch.tensor(float(stop.signum > 0), device=rt.device)]))
     loss_value, stop_votes = votes.tolist()
@@ -1106,8 +1107,7 @@ def log_progress(state: TrainState, loss: torch.Tensor, stop: StopRequest, clock
         stop_non_finite(state, f"the training loss ({loss_value})")
     clock.stop()
     tokens_per_s = (state.tokens - mark[1]) / max(state.train_time - mark[0], 1e-9)
-    peak = peak_flops(rt.device)
-    mfu = state.model.estimate_flops_per_token(hp.seq_len) * tokens_per_s / (peak * rt.world) if peak else None
+    mfu = mfu_per_token_s * tokens_per_s if mfu_per_token_s else None
     eta = (hp.steps - state.step) * hp.batch_tokens / tokens_per_s
     record = state.metrics(train_loss=loss_value, lr=state.optimizers[0].param_groups[0]["lr"],
                            tokens_per_s=tokens_per_s, mfu=mfu, elapsed_s=state.train_time)
@@ -1130,6 +1130,8 @@ def train(state: TrainState, stop: StopRequest) -> None:
     (--stop-at-target) or an agreed stop request (then checkpoint and exit 128 + signal)."""
     hp = state.cfg.train
     first, mark, clock = state.step, [state.train_time, state.tokens], Stopwatch(state)
+    peak = peak_flops(state.rt.device)
+    mfu_per_token_s = state.model.estimate_flops_per_token(hp.seq_len) / (peak * state.rt.world) if peak else None
     clock.start()
     while state.step < hp.steps:
         if hp.val_every and state.step % hp.val_every == 0 and state.val_step != state.step:
@@ -1139,7 +1141,7 @@ def train(state: TrainState, stop: StopRequest) -> None:
         loss = train_step(state)
         stopping = bool(stop.signum) and state.rt.world == 1
         if state.step % hp.log_every == 0 or state.step == hp.steps or stopping:
-            stopping = log_progress(state, loss, stop, clock, mark)
+            stopping = log_progress(state, loss, stop, clock, mark, mfu_per_token_s)
         if state.step == first + 1:
             per_parameter = optimizer_state_bytes(state.optimizers) / state.model.get_num_params()
             state.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {state.rt.rank}")
