@@ -26,6 +26,7 @@ interpreter, CUDA in-process); benchmark: bench/attention.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -418,9 +419,15 @@ TILES: dict[tuple[str, str, int], Tile] = {
 AUTOTUNE_ENV = "SYMGPT_ATTENTION_AUTOTUNE"
 
 
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    """Whether a CUDA device is sm_90 (looked up once: tile_for runs on every launch)."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
 def tile_for(pass_name: str, q: torch.Tensor) -> Tile:
     """The shipped tile of a pass ("fwd", "dkdv", "dq") for q's device and head dim, shrunk to a short sequence."""
-    hopper = q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    hopper = q.is_cuda and _is_hopper(q.device.index)
     tile = TILES[("hopper" if hopper else "other", pass_name, q.shape[-1])]
     t = max(16, triton.next_power_of_2(q.shape[2]))  # rows or keys past the sequence would be pure masking
     return dataclasses.replace(tile, block_m=min(tile.block_m, t), block_n=min(tile.block_n, t))
