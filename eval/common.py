@@ -32,7 +32,7 @@ def resolve_target(run: Path | None, checkpoint: Path | None) -> tuple[Path, Pat
     checkpoints/latest.pt; a checkpoint's run is the directory above checkpoints/, else its own folder)."""
     try:
         if run is not None:
-            return Path(run), train_gpt.resolve_checkpoint_path(run, flag="--run")
+            return Path(run), train_gpt.resolve_checkpoint_path(Path(run) / "checkpoints" / "latest.pt", flag="--run")
         checkpoint = train_gpt.resolve_checkpoint_path(checkpoint, flag="--checkpoint")
     except train_gpt.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
