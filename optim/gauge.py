@@ -237,3 +237,46 @@ def weight_drift_ratio(params0: Mapping[str, Tensor], params1: Mapping[str, Tens
             moved = torch.linalg.matrix_norm(f1[x] - f0[x]) + torch.linalg.matrix_norm(f1[y] - f0[y])
             out[f"drift_{sector}"].append(moved / _product_distance_sq(f0[x], b0, f1[x], b1).sqrt().clamp_min(1e-300))
     return {key: torch.stack(values) for key, values in out.items()}
+
+
+def factor_tensors(factors: Mapping[str, Tensor], like: Mapping[str, Tensor], layer: int,
+                   n_head: int) -> dict[str, Tensor]:
+    """The inverse of `head_factors`: named tensors of one attention layer (c_attn weight/bias, c_proj weight and
+    learned b_q/b_v, those present in `like`) from factors {"Q", "K", "V": (H, C+1[+1], d), "O": (H, d, C)}, in the
+    dtype and device of `like`'s entries. Works for parameters and for increments or velocities alike.
+
+    A shared learned bias (shape (d,)) must be the same row in every head; it is taken from head 0 (a per-head gauge
+    with different S per head cannot act on it: use per-head learned biases).
+    """
+    prefix = f"transformer.h.{layer}.attn."
+    weight = like[prefix + "c_attn.weight"]
+    C = weight.shape[1]
+    out = {prefix + "c_attn.weight": torch.cat([factors[s][:, :C, :].mT.reshape(C, C) for s in "QKV"]).to(weight)}
+    row = C
+    if prefix + "c_attn.bias" in like:
+        out[prefix + "c_attn.bias"] = torch.cat([factors[s][:, row, :].reshape(C) for s in "QKV"]).to(weight)
+        row += 1
+    for sector, name in _LEARNED_BIASES.items():
+        learned = like.get(prefix + name)
+        if learned is not None:
+            rows = factors[sector][:, row, :]
+            out[prefix + name] = (rows if learned.dim() == 2 else rows[0]).to(learned)
+    out[prefix + "c_proj.weight"] = factors["O"].permute(2, 0, 1).reshape(C, C).to(like[prefix + "c_proj.weight"])
+    return out
+
+
+def gauge_transformed(tensors: Mapping[str, Tensor], n_head: int, s_qk: Tensor | None = None,
+                      s_vo: Tensor | None = None) -> dict[str, Tensor]:
+    """A copy of the parameters with the per-head gauge applied (docs/model.md#conventions): with S, T ∈ GL(d) per
+    head, (Â_Q, Â_K) → (Â_Q S, Â_K S⁻ᵀ) and (Â_V, B_O) → (Â_V T, T⁻¹ B_O). s_qk, s_vo: (L, H, d, d) float64 (None:
+    identity). Without sampled biases the forward pass is unchanged (a shared learned bias needs S equal across heads).
+    """
+    out = dict(tensors)
+    for layer in range(num_attention_layers(tensors)):
+        f = head_factors(tensors, layer, n_head)
+        if s_qk is not None:
+            f["Q"], f["K"] = f["Q"] @ s_qk[layer], f["K"] @ torch.linalg.inv(s_qk[layer]).mT
+        if s_vo is not None:
+            f["V"], f["O"] = f["V"] @ s_vo[layer], torch.linalg.solve(s_vo[layer], f["O"])
+        out.update(factor_tensors(f, tensors, layer, n_head))
+    return out

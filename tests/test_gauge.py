@@ -8,6 +8,8 @@ import torch
 
 from optim.gauge import (
     dynamics_summary,
+    factor_tensors,
+    gauge_transformed,
     head_dynamics,
     head_factors,
     solve_rotation_generator,
@@ -40,19 +42,42 @@ def random_antisymmetric(*shape: int, generator: torch.Generator) -> torch.Tenso
     return a - a.mT
 
 
-def velocity_from_factors(params: dict, updates: dict[int, dict[str, torch.Tensor]], n_head: int) -> dict:
-    """Inverse of head_factors: write per-layer factor velocities (Q, K, V with bias row, O) back as named tensors."""
+def velocity_of(params: dict, updates: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Named velocity tensors from per-layer factor velocities (factor_tensors, the inverse of head_factors)."""
     velocity = {}
     for layer, u in updates.items():
-        prefix = f"transformer.h.{layer}.attn."
-        C = params[prefix + "c_attn.weight"].shape[1]
-        d = C // n_head
-        weight = torch.cat([u[s][:, :C, :].transpose(1, 2).reshape(C, C) for s in "QKV"])
-        bias = torch.cat([u[s][:, C, :].reshape(C) for s in "QKV"])
-        velocity[prefix + "c_attn.weight"] = weight
-        velocity[prefix + "c_attn.bias"] = bias
-        velocity[prefix + "c_proj.weight"] = u["O"].permute(2, 0, 1).reshape(C, n_head * d)
+        velocity.update(factor_tensors(u, params, layer, N_HEAD))
     return velocity
+
+
+def test_factor_tensors_inverts_head_factors_with_learned_per_head_biases():
+    model = tiny_model(5, bias_mode="learned", bias_per_head=True)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    for layer in range(2):
+        back = factor_tensors(head_factors(params, layer, N_HEAD), params, layer, N_HEAD)
+        factor_names = {n for n in params if n.startswith(f"transformer.h.{layer}.attn.")} - {
+            f"transformer.h.{layer}.attn.c_proj.bias"}  # the output bias is not part of any factor
+        assert set(back) == factor_names
+        for name, tensor in back.items():
+            assert tensor.dtype == params[name].dtype
+            assert torch.equal(tensor, params[name]), name
+
+
+@pytest.mark.parametrize("bias_mode", ["none", "learned"])
+def test_random_gauge_leaves_the_forward_pass_unchanged(bias_mode):
+    model = tiny_model(6, bias_mode=bias_mode, bias_per_head=True).double().eval()
+    idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(7))
+    before = model(idx)[0]
+    g = torch.Generator().manual_seed(8)
+    s_qk, s_vo = (torch.eye(8, dtype=torch.float64) + 0.5 * torch.randn(2, N_HEAD, 8, 8, dtype=torch.float64,
+                  generator=g) for _ in range(2))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    moved = gauge_transformed(params, N_HEAD, s_qk, s_vo)
+    changed = max((moved[n] - params[n]).abs().max().item() for n in params)
+    model.load_state_dict(moved, strict=False)
+    after = model(idx)[0]
+    assert changed > 0.1  # the weights really moved
+    torch.testing.assert_close(after, before, rtol=1e-9, atol=1e-9)
 
 
 def test_head_factors_reproduce_the_model_queries_and_outputs():
@@ -101,8 +126,8 @@ def test_pure_rotation_has_rotational_fraction_one_and_invariant_velocity_zero_m
         g_vo = torch.randn(N_HEAD, 17, 16, dtype=torch.float64, generator=g)
         invariant[layer] = {"Q": g_qk @ f["K"], "K": g_qk.mT @ f["Q"], "V": g_vo @ f["O"].mT,
                             "O": f["V"].mT @ g_vo}
-    rot = head_dynamics(params, velocity_from_factors(params, rotation, N_HEAD), N_HEAD)
-    inv = head_dynamics(params, velocity_from_factors(params, invariant, N_HEAD), N_HEAD)
+    rot = head_dynamics(params, velocity_of(params, rotation), N_HEAD)
+    inv = head_dynamics(params, velocity_of(params, invariant), N_HEAD)
     for sector in ("QK", "VO"):
         assert torch.allclose(rot[f"f_rot_{sector}"], torch.ones(2, N_HEAD, dtype=torch.float64), atol=1e-8)
         assert (rot[f"J_{sector}"] > 1e-2).all()
