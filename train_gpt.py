@@ -471,6 +471,28 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        vocab_limit: int | None = None, generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue each row of idx (B, T) by max_new_tokens sampled tokens, with the mean biases, as nanoGPT does:
+        the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the `top_k`
+        most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the vocabulary
+        is padded (docs/export.md#sampling)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])[0][:, -1, :vocab_limit].float()
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
     def estimate_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·d·T for attention (PaLM App. B, nanoGPT)."""
         cfg = self.config
