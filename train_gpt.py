@@ -119,6 +119,9 @@ class Hyperparameters:
     resume: str = flag("", "checkpoint file or run directory to resume from: its config is the base and flags "
                            "override it; the run continues in the checkpoint's run directory unless --run-name or "
                            "--run-dir name a new one")
+    init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
+                              "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
+                              "data and step start fresh; ignored by --resume")
     seed: int = flag(1337, "seed for initialisation and the bias sampler")
     device: str = flag("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = flag("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32)",
@@ -299,6 +302,11 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if hp.dynamics_every and hp.optimizer not in VELOCITY_OPTIMIZERS:
         return (f"--dynamics-every needs a velocity, which SPEC §6 defines for --optimizer "
                 f"{', '.join(VELOCITY_OPTIMIZERS)}; {hp.optimizer} has none (set --dynamics-every 0)")
+    if hp.init_from and not hp.resume:
+        try:
+            resolve_checkpoint_path(hp.init_from, flag="--init-from")
+        except CheckpointError as exc:
+            return str(exc)
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     try:
@@ -613,6 +621,42 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
                       "previous checkpoint, if any, is intact") from exc
 
 
+def load_initial_weights(model: GPT, source: str | os.PathLike) -> str:
+    """Copy the model weights of a checkpoint (file or run directory) into `model` for --init-from; returns a line
+    saying what was adapted: a larger vocabulary keeps its initialisation in the extra rows, positions beyond
+    block_size are dropped, and parameters of another bias mode (learned b_q, b_v) are skipped or keep theirs."""
+    path = resolve_checkpoint_path(source, flag="--init-from")
+    ckpt = load_checkpoint(path, mmap=True)
+    saved, cfg = config_from_dict(ckpt["config"]["model"]), model.config
+    for name in ("n_layer", "n_head", "n_embd", "activation"):
+        if getattr(saved, name) != getattr(cfg, name):
+            raise CheckpointError(f"--init-from {path}: its model has {option(name)} {getattr(saved, name)}, this "
+                                  f"run {getattr(cfg, name)}; set {option(name)} {getattr(saved, name)}")
+    if saved.block_size < cfg.block_size:
+        raise CheckpointError(f"--init-from {path}: its model has --block-size {saved.block_size}, this run "
+                              f"{cfg.block_size}; set --block-size {saved.block_size} or less")
+    notes = [f"initial weights from {path}"]
+    if saved.vocab_size != cfg.vocab_size:
+        notes.append(f"vocabulary {saved.vocab_size} -> {cfg.vocab_size}"
+                     + (" (the extra rows keep their initialisation)" if cfg.vocab_size > saved.vocab_size else ""))
+    if saved.block_size != cfg.block_size:
+        notes.append(f"positions {saved.block_size} -> {cfg.block_size}")
+    if saved.bias_mode != cfg.bias_mode:
+        notes.append(f"bias mode {saved.bias_mode} -> {cfg.bias_mode}")
+    state = model.state_dict()  # shares storage with the parameters
+    skipped = []
+    with torch.no_grad():
+        for name, tensor in ckpt["model"].items():
+            if name not in state or tensor.shape[1:] != state[name].shape[1:]:
+                skipped.append(name)
+                continue
+            rows = min(tensor.size(0), state[name].size(0))
+            state[name][:rows].copy_(tensor[:rows])
+    if skipped:
+        notes.append(f"not used: {', '.join(skipped)}")
+    return " | ".join(notes)
+
+
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
     """The checkpoint's model on the CPU in eval mode (evaluation uses the mean biases)."""
     ckpt = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
@@ -917,6 +961,8 @@ def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
                        vocab_size=cfg.model.vocab_size)
     torch.manual_seed(hp.seed)
     model = GPT(cfg.model).to(rt.device)
+    if hp.init_from and not hp.resume:
+        log.line(load_initial_weights(model, hp.init_from))
     optimizers = OPTIMIZERS[hp.optimizer].build(model, cfg.optim)
     for opt in optimizers:
         if hasattr(opt, "max_grad_norm"):  # sharded optimizers clip after averaging the gradients, inside step()

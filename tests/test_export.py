@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,3 +166,52 @@ def test_errors_name_the_problem(tmp_path):
         export.model_from_hf_state_dict(state, train_gpt.GPTConfig(**{**TINY, "n_embd": 64, "n_head": 2,
                                                                       "activation": "gelu", "bias_mode": "none"}))
     assert not list(tmp_path.glob(".x.*")) and not list(tmp_path.glob(".full.*"))
+
+
+@pytest.fixture
+def imported_gpt2(tmp_path) -> tuple[str, train_gpt.GPT]:
+    """A GPT-2 directory (GELU, vocab 50257, 64 positions) converted by `export from-hf` into our checkpoint."""
+    model = random_model(vocab_size=GPT2_VOCAB, activation="gelu", bias_mode="none", block_size=64)
+    export.export_model(model, tmp_path / "gpt2")
+    export.main(["from-hf", "--source", str(tmp_path / "gpt2"), "--out", str(tmp_path / "gpt2.pt")])
+    return str(tmp_path / "gpt2.pt"), model
+
+
+def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases(imported_gpt2):
+    path, source = imported_gpt2
+    torch.manual_seed(3)
+    target = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, **{**TINY, "block_size": 16}, activation="gelu",
+                                               bias_mode="learned"))
+    fresh_rows = target.transformer.wte.weight[GPT2_VOCAB:].detach().clone()
+    note = train_gpt.load_initial_weights(target, path)
+    assert "vocabulary 50257 -> 50304" in note and "positions 64 -> 16" in note and "bias mode none -> learned" in note
+    wte = target.transformer.wte.weight.detach()
+    assert torch.equal(wte[:GPT2_VOCAB], source.transformer.wte.weight.detach())
+    assert torch.equal(wte[GPT2_VOCAB:], fresh_rows)
+    assert target.lm_head.weight is target.transformer.wte.weight
+    assert torch.equal(target.transformer.wpe.weight.detach(), source.transformer.wpe.weight.detach()[:16])
+    for name, tensor in source.state_dict().items():
+        if "wte" not in name and "wpe" not in name and "lm_head" not in name:
+            assert torch.equal(target.state_dict()[name], tensor), name
+    wider = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "n_embd": 64}, activation="gelu"))
+    with pytest.raises(train_gpt.CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
+        train_gpt.load_initial_weights(wider, path)
+    longer = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "block_size": 128}, activation="gelu"))
+    with pytest.raises(train_gpt.CheckpointError, match="--block-size 64, this run 128"):
+        train_gpt.load_initial_weights(longer, path)
+
+
+def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):
+    from data.shards import write_shard
+
+    path, _ = imported_gpt2
+    write_shard(tmp_path / "tok_000000.bin", np.random.default_rng(0).integers(0, 500, 4096).astype(np.uint16))
+    args = ["--train-files", str(tmp_path / "tok_*.bin"), "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "32", "--seq-len", "32", "--batch-tokens", "128", "--micro-batch", "4", "--steps", "1",
+            "--val-every", "0", "--val-tokens", "256", "--activation", "gelu", "--device", "cpu",
+            "--run-dir", str(tmp_path / "runs"), "--run-name", "finetune"]
+    train_gpt.main([*args, "--init-from", path])
+    assert f"initial weights from {path}" in (tmp_path / "runs" / "finetune" / "log.txt").read_text()
+    with pytest.raises(SystemExit):
+        train_gpt.main([*args[:-1], "other", "--init-from", str(tmp_path / "missing.pt")])
+    assert "--init-from: no checkpoint at" in capsys.readouterr().err
