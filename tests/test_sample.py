@@ -115,3 +115,22 @@ def test_bad_flags_are_named(run_dir, flags, message, capsys):
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at"):
         sample.main(["--checkpoint", str(tmp_path / "nothing")])
+
+
+@pytest.mark.cuda
+def test_greedy_generation_on_cuda_matches_the_cpu(model):
+    idx = torch.randint(0, GPT2_VOCAB, (2, 5))
+    on_gpu = model.to("cuda").generate(idx.cuda(), 4, temperature=0, vocab_limit=GPT2_VOCAB).cpu()
+    model.to("cpu")
+    assert torch.equal(on_gpu[:, :5], idx)
+    for t in range(5, 9):  # every token the GPU chose is the CPU's argmax, up to float ties
+        logits = model(on_gpu[:, :t])[0][:, -1, :GPT2_VOCAB]
+        chosen = logits.gather(1, on_gpu[:, t:t + 1]).squeeze(1)
+        assert (logits.max(dim=-1).values - chosen).max() < 1e-4
+
+
+@pytest.mark.cuda
+def test_cli_samples_on_cuda_in_bf16(run_dir):
+    texts = sample.main(["--checkpoint", run_dir, "--device", "cuda", "--dtype", "bf16", "--max-new-tokens", "5",
+                         "--num-samples", "2"])
+    assert len(texts) == 2
