@@ -22,8 +22,8 @@ from data.shards import EOT_TOKEN, GPT2_VOCAB
 def load_model(source: str) -> train_gpt.GPT:
     """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
     path = Path(source)
-    if path.is_dir() and (path / "config.json").is_file() and not (path / "checkpoints").is_dir():
-        import export  # an exported directory (safetensors)
+    if (path / "model.safetensors").is_file():
+        import export  # an exported directory
 
         try:
             return export.load_exported(path)
@@ -78,6 +78,10 @@ def input_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    return args.prompt_file.read_text() if args.prompt_file is not None else args.prompt
+
+
 def sample(args: argparse.Namespace) -> list[str]:
     """The generated continuations (prompt excluded), one string per sample."""
     from data.tokenizer import gpt2_tokenizer
@@ -85,7 +89,7 @@ def sample(args: argparse.Namespace) -> list[str]:
     device = resolve_device(args.device)
     model = load_model(args.checkpoint).to(device)
     encoding = gpt2_tokenizer()
-    prompt = args.prompt_file.read_text() if args.prompt_file is not None else args.prompt
+    prompt = read_prompt(args)
     tokens = encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT_TOKEN]
     if max(tokens) >= model.config.vocab_size:
         raise SystemExit(f"error: the prompt has token id {max(tokens)}, beyond this model's vocabulary of "
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     if problem:
         parser.error(problem)
     texts = sample(args)
-    prompt = args.prompt_file.read_text() if args.prompt_file is not None else args.prompt
+    prompt = read_prompt(args)
     for text in texts:
         print(prompt + text)
         print("-" * 40)

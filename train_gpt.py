@@ -210,7 +210,11 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     saved = None
     if known.resume:
         try:
-            saved = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)["config"]  # reads no tensor
+            checkpoint = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)  # reads no tensor
+            if "optimizers" not in checkpoint:
+                raise CheckpointError(f"--resume {known.resume}: the checkpoint holds only model weights (no "
+                                      f"training state); start a new run from them with --init-from {known.resume}")
+            saved = checkpoint["config"]
         except CheckpointError as exc:
             pre.error(str(exc))
     optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)

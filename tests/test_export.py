@@ -153,6 +153,8 @@ def test_errors_name_the_problem(tmp_path):
         export.export_model(model, tmp_path / "full")
     assert (tmp_path / "full" / "other.txt").read_text() == "keep me"
     (tmp_path / "empty").mkdir()
+    with pytest.raises(export.ExportError, match="not a directory holding config.json"):
+        export.load_exported(tmp_path / "missing")
     with pytest.raises(export.ExportError, match="no config.json"):
         export.load_exported(tmp_path / "empty")
     (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -215,3 +217,6 @@ def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_gpt.main([*args[:-1], "other", "--init-from", str(tmp_path / "missing.pt")])
     assert "--init-from: no checkpoint at" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_gpt.main(["--resume", path])
+    assert f"start a new run from them with --init-from {path}" in capsys.readouterr().err
