@@ -95,14 +95,16 @@ def exported_model_config(config: train_gpt.GPTConfig) -> train_gpt.GPTConfig:
 
 
 def gpt2_config(config: train_gpt.GPTConfig) -> dict:
-    """A transformers GPT2Config (as JSON) for a GELU model: exact-erf GELU, no dropout, tied embeddings."""
+    """A transformers GPT2Config (as JSON) for a GELU model: exact-erf GELU, no dropout, tied embeddings, and
+    <|endoftext|> as BOS/EOS when the vocabulary is GPT-2's."""
+    vocab = min(config.vocab_size, GPT2_VOCAB)
+    special = {"bos_token_id": GPT2_VOCAB - 1, "eos_token_id": GPT2_VOCAB - 1} if vocab == GPT2_VOCAB else {}
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": min(config.vocab_size, GPT2_VOCAB), "n_positions": config.block_size,
-        "n_embd": config.n_embd, "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": 4 * config.n_embd,
-        "activation_function": "gelu", "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": 0.02,
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
-        "tie_word_embeddings": True, "bos_token_id": GPT2_VOCAB - 1, "eos_token_id": GPT2_VOCAB - 1,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+        "n_head": config.n_head, "n_inner": 4 * config.n_embd, "activation_function": "gelu",
+        "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": 0.02, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": True, **special,
     }
 
 

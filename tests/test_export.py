@@ -220,3 +220,14 @@ def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_gpt.main(["--resume", path])
     assert f"start a new run from them with --init-from {path}" in capsys.readouterr().err
+
+
+def test_small_vocabulary_exports_without_gpt2_special_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the GPT2LMHeadModel check needs transformers")
+    model = random_model(vocab_size=128, activation="gelu", bias_mode="bqbv")
+    export.export_model(model, tmp_path / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+    assert "eos_token_id" not in json.loads((tmp_path / "hf" / "config.json").read_text())
