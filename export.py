@@ -229,7 +229,7 @@ def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("to-hf", help="checkpoint -> model.safetensors + config.json (GPT-2 layout)")

@@ -44,9 +44,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=_HelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="run directory, checkpoint file or exported directory")
     parser.add_argument("--prompt", default="", help="text to continue (default: start after <|endoftext|>)")
     parser.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file instead")
