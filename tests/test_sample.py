@@ -1,5 +1,5 @@
-"""GPT.generate and `python -m sample`: greedy and top-k decoding, seeded sampling, the padded vocabulary, context cropping,
-checkpoints given as files, run directories or exported directories, and the errors for bad flags."""
+"""GPT.generate and `python -m sample`: greedy and top-k decoding, seeded sampling, the padded vocabulary, context
+cropping, checkpoints given as files, run directories or exported directories, and the errors for bad flags."""
 from __future__ import annotations
 
 import pytest
