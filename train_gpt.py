@@ -119,6 +119,9 @@ class Hyperparameters:
     resume: str = flag("", "checkpoint file or run directory to resume from: its config is the base and flags "
                            "override it; the run continues in the checkpoint's run directory unless --run-name or "
                            "--run-dir name a new one")
+    init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
+                              "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
+                              "data and step start fresh; ignored by --resume")
     seed: int = flag(1337, "seed for initialisation and the bias sampler")
     device: str = flag("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = flag("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32)",
@@ -207,7 +210,11 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     saved = None
     if known.resume:
         try:
-            saved = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)["config"]  # reads no tensor
+            checkpoint = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)  # reads no tensor
+            if "optimizers" not in checkpoint:
+                raise CheckpointError(f"--resume {known.resume}: the checkpoint holds only model weights (no "
+                                      f"training state); start a new run from them with --init-from {known.resume}")
+            saved = checkpoint["config"]
         except CheckpointError as exc:
             pre.error(str(exc))
     optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
@@ -299,6 +306,11 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if hp.dynamics_every and hp.optimizer not in VELOCITY_OPTIMIZERS:
         return (f"--dynamics-every needs a velocity, which SPEC §6 defines for --optimizer "
                 f"{', '.join(VELOCITY_OPTIMIZERS)}; {hp.optimizer} has none (set --dynamics-every 0)")
+    if hp.init_from and not hp.resume:
+        try:
+            resolve_checkpoint_path(hp.init_from, flag="--init-from")
+        except CheckpointError as exc:
+            return str(exc)
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     try:
@@ -471,6 +483,28 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss
 
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        vocab_limit: int | None = None, generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Continue each row of idx (B, T) by max_new_tokens sampled tokens, with the mean biases, as nanoGPT does:
+        the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the `top_k`
+        most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the vocabulary
+        is padded (docs/export.md#sampling)."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:])[0][:, -1, :vocab_limit].float()
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, next_token), dim=1)
+        return idx
+
     def estimate_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·d·T for attention (PaLM App. B, nanoGPT)."""
         cfg = self.config
@@ -589,6 +623,42 @@ def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
         reason = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else str(exc).strip()
         raise OSError(f"could not write checkpoint {path}: {reason} ({free / 2**20:,.0f} MiB free there); the "
                       "previous checkpoint, if any, is intact") from exc
+
+
+def load_initial_weights(model: GPT, source: str | os.PathLike) -> str:
+    """Copy the model weights of a checkpoint (file or run directory) into `model` for --init-from; returns a line
+    saying what was adapted: a larger vocabulary keeps its initialisation in the extra rows, positions beyond
+    block_size are dropped, and parameters of another bias mode (learned b_q, b_v) are skipped or keep theirs."""
+    path = resolve_checkpoint_path(source, flag="--init-from")
+    ckpt = load_checkpoint(path, mmap=True)
+    saved, cfg = config_from_dict(ckpt["config"]["model"]), model.config
+    for name in ("n_layer", "n_head", "n_embd", "activation"):
+        if getattr(saved, name) != getattr(cfg, name):
+            raise CheckpointError(f"--init-from {path}: its model has {option(name)} {getattr(saved, name)}, this "
+                                  f"run {getattr(cfg, name)}; set {option(name)} {getattr(saved, name)}")
+    if saved.block_size < cfg.block_size:
+        raise CheckpointError(f"--init-from {path}: its model has --block-size {saved.block_size}, this run "
+                              f"{cfg.block_size}; set --block-size {saved.block_size} or less")
+    notes = [f"initial weights from {path}"]
+    if saved.vocab_size != cfg.vocab_size:
+        notes.append(f"vocabulary {saved.vocab_size} -> {cfg.vocab_size}"
+                     + (" (the extra rows keep their initialisation)" if cfg.vocab_size > saved.vocab_size else ""))
+    if saved.block_size != cfg.block_size:
+        notes.append(f"positions {saved.block_size} -> {cfg.block_size}")
+    if saved.bias_mode != cfg.bias_mode:
+        notes.append(f"bias mode {saved.bias_mode} -> {cfg.bias_mode}")
+    state = model.state_dict()  # shares storage with the parameters
+    skipped = []
+    with torch.no_grad():
+        for name, tensor in ckpt["model"].items():
+            if name not in state or tensor.shape[1:] != state[name].shape[1:]:
+                skipped.append(name)
+                continue
+            rows = min(tensor.size(0), state[name].size(0))
+            state[name][:rows].copy_(tensor[:rows])
+    if skipped:
+        notes.append(f"not used: {', '.join(skipped)}")
+    return " | ".join(notes)
 
 
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
@@ -895,6 +965,8 @@ def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
                        vocab_size=cfg.model.vocab_size)
     torch.manual_seed(hp.seed)
     model = GPT(cfg.model).to(rt.device)
+    if hp.init_from and not hp.resume:
+        log.line(load_initial_weights(model, hp.init_from))
     optimizers = OPTIMIZERS[hp.optimizer].build(model, cfg.optim)
     for opt in optimizers:
         if hasattr(opt, "max_grad_norm"):  # sharded optimizers clip after averaging the gradients, inside step()

@@ -1,0 +1,263 @@
+"""Take models elsewhere: our checkpoints to Hugging Face GPT-2 directories, and GPT-2 weights into our checkpoints
+(docs/export.md#hugging-face).
+
+    python -m export to-hf --checkpoint RUN_OR_FILE --out DIR        # GELU: a GPT2LMHeadModel directory
+    python -m export from-hf --source DIR_OR_HUB_ID --out FILE.pt    # e.g. the original GPT-2 124M ("gpt2")
+
+Both directions use GPT-2's tensor layout and names (Conv1D weights stored (in, out), the transpose of our
+nn.Linear). The symmetry-breaking biases are folded into c_attn's bias with their evaluation values: the query
+part gains E[b_Q] (q + E[b_Q] = xA_Q + (c_Q + E[b_Q])), the value part E[b_V] (exact, since softmax rows sum to 1),
+and a learned model's b_q, b_v; b_K changes no output and is dropped. The exported model therefore has plain
+biases and matches our logits with the mean biases. The vocabulary is cut to GPT-2's 50257 tokens: our padded
+rows are never real tokens, and the logits of every real token stay the same.
+
+Stock GPT-2 has no PReLU: a PReLU model is written in the same layout plus one slope vector per block
+(`h.N.mlp.act.weight`) with our own config.json, which transformers refuses to load; `load_exported` (or
+`from-hf`) reads it back into our GPT.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import train_gpt
+from data.shards import GPT2_VOCAB, atomic_write
+from optim import OPTIMIZERS
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PRELU_FORMAT = "symgpt-prelu-gpt2-v1"
+LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which our model uses
+CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older GPT-2 files
+
+
+class ExportError(ValueError):
+    """A model or directory that cannot be converted, with what to do instead."""
+
+
+def folded_attention_biases(model: train_gpt.GPT) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per layer, the (C,) query and value biases evaluation adds (E[b_Q], E[b_V], or a learned model's b_q, b_v),
+    laid out head after head like c_attn's output; None where the mode adds none."""
+    cfg = model.config
+    use_q, _, use_v = cfg.sampled_biases
+    folds = []
+    for i, block in enumerate(model.transformer.h):
+        if cfg.bias_mode == "learned":
+            b_q, b_v = block.attn.b_q.detach(), block.attn.b_v.detach()
+        else:
+            b_q = model.mean_biases[i, 0] if use_q else None
+            b_v = model.mean_biases[i, 2] if use_v else None
+        folds.append(tuple(None if b is None else b.expand(cfg.n_head, cfg.head_dim).reshape(cfg.n_embd).float()
+                           for b in (b_q, b_v)))
+    return folds
+
+
+def hf_state_dict(model: train_gpt.GPT) -> dict[str, torch.Tensor]:
+    """Our model's weights under GPT-2's names and layout (no `transformer.` prefix, as GPT-2's own files; the tied
+    lm_head is not stored), with the evaluation biases folded into c_attn.bias and the vocabulary cut to GPT-2's."""
+    C = model.config.n_embd
+    vocab = min(model.config.vocab_size, GPT2_VOCAB)
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("transformer."):
+            continue  # lm_head.weight: tied to wte
+        key = name.removeprefix("transformer.")
+        if key.endswith(("attn.b_q", "attn.b_v")):
+            continue  # folded below
+        tensor = tensor.detach().float()
+        if key == "wte.weight":
+            tensor = tensor[:vocab]
+        elif key.endswith(CONV1D_WEIGHTS):
+            tensor = tensor.t()
+        out[key] = tensor.contiguous().clone()
+    for i, (b_q, b_v) in enumerate(folded_attention_biases(model)):
+        bias = out[f"h.{i}.attn.c_attn.bias"]
+        if b_q is not None:
+            bias[:C] += b_q
+        if b_v is not None:
+            bias[2 * C:] += b_v
+    return out
+
+
+def exported_model_config(config: train_gpt.GPTConfig) -> train_gpt.GPTConfig:
+    """The config of the exported model read back into our GPT: biases folded (bias_mode none), vocabulary cut."""
+    return dataclasses.replace(config, bias_mode="none", key_bias=False,
+                               vocab_size=min(config.vocab_size, GPT2_VOCAB))
+
+
+def gpt2_config(config: train_gpt.GPTConfig) -> dict:
+    """A transformers GPT2Config (as JSON) for a GELU model: exact-erf GELU, no dropout, tied embeddings, and
+    <|endoftext|> as BOS/EOS when the vocabulary is GPT-2's."""
+    vocab = min(config.vocab_size, GPT2_VOCAB)
+    special = {"bos_token_id": GPT2_VOCAB - 1, "eos_token_id": GPT2_VOCAB - 1} if vocab == GPT2_VOCAB else {}
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+        "n_head": config.n_head, "n_inner": 4 * config.n_embd, "activation_function": "gelu",
+        "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": 0.02, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": True, **special,
+    }
+
+
+def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> Path:
+    """Write `model` to `out_dir` as model.safetensors + config.json (see the module docstring); a GELU model is a
+    GPT2LMHeadModel directory, a PReLU model our own format for `load_exported`. The directory appears whole or
+    not at all."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ExportError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    config = exported_model_config(model.config)
+    if config.activation == "gelu":
+        meta = gpt2_config(config)
+    else:
+        meta = {"format": PRELU_FORMAT, "model": dataclasses.asdict(config),
+                "note": "GPT-2 with per-feature PReLU MLP slopes (h.N.mlp.act.weight); stock GPT-2 has no PReLU. "
+                        "Load with symgpt's export.load_exported."}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        save_file(hf_state_dict(model), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        atomic_write(staging / CONFIG_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+        if out_dir.exists():
+            out_dir.rmdir()
+        staging.rename(out_dir)
+    except BaseException:
+        for path in staging.iterdir():
+            path.unlink()
+        staging.rmdir()
+        raise
+    return out_dir
+
+
+def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
+    """Our GPTConfig for a directory's config.json: our PReLU format, or a GPT-2 GPT2Config."""
+    if meta.get("format") == PRELU_FORMAT:
+        return train_gpt.config_from_dict(meta["model"])
+    if meta.get("model_type") != "gpt2":
+        raise ExportError(f"{source / CONFIG_FILE}: neither a GPT-2 config (model_type 'gpt2') nor {PRELU_FORMAT}")
+    n_embd = meta.get("n_embd", 768)
+    unsupported = {
+        "n_inner": (meta.get("n_inner") or 4 * n_embd, 4 * n_embd),
+        "layer_norm_epsilon": (meta.get("layer_norm_epsilon", LAYER_NORM_EPS), LAYER_NORM_EPS),
+        "scale_attn_weights": (meta.get("scale_attn_weights", True), True),
+        "scale_attn_by_inverse_layer_idx": (meta.get("scale_attn_by_inverse_layer_idx", False), False),
+        "tie_word_embeddings": (meta.get("tie_word_embeddings", True), True),
+    }
+    for key, (value, ours) in unsupported.items():
+        if value != ours:
+            raise ExportError(f"{source / CONFIG_FILE}: {key} = {value!r}; our GPT supports only {ours!r}")
+    activation = meta.get("activation_function", "gelu_new")
+    if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise ExportError(f"{source / CONFIG_FILE}: activation_function {activation!r}; our GPT has gelu and prelu")
+    return train_gpt.GPTConfig(vocab_size=meta.get("vocab_size", GPT2_VOCAB), block_size=meta.get("n_positions", 1024),
+                               n_layer=meta.get("n_layer", 12), n_head=meta.get("n_head", 12), n_embd=n_embd,
+                               activation="gelu", bias_mode="none")
+
+
+def model_from_hf_state_dict(state: dict[str, torch.Tensor], config: train_gpt.GPTConfig) -> train_gpt.GPT:
+    """Our GPT from GPT-2-named tensors (with or without the `transformer.` prefix); the inverse of hf_state_dict."""
+    model = train_gpt.GPT(config)
+    ours = {}
+    for name, tensor in state.items():
+        key = name.removeprefix("transformer.")
+        if key == "lm_head.weight" or key.endswith(IGNORED_HF_BUFFERS):
+            continue
+        ours["transformer." + key] = tensor.t() if key.endswith(CONV1D_WEIGHTS) else tensor
+    ours["lm_head.weight"] = ours["transformer.wte.weight"]
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(ours)), sorted(set(ours) - set(expected))
+    if missing or unexpected:
+        raise ExportError(f"the weights do not fit a GPT-2 of this config: missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]}")
+    for name, tensor in ours.items():
+        if tensor.shape != expected[name].shape:
+            raise ExportError(f"{name}: shape {tuple(tensor.shape)}, the config needs {tuple(expected[name].shape)}")
+    model.load_state_dict(ours)
+    return model.eval()
+
+
+def resolve_source(source: str) -> Path:
+    """A local directory, or a Hugging Face hub id (e.g. "gpt2") downloaded into the hub's cache."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists() or source.startswith((".", "/")) or source.count("/") > 1:
+        raise ExportError(f"--source {source}: not a directory holding {CONFIG_FILE} and {WEIGHTS_FILE}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(source, allow_patterns=[CONFIG_FILE, WEIGHTS_FILE]))
+    except Exception as exc:  # the hub reports offline use, unknown repos and network errors by several types
+        raise ExportError(f"--source {source}: no such directory, and the Hugging Face hub gave no model "
+                          f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); "
+                          "give a local directory with config.json and model.safetensors") from exc
+
+
+def load_exported(source: str | os.PathLike) -> train_gpt.GPT:
+    """Our GPT (eval mode, CPU) from a directory written by export_model or a GPT-2 directory with safetensors."""
+    path = resolve_source(str(source))
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (path / name).is_file():
+            raise ExportError(f"{path}: no {name}; give a directory written by `python -m export to-hf` or a "
+                              "Hugging Face GPT-2 directory with safetensors weights")
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    config = config_from_exported(meta, path)
+    activation = meta.get("activation_function", "gelu")
+    if meta.get("format") != PRELU_FORMAT and activation != "gelu":
+        print(f"note: {path} uses activation_function {activation!r} (the tanh approximation of GELU); our GPT "
+              "uses exact GELU, so logits differ slightly from the original", file=sys.stderr)
+    return model_from_hf_state_dict(load_file(str(path / WEIGHTS_FILE)), config)
+
+
+def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
+    """A checkpoint in our format holding only the model (step 0, default training config), for sample and eval."""
+    optimizer = train_gpt.Hyperparameters.optimizer
+    config = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.Hyperparameters()),
+              "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config())}
+    return {"format": train_gpt.CHECKPOINT_FORMAT, "step": 0, "config": config, "imported_from": source,
+            "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "metrics": {"step": 0, "tokens": 0, "train_time_s": 0.0}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_hf = commands.add_parser("to-hf", help="checkpoint -> model.safetensors + config.json (GPT-2 layout)")
+    to_hf.add_argument("--checkpoint", required=True, help="checkpoint file or run directory (its latest.pt)")
+    to_hf.add_argument("--out", required=True, type=Path, help="new output directory")
+    from_hf = commands.add_parser("from-hf", help="GPT-2 directory or hub id -> our checkpoint (for sample/eval)")
+    from_hf.add_argument("--source", required=True,
+                         help="directory with config.json + model.safetensors, or a hub id such as gpt2")
+    from_hf.add_argument("--out", required=True, type=Path, help="checkpoint file to write (.pt)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-hf":
+            path = train_gpt.resolve_checkpoint_path(args.checkpoint, flag="--checkpoint")
+            model = train_gpt.model_from_checkpoint(train_gpt.load_checkpoint(path, mmap=True))
+            export_model(model, args.out)
+            kind = ("a GPT2LMHeadModel directory" if model.config.activation == "gelu" else
+                    "a PReLU model (stock GPT-2 has no PReLU; load it with export.load_exported)")
+            print(f"wrote {args.out}: {kind}, mean biases folded into c_attn.bias")
+        else:
+            if args.out.exists():
+                raise ExportError(f"--out {args.out} exists; choose a new file")
+            model = load_exported(args.source)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            train_gpt.save_checkpoint(args.out, checkpoint_of(model, args.source))
+            print(f"wrote {args.out}: {model.get_num_params():,} parameters from {args.source}")
+    except (ExportError, train_gpt.CheckpointError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Sample text from a trained model, with the mean biases of evaluation (docs/export.md#sampling).
+
+    python -m sample --checkpoint runs/NAME --prompt "The meaning of life is" --max-new-tokens 100
+    python -m sample --checkpoint gpt2.pt --num-samples 3 --temperature 0.8 --top-k 200 --seed 1
+
+--checkpoint takes a run directory (its checkpoints/latest.pt), a checkpoint file, or a directory written by
+`python -m export` (model.safetensors + config.json).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+import train_gpt
+from data.shards import EOT_TOKEN, GPT2_VOCAB
+
+
+def load_model(source: str) -> train_gpt.GPT:
+    """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
+    path = Path(source)
+    if (path / "model.safetensors").is_file():
+        import export  # an exported directory
+
+        try:
+            return export.load_exported(path)
+        except export.ExportError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    try:
+        checkpoint = train_gpt.load_checkpoint(train_gpt.resolve_checkpoint_path(path, flag="--checkpoint"), mmap=True)
+    except train_gpt.CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    return train_gpt.model_from_checkpoint(checkpoint)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="run directory, checkpoint file or exported directory")
+    parser.add_argument("--prompt", default="", help="text to continue (default: start after <|endoftext|>)")
+    parser.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file instead")
+    parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample")
+    parser.add_argument("--num-samples", type=int, default=1, help="independent samples (one batch)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=200, help="sample among the K most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling generator")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="auto: bf16 autocast on CUDA, fp32 on the CPU")
+    return parser
+
+
+def input_problem(args: argparse.Namespace) -> str | None:
+    """The first bad flag value, phrased as what to change; None when all are valid."""
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
+    if args.num_samples < 1:
+        return f"--num-samples must be >= 1, got {args.num_samples}"
+    if args.temperature < 0:
+        return f"--temperature must be >= 0 (0: greedy), got {args.temperature}"
+    if args.top_k < 0:
+        return f"--top-k must be >= 0 (0: no cut), got {args.top_k}"
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        return f"--prompt-file {args.prompt_file}: no such file"
+    if args.dtype == "bf16" and args.device == "cpu":
+        return "--dtype bf16 runs on CUDA only (use --dtype fp32 on the CPU)"
+    return None
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    return args.prompt_file.read_text() if args.prompt_file is not None else args.prompt
+
+
+def sample(args: argparse.Namespace) -> list[str]:
+    """The generated continuations (prompt excluded), one string per sample."""
+    from data.tokenizer import gpt2_tokenizer
+
+    device = resolve_device(args.device)
+    model = load_model(args.checkpoint).to(device)
+    encoding = gpt2_tokenizer()
+    prompt = read_prompt(args)
+    tokens = encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT_TOKEN]
+    if max(tokens) >= model.config.vocab_size:
+        raise SystemExit(f"error: the prompt has token id {max(tokens)}, beyond this model's vocabulary of "
+                         f"{model.config.vocab_size}")
+    if len(tokens) > model.config.block_size:
+        print(f"note: the prompt has {len(tokens)} tokens; the model sees the last {model.config.block_size} "
+              "(its block_size)", file=sys.stderr)
+    idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    use_bf16 = device.type == "cuda" and args.dtype in ("auto", "bf16")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    with autocast:
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                             vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
+    return [encoding.decode(row[len(tokens):].tolist()) for row in out]
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = input_problem(args)
+    if problem:
+        parser.error(problem)
+    texts = sample(args)
+    prompt = read_prompt(args)
+    for text in texts:
+        print(prompt + text)
+        print("-" * 40)
+    return texts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Hugging Face export and import (docs/export.md#hugging-face): GELU models load as GPT2LMHeadModel with our
+mean-bias logits, PReLU models come back through export.load_exported, GPT-2 directories import into our GPT,
+round trips keep the weights, and bad input gets a clear error."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("safetensors", reason="the export writes safetensors (pip install safetensors)")
+
+import export  # noqa: E402
+import sample  # noqa: E402
+import train_gpt  # noqa: E402
+from data.shards import GPT2_VOCAB  # noqa: E402
+
+TINY = dict(block_size=32, n_layer=2, n_head=2, n_embd=32)
+BIAS_CASES = {
+    "bqbv-shared": dict(bias_mode="bqbv", mean_q=0.5, mean_v=0.3),
+    "bqbv-per-head": dict(bias_mode="bqbv", mean_q=0.5, mean_v=-0.2, bias_per_head=True),
+    "bq-with-key-bias": dict(bias_mode="bq", mean_q=0.7, key_bias=True),
+    "bv": dict(bias_mode="bv", mean_v=0.5),
+    "learned-per-head": dict(bias_mode="learned", bias_per_head=True),
+    "learned-shared": dict(bias_mode="learned"),
+    "none": dict(bias_mode="none"),
+}
+
+
+def random_model(vocab_size: int = 50304, **overrides) -> train_gpt.GPT:
+    """A tiny GPT whose every parameter (biases, LayerNorms, slopes) is perturbed away from its initialisation."""
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tokens(batch: int = 2, length: int = 24) -> torch.Tensor:
+    return torch.randint(0, GPT2_VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def our_logits(model: train_gpt.GPT, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(idx, biases=model.mean_biases)[0][..., :GPT2_VOCAB]
+
+
+@pytest.mark.parametrize("case", sorted(BIAS_CASES))
+def test_gelu_export_loads_as_gpt2_with_our_logits(tmp_path, case):
+    transformers = pytest.importorskip("transformers", reason="the GPT2LMHeadModel check needs transformers")
+    model = random_model(activation="gelu", **BIAS_CASES[case])
+    export.export_model(model, tmp_path / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.vocab_size == GPT2_VOCAB and hf.config.n_positions == TINY["block_size"]
+    idx = tokens()
+    with torch.no_grad():
+        theirs = hf(idx).logits
+    ours = our_logits(model, idx)
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_bias_folding_is_needed(tmp_path):
+    """The check above can fail: without folding the mean biases the exported logits differ."""
+    model = random_model(activation="gelu", **BIAS_CASES["bqbv-shared"])
+    state = export.hf_state_dict(model)
+    unfolded = dict(state)
+    unfolded["h.0.attn.c_attn.bias"] = model.transformer.h[0].attn.c_attn.bias.detach().clone()
+    config = export.exported_model_config(model.config)
+    idx = tokens()
+    folded_logits = our_logits(export.model_from_hf_state_dict(state, config), idx)
+    unfolded_logits = our_logits(export.model_from_hf_state_dict(unfolded, config), idx)
+    torch.testing.assert_close(folded_logits, our_logits(model, idx), rtol=1e-5, atol=1e-5)
+    assert (unfolded_logits - folded_logits).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("case", ["bqbv-per-head", "learned-shared"])
+def test_prelu_export_round_trips_through_our_loader(tmp_path, case):
+    model = random_model(activation="prelu", **BIAS_CASES[case])
+    export.export_model(model, tmp_path / "prelu")
+    meta = json.loads((tmp_path / "prelu" / "config.json").read_text())
+    assert meta["format"] == export.PRELU_FORMAT and "model_type" not in meta
+    loaded = export.load_exported(tmp_path / "prelu")
+    assert loaded.config.activation == "prelu" and loaded.config.bias_mode == "none"
+    idx = tokens()
+    torch.testing.assert_close(our_logits(loaded, idx), our_logits(model, idx), rtol=1e-5, atol=1e-5)
+
+
+def test_prelu_export_is_refused_by_stock_gpt2(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="checks transformers' behaviour")
+    export.export_model(random_model(activation="prelu"), tmp_path / "prelu")
+    with pytest.raises(Exception):
+        transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "prelu")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_new"])
+def test_gpt2_directory_imports_with_the_same_logits(tmp_path, activation):
+    transformers = pytest.importorskip("transformers", reason="builds a GPT-2 directory with transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=GPT2_VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     activation_function=activation, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "gpt2")
+    ours = export.load_exported(tmp_path / "gpt2")
+    idx = tokens()
+    with torch.no_grad():
+        theirs = hf(idx).logits
+    if activation == "gelu":
+        torch.testing.assert_close(our_logits(ours, idx), theirs, rtol=1e-5, atol=1e-5)
+    else:  # the tanh approximation of GELU: our exact GELU differs a little, and the importer says so
+        assert (our_logits(ours, idx) - theirs).abs().max() < 5e-2
+
+
+def test_round_trip_keeps_every_tensor(tmp_path):
+    model = random_model(activation="gelu", **BIAS_CASES["bqbv-per-head"])
+    export.export_model(model, tmp_path / "a")
+    export.export_model(export.load_exported(tmp_path / "a"), tmp_path / "b")
+    from safetensors.torch import load_file
+
+    first, second = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    assert first["wte.weight"].shape == (GPT2_VOCAB, TINY["n_embd"])
+    assert first["h.0.attn.c_attn.weight"].shape == (TINY["n_embd"], 3 * TINY["n_embd"])  # Conv1D: (in, out)
+
+
+def test_cli_exports_a_run_and_imports_it_back_as_a_checkpoint(tmp_path, capsys):
+    model = random_model(activation="gelu", **BIAS_CASES["bqbv-shared"])
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    train_gpt.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
+    export.main(["from-hf", "--source", str(tmp_path / "hf"), "--out", str(tmp_path / "imported.pt")])
+    assert "GPT2LMHeadModel" in capsys.readouterr().out
+    imported = train_gpt.model_from_checkpoint(tmp_path / "imported.pt")
+    idx = tokens()
+    torch.testing.assert_close(our_logits(imported, idx), our_logits(model, idx), rtol=1e-5, atol=1e-5)
+    texts = sample.main(["--checkpoint", str(tmp_path / "imported.pt"), "--max-new-tokens", "3", "--seed", "1"])
+    assert len(texts) == 1
+
+
+def test_errors_name_the_problem(tmp_path):
+    model = random_model(activation="gelu")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "other.txt").write_text("keep me")
+    with pytest.raises(export.ExportError, match="exists and is not empty"):
+        export.export_model(model, tmp_path / "full")
+    assert (tmp_path / "full" / "other.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(export.ExportError, match="not a directory holding config.json"):
+        export.load_exported(tmp_path / "missing")
+    with pytest.raises(export.ExportError, match="no config.json"):
+        export.load_exported(tmp_path / "empty")
+    (tmp_path / "empty" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(export.ExportError, match="neither a GPT-2 config"):
+        export.load_exported(tmp_path / "empty")
+    with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at"):
+        export.main(["to-hf", "--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "x")])
+    with pytest.raises(export.ExportError, match="does not fit|shape"):
+        state = export.hf_state_dict(model)
+        export.model_from_hf_state_dict(state, train_gpt.GPTConfig(**{**TINY, "n_embd": 64, "n_head": 2,
+                                                                      "activation": "gelu", "bias_mode": "none"}))
+    assert not list(tmp_path.glob(".x.*")) and not list(tmp_path.glob(".full.*"))
+
+
+@pytest.fixture
+def imported_gpt2(tmp_path) -> tuple[str, train_gpt.GPT]:
+    """A GPT-2 directory (GELU, vocab 50257, 64 positions) converted by `export from-hf` into our checkpoint."""
+    model = random_model(vocab_size=GPT2_VOCAB, activation="gelu", bias_mode="none", block_size=64)
+    export.export_model(model, tmp_path / "gpt2")
+    export.main(["from-hf", "--source", str(tmp_path / "gpt2"), "--out", str(tmp_path / "gpt2.pt")])
+    return str(tmp_path / "gpt2.pt"), model
+
+
+def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases(imported_gpt2):
+    path, source = imported_gpt2
+    torch.manual_seed(3)
+    target = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, **{**TINY, "block_size": 16}, activation="gelu",
+                                               bias_mode="learned"))
+    fresh_rows = target.transformer.wte.weight[GPT2_VOCAB:].detach().clone()
+    note = train_gpt.load_initial_weights(target, path)
+    assert "vocabulary 50257 -> 50304" in note and "positions 64 -> 16" in note and "bias mode none -> learned" in note
+    wte = target.transformer.wte.weight.detach()
+    assert torch.equal(wte[:GPT2_VOCAB], source.transformer.wte.weight.detach())
+    assert torch.equal(wte[GPT2_VOCAB:], fresh_rows)
+    assert target.lm_head.weight is target.transformer.wte.weight
+    assert torch.equal(target.transformer.wpe.weight.detach(), source.transformer.wpe.weight.detach()[:16])
+    for name, tensor in source.state_dict().items():
+        if "wte" not in name and "wpe" not in name and "lm_head" not in name:
+            assert torch.equal(target.state_dict()[name], tensor), name
+    wider = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "n_embd": 64}, activation="gelu"))
+    with pytest.raises(train_gpt.CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
+        train_gpt.load_initial_weights(wider, path)
+    longer = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "block_size": 128}, activation="gelu"))
+    with pytest.raises(train_gpt.CheckpointError, match="--block-size 64, this run 128"):
+        train_gpt.load_initial_weights(longer, path)
+
+
+def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):
+    from data.shards import write_shard
+
+    path, _ = imported_gpt2
+    write_shard(tmp_path / "tok_000000.bin", np.random.default_rng(0).integers(0, 500, 4096).astype(np.uint16))
+    args = ["--train-files", str(tmp_path / "tok_*.bin"), "--n-layer", "2", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "32", "--seq-len", "32", "--batch-tokens", "128", "--micro-batch", "4", "--steps", "1",
+            "--val-every", "0", "--val-tokens", "256", "--activation", "gelu", "--device", "cpu",
+            "--run-dir", str(tmp_path / "runs"), "--run-name", "finetune"]
+    train_gpt.main([*args, "--init-from", path])
+    assert f"initial weights from {path}" in (tmp_path / "runs" / "finetune" / "log.txt").read_text()
+    with pytest.raises(SystemExit):
+        train_gpt.main([*args[:-1], "other", "--init-from", str(tmp_path / "missing.pt")])
+    assert "--init-from: no checkpoint at" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_gpt.main(["--resume", path])
+    assert f"start a new run from them with --init-from {path}" in capsys.readouterr().err
+
+
+def test_small_vocabulary_exports_without_gpt2_special_tokens(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the GPT2LMHeadModel check needs transformers")
+    model = random_model(vocab_size=128, activation="gelu", bias_mode="bqbv")
+    export.export_model(model, tmp_path / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], rtol=1e-5, atol=1e-5)
+    assert "eos_token_id" not in json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -1,0 +1,136 @@
+"""GPT.generate and `python -m sample`: greedy and top-k decoding, seeded sampling, the padded vocabulary, context
+cropping, checkpoints given as files, run directories or exported directories, and the errors for bad flags."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import export
+import sample
+import train_gpt
+from data.shards import GPT2_VOCAB
+
+
+def tiny_model(**overrides) -> train_gpt.GPT:
+    cfg = dict(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32, activation="gelu", bias_mode="bqbv")
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(**{**cfg, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> train_gpt.GPT:
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, model) -> str:
+    run = tmp_path_factory.mktemp("run")
+    (run / "checkpoints").mkdir()
+    train_gpt.save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    return str(run)
+
+
+def greedy_by_hand(model: train_gpt.GPT, idx: torch.Tensor, steps: int, vocab: int) -> torch.Tensor:
+    for _ in range(steps):
+        logits = model(idx[:, -model.config.block_size:], biases=model.mean_biases)[0][:, -1, :vocab]
+        idx = torch.cat((idx, logits.argmax(-1, keepdim=True)), dim=1)
+    return idx
+
+
+def test_greedy_generation_follows_the_mean_bias_logits(model):
+    idx = torch.randint(0, GPT2_VOCAB, (2, 5))
+    out = model.generate(idx, 6, temperature=0, vocab_limit=GPT2_VOCAB)
+    assert out.shape == (2, 11) and torch.equal(out[:, :5], idx)
+    assert torch.equal(out, greedy_by_hand(model, idx, 6, GPT2_VOCAB))
+    assert torch.equal(model.generate(idx, 6, temperature=1.0, top_k=1, vocab_limit=GPT2_VOCAB), out)
+
+
+def test_context_is_cropped_to_block_size(model):
+    idx = torch.randint(0, GPT2_VOCAB, (1, 40))  # longer than block_size 32
+    out = model.generate(idx, 3, temperature=0)
+    assert out.shape == (1, 43)
+    assert torch.equal(out, greedy_by_hand(model, idx, 3, model.config.vocab_size))
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_vocab_limit(model):
+    idx = torch.zeros((64, 1), dtype=torch.long)
+    draw = lambda seed, **kw: model.generate(idx, 1, generator=torch.Generator().manual_seed(seed), **kw)[:, 1]
+    assert torch.equal(draw(3, temperature=2.0), draw(3, temperature=2.0))
+    assert not torch.equal(draw(3, temperature=2.0), draw(4, temperature=2.0))
+    logits = model(idx[:1])[0][0, -1]
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert set(draw(5, temperature=5.0, top_k=3).tolist()) <= top3
+    model_small_vocab = model.generate(idx, 1, temperature=50.0, vocab_limit=10,
+                                       generator=torch.Generator().manual_seed(0))[:, 1]
+    assert model_small_vocab.max() < 10
+
+
+def test_cli_samples_from_a_run_directory_reproducibly(run_dir, capsys):
+    args = ["--checkpoint", run_dir, "--prompt", "Hello world", "--max-new-tokens", "5", "--num-samples", "2",
+            "--seed", "7", "--device", "cpu"]
+    first = sample.main(args)
+    assert len(first) == 2 and all(isinstance(t, str) and t for t in first)
+    assert sample.main(args) == first
+    assert capsys.readouterr().out.count("Hello world") == 4
+
+
+def test_cli_greedy_matches_generate_on_a_checkpoint_file(run_dir, model):
+    from data.tokenizer import gpt2_tokenizer
+
+    enc = gpt2_tokenizer()
+    texts = sample.main(["--checkpoint", f"{run_dir}/checkpoints/latest.pt", "--prompt", "The cat",
+                         "--max-new-tokens", "4", "--temperature", "0"])
+    prompt = torch.tensor([enc.encode("The cat")])
+    expected = greedy_by_hand(model, prompt, 4, GPT2_VOCAB)[0, prompt.size(1):].tolist()
+    assert texts == [enc.decode(expected)]
+
+
+def test_cli_samples_from_an_exported_directory(tmp_path, model):
+    export.export_model(model, tmp_path / "hf")
+    args = ["--prompt", "The cat", "--max-new-tokens", "4", "--temperature", "0"]
+    exported = sample.main(["--checkpoint", str(tmp_path / "hf"), *args])
+    run = tmp_path / "run" / "checkpoints"
+    run.mkdir(parents=True)
+    train_gpt.save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
+    assert exported == sample.main(["--checkpoint", str(tmp_path / "run"), *args])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--top-k", "-2"], "--top-k must be >= 0"),
+    (["--num-samples", "0"], "--num-samples must be >= 1"),
+    (["--prompt-file", "/nonexistent/prompt.txt"], "--prompt-file /nonexistent/prompt.txt: no such file"),
+])
+def test_bad_flags_are_named(run_dir, flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        sample.main(["--checkpoint", run_dir, *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at"):
+        sample.main(["--checkpoint", str(tmp_path / "nothing")])
+
+
+@pytest.mark.cuda
+def test_greedy_generation_on_cuda_matches_the_cpu(model):
+    idx = torch.randint(0, GPT2_VOCAB, (2, 5))
+    on_gpu = model.to("cuda").generate(idx.cuda(), 4, temperature=0, vocab_limit=GPT2_VOCAB).cpu()
+    model.to("cpu")
+    assert torch.equal(on_gpu[:, :5], idx)
+    for t in range(5, 9):  # every token the GPU chose is the CPU's argmax, up to float ties
+        logits = model(on_gpu[:, :t])[0][:, -1, :GPT2_VOCAB]
+        chosen = logits.gather(1, on_gpu[:, t:t + 1]).squeeze(1)
+        assert (logits.max(dim=-1).values - chosen).max() < 1e-4
+
+
+@pytest.mark.cuda
+def test_cli_samples_on_cuda_in_bf16(run_dir):
+    texts = sample.main(["--checkpoint", run_dir, "--device", "cuda", "--dtype", "bf16", "--max-new-tokens", "5",
+                         "--num-samples", "2"])
+    assert len(texts) == 2
