@@ -20,8 +20,7 @@ from optim.torch_optimizers import AdamWConfig
 from tests.conftest import ROOT
 
 # Flags that keep every evaluation a second or two on the tiny model.
-FAST_FLAGS = {"logic_puzzles": ["--per-category", "2"], "alignment": ["--modes", "raw", "residual",
-                                                                      "--residual-tokens", "256"]}
+FAST_FLAGS = {"logic_puzzles": ["--per-category", "1"], "alignment": ["--modes", "raw"]}
 
 
 def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1, 2),
@@ -94,15 +93,19 @@ def linked_files(run: Path) -> list[Path]:
     return [run / link for link in re.findall(r"\]\(([^)]+)\)", (run / "report.md").read_text())]
 
 
-def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_path, val_file, calls):
+def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_path, val_file, calls, monkeypatch):
     run = tiny_run(tmp_path, "run", val_file)
     step1 = run / "checkpoints" / "step_000001.pt"
     val_loss.main(["--checkpoint", str(step1)])  # step-1 result in the run's eval/ (what misled the old report)
     recorded = json.loads((run / "eval" / "val_loss.json").read_text())["checkpoint"]
     assert recorded == {"path": str(step1), "step": 1, "sha256": sha256_file(step1)}
 
+    hashed = []
+    monkeypatch.setattr(common, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
+    common._sha256_of_version.cache_clear()
     report.main(["--run", str(run)])
     assert calls == ["val_loss", "logic_puzzles", "alignment", "dynamics"]  # val_loss: stale, the rest: missing
+    assert len(hashed) == 1  # latest.pt, once for the report and its four evaluations
     assert json.loads((run / "eval" / "val_loss.json").read_text())["step"] == 2
     text = (run / "report.md").read_text()
     assert [row[:2] for row in table(text, "## Evaluations")] == [
@@ -168,15 +171,6 @@ def test_report_prints_every_failure_writes_the_rest_and_exits_non_zero(tmp_path
     index = json.loads((run / "eval" / "report.json").read_text())
     assert set(index["failures"]) == {"logic_puzzles", "alignment"}
     assert index["evaluations"]["val_loss"] == {"status": "current", "step": 1}
-
-
-def test_report_hashes_the_checkpoint_once(tmp_path, val_file, calls, monkeypatch):
-    run = tiny_run(tmp_path, "run", val_file, steps=(1,))
-    hashed = []
-    monkeypatch.setattr(common, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
-    common._sha256_of_version.cache_clear()
-    report.main(["--run", str(run)])
-    assert len(calls) == 4 and len(hashed) == 1
 
 
 def test_report_command_exits_1_naming_the_failed_module(tmp_path, val_file):
