@@ -113,11 +113,15 @@ def main(argv: list[str] | None = None) -> dict:
         if reason is not None and not args.skip_missing:
             print(f"report: {name}: {reason}")
             error = run_evaluation(name, target + ["--out", str(eval_dir), "--device", args.device])
+            reason = stale_reason(eval_dir, name, identity)
+            if error is None and reason is not None:
+                error = (f"it ran but left no outputs recorded for this checkpoint ({reason}; "
+                         "see eval.common.record_outputs)")
+                print(f"report: eval.{name} failed: {error}", file=sys.stderr, flush=True)
             if error is not None:
                 failures[name] = error
                 status[name] = f"failed: {error}"
                 continue
-            reason = stale_reason(eval_dir, name, identity)
         entry = read_manifest(eval_dir)["outputs"].get(name)
         if reason is None or (args.skip_missing and entry is not None and reason.startswith("computed from")):
             results[name] = json.loads((eval_dir / f"{name}.json").read_text())

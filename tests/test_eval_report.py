@@ -155,13 +155,15 @@ def test_report_prints_every_failure_writes_the_rest_and_exits_non_zero(tmp_path
         raise SystemExit("error: --val-files: no such shards")
     monkeypatch.setattr(report, "EVALUATIONS", {"val_loss": val_loss.main, "logic_puzzles": broken_logic,
                                                 "alignment": broken_alignment,
-                                                "dynamics": report.EVALUATIONS["dynamics"]})
+                                                "dynamics": report.EVALUATIONS["dynamics"],
+                                                "silent": lambda argv: None})  # records nothing
     (run / "eval").mkdir()
     (run / "eval" / "logic_puzzles.md").write_text("# from an older version, unrecorded\n")
     with pytest.raises(SystemExit) as failed:
         report.main(["--run", str(run)])
-    assert "2 of 4 evaluations failed (logic_puzzles, alignment)" in str(failed.value.code)
+    assert "3 of 5 evaluations failed (logic_puzzles, alignment, silent)" in str(failed.value.code)
     err = capsys.readouterr().err
+    assert "eval.silent failed: it ran but left no outputs recorded for this checkpoint (not computed" in err
     assert "eval.logic_puzzles failed: ValueError: 'yerr' must not contain negative values" in err
     assert "eval.alignment failed: SystemExit: error: --val-files: no such shards" in err
     text = (run / "report.md").read_text()
@@ -169,7 +171,7 @@ def test_report_prints_every_failure_writes_the_rest_and_exits_non_zero(tmp_path
     assert "failed: ValueError: 'yerr' must not contain negative values" in text
     assert (run / "eval" / "val_loss.md").is_file() and "eval/val_loss.md" in text and "eval/dynamics.png" in text
     index = json.loads((run / "eval" / "report.json").read_text())
-    assert set(index["failures"]) == {"logic_puzzles", "alignment"}
+    assert set(index["failures"]) == {"logic_puzzles", "alignment", "silent"}
     assert index["evaluations"]["val_loss"] == {"status": "current", "step": 1}
 
 
