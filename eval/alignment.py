@@ -12,7 +12,8 @@ learned b_q in `learned` mode. Per head: the top-15 (attention-enhanced) and bot
 mean and max over heads of the top alignment; the fraction of heads above the null threshold (`null_threshold`).
 Semantic categories follow `token_category`; enrichment = log2(f_top / f_bottom) with 0.5 pseudo-counts, per layer
 and pooled over layers (token occurrences counted over heads, as in the paper).
-Writes `alignment.json`, `alignment_<mode>.png` (layer × head heatmap and enrichment bars), `alignment.md`.
+Writes `alignment.json`, `alignment_<mode>.png` (layer × head heatmap and enrichment bars), `alignment.md`, recorded
+with the checkpoint in `manifest.json` (docs/evaluation.md#b_q-alignment-and-enrichment).
 """
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
     load_model,
-    open_target,
     markdown_table,
+    open_target,
     pyplot,
+    record_outputs,
     write_json,
+    write_text,
 )
 from eval.val_loss import run_hyperparameters, validation_files
 
@@ -340,8 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--residual-tokens", type=int, default=262_144, help="tokens of text for mode residual")
     args = parser.parse_args(argv)
     target = open_target(args)
-    run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
-                                             target.device)
+    run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
+    step = target.identity["step"]
     model = load_model(ckpt, device)
     hp = run_hyperparameters(ckpt["config"])
     seq_len = min(hp.seq_len, model.config.block_size)
@@ -356,15 +359,17 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for mode in args.modes:
         result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len, hp.micro_batch)
-        plot_alignment(result, out / f"alignment_{mode}.png", title=run_dir.name)
+        plot_alignment(result, out / f"alignment_{mode}.png", title=f"{run_dir.name} — step {step}")
         results.append(result)
         print(f"{mode}: mean top {result['mean_top']:.3f}  max {result['max_top']:.3f}  "
               f"{100 * result['frac_above_null']:.1f}% heads > {result['null_threshold']:.3f}  punctuation "
               f"{result['enrichment']['pooled']['punctuation']:+.2f}")
-    summary = {"checkpoint": str(ckpt_path), "step": ckpt.get("step"), "bias_mode": model.config.bias_mode,
+    summary = {"checkpoint": target.identity, "step": step, "bias_mode": model.config.bias_mode,
                "modes": {r["mode"]: r for r in results}}
     write_json(out / "alignment.json", summary)
-    (out / "alignment.md").write_text(markdown_summary(results, run_dir.name))
+    write_text(out / "alignment.md", markdown_summary(results, f"{run_dir.name}, step {step}"))
+    record_outputs(out, "alignment", target.identity,
+                   ["alignment.json", "alignment.md"] + [f"alignment_{mode}.png" for mode in args.modes])
     return summary
 
 

@@ -1,11 +1,16 @@
-"""What every evaluation CLI shares: `--run DIR | --checkpoint FILE`, model loading, output files, plots, intervals.
+"""What every evaluation CLI shares: `--run DIR | --checkpoint FILE`, model loading, output files keyed by
+checkpoint, plots, intervals.
 
 Outputs go to `<run>/eval/` (override with `--out`); a checkpoint outside a run directory writes next to itself.
+Every evaluation records what it wrote and from which checkpoint (path, step, sha256 of the file) in
+`<out>/manifest.json` with `record_outputs`; `eval.report` reruns an evaluation whose record is missing or names
+another checkpoint (`stale_reason`). See docs/evaluation.md#outputs-and-reports.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -13,9 +18,10 @@ from pathlib import Path
 import torch
 
 import train_gpt
-from data.shards import atomic_write
+from data.shards import atomic_write, sha256_file
 
 EVAL_DIRNAME = "eval"
+MANIFEST = "manifest.json"
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +66,7 @@ class Target:
     checkpoint: dict
     out: Path
     device: torch.device
+    identity: dict
 
 
 def open_target(args: argparse.Namespace) -> Target:
@@ -70,7 +77,67 @@ def open_target(args: argparse.Namespace) -> Target:
         checkpoint = train_gpt.load_checkpoint(checkpoint_path, mmap=True)
     except train_gpt.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
-    return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device))
+    return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device),
+                  checkpoint_identity(checkpoint_path, checkpoint.get("step")))
+
+
+def checkpoint_identity(path: Path, step: int | None) -> dict:
+    """{"path", "step", "sha256"} of a checkpoint file: what an evaluation output was computed from.
+
+    The sha256 covers the whole file and is computed once per process for a given file version (path, size,
+    modification time, inode), so `eval.report` hashes a 1.5 GB checkpoint once however many evaluations it runs.
+    """
+    path = Path(path)
+    stat = path.stat()
+    return {"path": str(path), "step": step,
+            "sha256": _sha256_of_version(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)}
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of_version(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    return sha256_file(path)
+
+
+def read_manifest(out: Path) -> dict:
+    """`<out>/manifest.json`: {"outputs": {evaluation: {"checkpoint": identity, "files": [names]}}}."""
+    path = Path(out) / MANIFEST
+    if not path.is_file():
+        return {"outputs": {}}
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); delete it and the evaluations rerun") from exc
+    manifest.setdefault("outputs", {})
+    return manifest
+
+
+def record_outputs(out: Path, name: str, identity: dict, files: list[str]) -> None:
+    """Record that evaluation `name` wrote `files` (names inside `out`) from the checkpoint `identity`. Call it
+    last, after every file is written: an evaluation that fails midway leaves no record of the new checkpoint."""
+    missing = [f for f in files if not (Path(out) / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{name}: declared outputs not written in {out}: {', '.join(missing)}")
+    manifest = read_manifest(out)
+    manifest["outputs"][name] = {"checkpoint": identity, "files": list(files)}
+    write_json(Path(out) / MANIFEST, manifest)
+
+
+def stale_reason(out: Path, name: str, identity: dict) -> str | None:
+    """Why evaluation `name`'s outputs in `out` cannot stand for the checkpoint `identity` (None if they can)."""
+    entry = read_manifest(out)["outputs"].get(name)
+    if entry is None:
+        return "not computed"
+    recorded = entry["checkpoint"]
+    if recorded.get("sha256") != identity["sha256"]:
+        return (f"computed from step {recorded.get('step')} ({recorded.get('path')}, sha256 "
+                f"{str(recorded.get('sha256'))[:12]}), not step {identity['step']} (sha256 {identity['sha256'][:12]})")
+    missing = [f for f in entry["files"] if not (Path(out) / f).is_file()]
+    return f"missing {', '.join(missing)}" if missing else None
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a text file (Markdown) atomically."""
+    atomic_write(path, text.encode())
 
 
 def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:
@@ -110,13 +177,32 @@ def pyplot():
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one)."""
+    """95% Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one).
+
+    (2k + z² ∓ z·√(z² + 4k(n−k)/n)) / (2(n + z²)) for k successes in n trials. The bounds are exact at the
+    edges (0 at k = 0, 1 at k = n) and always bracket k/n (rounding could otherwise put the lower bound a hair
+    above 0 at k = 0); (nan, nan) for n = 0.
+    """
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n, got {successes} of {n}")
     if n == 0:
         return (float("nan"), float("nan"))
     p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (centre - half, centre + half)
+    centre = 2 * successes + z * z
+    spread = z * math.sqrt(z * z + 4 * successes * (n - successes) / n)
+    denominator = 2 * (n + z * z)
+    low = 0.0 if successes == 0 else min((centre - spread) / denominator, p)
+    high = 1.0 if successes == n else max((centre + spread) / denominator, p)
+    return (low, high)
+
+
+def error_bars(values: list[float], intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """matplotlib's `yerr` ([below], [above]) for `values` with (low, high) intervals: never negative (a bound on
+    the wrong side of its value, or nan, gives a zero-length bar)."""
+    def length(a: float, b: float) -> float:
+        return b - a if b - a > 0 else 0.0
+    return [[length(lo, v) for v, (lo, _) in zip(values, intervals)],
+            [length(v, hi) for v, (_, hi) in zip(values, intervals)]]
 
 
 def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:

@@ -3,10 +3,11 @@
 
     python -m eval.compare runs/A runs/B runs/C ... [--out runs/compare] [--suite NAME] [--alignment-mode raw]
 
-Reads each run's eval/*.json (run `python -m eval.report --run DIR` first). The baseline of a run is the run in the
-list with bias_mode `none` and the same optimizer, activation and seed. r uses the symmetry-broken runs that have a
-baseline; its 95% interval is Fisher's (z = atanh r ± 1.96/√(n−3)). Writes `compare.json`, `compare.md`,
-`compare_loss.png` (all loss curves) and `compare_enrichment.png`.
+Reads each run's eval/*.json (run `python -m eval.report --run DIR` first); the table's step column is the
+checkpoint step the evaluations came from (each evaluation's step where they differ, with a warning). The baseline
+of a run is the run in the list with bias_mode `none` and the same optimizer, activation and seed. r uses the
+symmetry-broken runs that have a baseline; its 95% interval is Fisher's (z = atanh r ± 1.96/√(n−3)). Writes
+`compare.json`, `compare.md`, `compare_loss.png` (all loss curves) and `compare_enrichment.png`.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, write_json
+from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, write_json, write_text
 from train_gpt import read_log
 
 
@@ -55,10 +56,13 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
     config = read_config(run_dir)
     model, train = config.get("model", {}), config.get("train", {})
     val = _load(run_dir, "val_loss")
-    logic = _pick_suite(_load(run_dir, "logic_puzzles"), suite)
-    alignment = (_load(run_dir, "alignment") or {}).get("modes", {}).get(alignment_mode)
+    logic_file, alignment_file = _load(run_dir, "logic_puzzles"), _load(run_dir, "alignment")
+    logic = _pick_suite(logic_file, suite)
+    alignment = (alignment_file or {}).get("modes", {}).get(alignment_mode)
+    steps = {name: result.get("step") for name, result in (("val_loss", val), ("logic_puzzles", logic_file),
+                                                             ("alignment", alignment_file)) if result is not None}
     return {
-        "run": run_dir.name, "path": str(run_dir), "optimizer": train.get("optimizer"),
+        "run": run_dir.name, "path": str(run_dir), "optimizer": train.get("optimizer"), "steps": steps,
         "bias_mode": model.get("bias_mode"), "activation": model.get("activation"), "seed": train.get("seed"),
         "mean_v": model.get("mean_v"),
         "val_loss": val["val_loss"] if val else None,
@@ -71,6 +75,16 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
         "punct_enrichment": alignment["enrichment"]["pooled"]["punctuation"] if alignment else None,
         "noise_enrichment": alignment["enrichment"]["pooled"]["unicode_noise"] if alignment else None,
     }
+
+
+def step_label(steps: dict[str, int | None]) -> str:
+    """The checkpoint step of a run's evaluations: one number, or each evaluation's step when they differ."""
+    distinct = set(steps.values())
+    if not distinct:
+        return "-"
+    if len(distinct) == 1:
+        return str(distinct.pop())
+    return ", ".join(f"{name} {step}" for name, step in steps.items())
 
 
 def add_baselines(rows: list[dict]) -> None:
@@ -154,20 +168,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     def num(v, fmt=".3f"):
         return format(v, fmt) if v is not None else "-"
-    table = [[r["run"], r["optimizer"], r["bias_mode"], num(r["val_loss"]), num(r["logic_loss"]), pct(r["top5"]),
-              pct(r["top1"]), num(r["delta_top5"], "+.1f"), num(r["align_mean_top"]),
-              pct(r["align_frac_above_null"]), num(r["punct_enrichment"], "+.2f")] for r in rows]
+    table = [[r["run"], step_label(r["steps"]), r["optimizer"], r["bias_mode"], num(r["val_loss"]),
+              num(r["logic_loss"]), pct(r["top5"]), pct(r["top1"]), num(r["delta_top5"], "+.1f"),
+              num(r["align_mean_top"]), pct(r["align_frac_above_null"]), num(r["punct_enrichment"], "+.2f")]
+             for r in rows]
     ci = correlation["ci"]
     r_line = (f"Pearson r(punctuation enrichment, Δ top-5) = {correlation['r']:.2f}"
               + (f", 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + f" (n = {correlation['n']})"
               if correlation["r"] is not None
               else f"Pearson r: not enough runs with a baseline (n = {correlation['n']})")
-    (args.out / "compare.md").write_text("\n".join([
+    write_text(args.out / "compare.md", "\n".join([
         "# Run comparison", "",
-        markdown_table(["run", "optimizer", "bias", "val loss", "logic loss", "top-5", "top-1", "Δ top-5 (pp)",
+        markdown_table(["run", "step", "optimizer", "bias", "val loss", "logic loss", "top-5", "top-1", "Δ top-5 (pp)",
                         f"align ({args.alignment_mode})", "% > null", "punct. enrich."], table), "",
         r_line, "", "![loss curves](compare_loss.png)", "",
         "![enrichment vs delta top-5](compare_enrichment.png)", ""]))
+    for r in rows:
+        if len(set(r["steps"].values())) > 1:
+            print(f"warning: {r['run']}: evaluations from different steps ({step_label(r['steps'])}); "
+                  f"run `python -m eval.report --run {r['path']}` to bring them to one checkpoint")
     print(r_line)
     return result
 

@@ -7,7 +7,9 @@ From a checkpoint's optimizer state (the velocity u: ECD Π/‖Π‖; SGDM −mo
 scaled to global norm 1 — see optim.gauge) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
 paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
 `--dynamics-every N` writes the same quantities (means over heads) into log.jsonl; they are plotted over training.
-Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`.
+Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`,
+recorded with the target checkpoint (with `--run`: latest.pt) in `manifest.json`
+(docs/evaluation.md#angular-momentum-and-rotational-fraction).
 """
 from __future__ import annotations
 
@@ -19,7 +21,17 @@ import numpy as np
 import torch
 
 import train_gpt
-from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_target, write_json
+from eval.common import (
+    add_target_args,
+    checkpoint_identity,
+    markdown_table,
+    output_dir,
+    pyplot,
+    record_outputs,
+    resolve_target,
+    write_json,
+    write_text,
+)
 from optim.gauge import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 
 LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
@@ -119,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
         previous = ckpt
     log = train_gpt.read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
-    summary = {"checkpoints": results, "weight_drift": drifts, "online": online}
+    identity = checkpoint_identity(ckpt_path, results[-1]["step"])
+    summary = {"checkpoint": identity, "step": identity["step"], "checkpoints": results, "weight_drift": drifts,
+               "online": online}
     write_json(out / "dynamics.json", summary)
     plot_heads(results[-1], out / "dynamics.png", run_dir.name)
     plot_training(log, results, out / "dynamics_training.png", run_dir.name)
@@ -127,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             [f"{r['summary'][k]:.4g}" for k in ("J_QK", "J_VO", "J_QK_total", "J_VO_total")] +
             [f"{100 * r['summary'][k]:.2f}" for k in ("f_rot_QK", "f_rot_QK_approx", "f_rot_VO", "f_rot_VO_approx")]
             for r in results]
-    text = [f"# Rotational dynamics — {run_dir.name}", "",
+    text = [f"# Rotational dynamics — {run_dir.name}, step {identity['step']}", "",
             "Velocity u from the optimizer state at each checkpoint (unit global norm). |J̃| = ‖X − Xᵀ‖_F/√2 per head "
             "(mean over heads; total = √Σ over heads); f_rot in % (exact least-squares projection; ≈ eq. 24).", "",
             markdown_table(["step", "tokens", "|J̃_QK|", "|J̃_VO|", "|J̃_QK| total", "|J̃_VO| total", "f_rot QK %",
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
                                 [[d["from_step"], d["to_step"], f"{d['drift_QK']:.3g}", f"{d['drift_VO']:.3g}"]
                                  for d in drifts]), ""]
     text += ["![per-head dynamics](dynamics.png)", "", "![dynamics over training](dynamics_training.png)", ""]
-    (out / "dynamics.md").write_text("\n".join(text))
+    write_text(out / "dynamics.md", "\n".join(text))
+    record_outputs(out, "dynamics", identity, ["dynamics.json", "dynamics.png", "dynamics_training.png", "dynamics.md"])
     last = results[-1]["summary"]
     print(f"step {results[-1]['step']}: |J_QK| {last['J_QK']:.3g}  |J_VO| {last['J_VO']:.3g}  "
           f"f_rot QK {last['f_rot_QK']:.3g}  VO {last['f_rot_VO']:.3g}")

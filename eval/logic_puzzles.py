@@ -1,5 +1,5 @@
-"""Logic puzzles (seed 000 App. E.1, SPEC §5): is the expected first token in the model's top-1 / top-5, and its
-cross-entropy ("logic loss"), per category and overall, with 95% intervals.
+"""Logic puzzles (seed 000 App. E.1; docs/evaluation.md#logic-puzzles): is the expected first token in the model's
+top-1 / top-5, and its cross-entropy ("logic loss"), per category and overall, with 95% intervals.
 
     python -m eval.logic_puzzles --run runs/NAME [--suite my_suite.json ...] [--per-category 250] [--seed 0]
 
@@ -9,7 +9,7 @@ token (with its leading space). Default: our hand-written suite (eval/suites/log
 seed; it is also written to the output directory). Each prompt is preceded by <|endoftext|> (a document start, as
 in training); top-k and the loss use the 50257 real GPT-2 tokens only (padding ids excluded). Symmetry-broken models
 run with the mean biases (SPEC §1). Intervals: Wilson for accuracies, normal for the mean loss.
-Writes `logic_puzzles.json`, `logic_puzzles.png`, `logic_puzzles.md`.
+Writes `logic_puzzles.json`, `logic_puzzles.png`, `logic_puzzles.md`, recorded with the checkpoint in `manifest.json`.
 """
 from __future__ import annotations
 
@@ -27,13 +27,16 @@ from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
+    error_bars,
     load_model,
-    open_target,
     markdown_table,
     mean_interval,
+    open_target,
     pyplot,
+    record_outputs,
     wilson_interval,
     write_json,
+    write_text,
 )
 
 CATEGORIES = ("pattern_numeric", "pattern_alpha", "retrieval_near", "retrieval_far", "simple_inference", "copy")
@@ -271,8 +274,7 @@ def plot_suites(results: list[dict], path: Path, title: str = "") -> None:
         blocks = list(result["categories"].values()) + [result["overall"]]
         for offset, metric in ((-0.2, "top1"), (0.2, "top5")):
             values = [b[metric] * 100 for b in blocks]
-            errors = [[(b[metric] - b[f"{metric}_ci"][0]) * 100 for b in blocks],
-                      [(b[f"{metric}_ci"][1] - b[metric]) * 100 for b in blocks]]
+            errors = error_bars(values, [(100 * b[f"{metric}_ci"][0], 100 * b[f"{metric}_ci"][1]) for b in blocks])
             ax.bar([i + offset for i in range(len(names))], values, width=0.4, yerr=errors, capsize=3, label=metric)
         ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=8)
         ax.set_ylim(0, 105)
@@ -291,9 +293,10 @@ def _percent_with_ci(block: dict, metric: str) -> str:
     return f"{100 * block[metric]:.1f} [{100 * low:.0f}, {100 * high:.0f}]"
 
 
-def markdown_summary(results: list[dict], title: str) -> str:
-    lines = [f"# Logic puzzles — {title}", "",
-             "Expected first token in top-1 / top-5 and its cross-entropy (logic loss); 95% intervals in brackets.", ""]
+def markdown_summary(results: list[dict], title: str, step: int | None = None) -> str:
+    lines = [f"# Logic puzzles — {title}, step {step}", "",
+             "Expected first token in top-1 / top-5 and its cross-entropy (logic loss); 95% intervals in brackets "
+             "(docs/evaluation.md#logic-puzzles).", ""]
     for r in results:
         rows = []
         for name, b in list(r["categories"].items()) + [("**overall**", r["overall"])]:
@@ -315,8 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per forward pass")
     args = parser.parse_args(argv)
     target = open_target(args)
-    run_dir, ckpt_path, ckpt, out, device = (target.run_dir, target.checkpoint_path, target.checkpoint, target.out,
-                                             target.device)
+    run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
     model = load_model(ckpt, device)
     suites = [load_suite(p) for p in (args.suite or [FIXED_SUITE])]
     if not args.no_generated:
@@ -324,10 +326,13 @@ def main(argv: list[str] | None = None) -> dict:
         write_json(out / "logic_generated_suite.json", generated)
         suites.append(generated)
     results = [evaluate_suite(model, suite, device, args.batch_size) for suite in suites]
-    summary = {"checkpoint": str(ckpt_path), "step": ckpt.get("step"), "suites": results}
+    summary = {"checkpoint": target.identity, "step": target.identity["step"], "suites": results}
     write_json(out / "logic_puzzles.json", summary)
-    plot_suites(results, out / "logic_puzzles.png", title=run_dir.name)
-    (out / "logic_puzzles.md").write_text(markdown_summary(results, run_dir.name))
+    plot_suites(results, out / "logic_puzzles.png", title=f"{run_dir.name} — step {summary['step']}")
+    write_text(out / "logic_puzzles.md", markdown_summary(results, run_dir.name, summary["step"]))
+    record_outputs(out, "logic_puzzles", target.identity, ["logic_puzzles.json", "logic_puzzles.png",
+                                                           "logic_puzzles.md"]
+                   + ([] if args.no_generated else ["logic_generated_suite.json"]))
     for r in results:
         o = r["overall"]
         print(f"{r['name']}: top-1 {100 * o['top1']:.1f}%  top-5 {100 * o['top5']:.1f}%  "

@@ -4,7 +4,8 @@
 
 The budget is the first `val_tokens` tokens of the validation stream (`data.loader.validation_batches`: contiguous
 sequences in sorted shard order), so every model sees identical data without any randomness. Writes
-`val_loss.json`, `val_loss.png` (the run's loss curves with this evaluation marked) and `val_loss.md`.
+`val_loss.json`, `val_loss.png` (the run's loss curves with this evaluation marked) and `val_loss.md`, recorded
+with the checkpoint in `manifest.json` (docs/evaluation.md#validation-loss).
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from eval.common import (
     load_model,
     open_target,
     pyplot,
+    record_outputs,
     write_json,
+    write_text,
 )
 
 
@@ -89,18 +92,21 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
     start = time.perf_counter()
     result = validation_loss(model, files, num_tokens, seq_len, micro_batch, device, dtype)
-    result.update(checkpoint=str(ckpt_path), step=ckpt.get("step"), val_files=files,
+    result.update(checkpoint=target.identity, step=target.identity["step"], val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
     log = train_gpt.read_log(run_dir)
     x = ckpt.get("metrics", {}).get("tokens") or (log[-1].get("tokens") if log else 0) or 0
-    plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]), title=run_dir.name)
-    (out / "val_loss.md").write_text(
-        f"# Validation loss — {run_dir.name}\n\n"
+    plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]),
+                     title=f"{run_dir.name} — step {result['step']}")
+    write_text(
+        out / "val_loss.md",
+        f"# Validation loss — {run_dir.name}, step {result['step']}\n\n"
         f"- checkpoint `{ckpt_path}` (step {result['step']})\n"
         f"- **val loss {result['val_loss']:.4f}** (perplexity {result['perplexity']:.2f}) on the first "
         f"{result['tokens']:,} tokens of `{files}` (seq_len {seq_len}, {result['dtype']}, mean biases)\n\n"
         "![loss curves](val_loss.png)\n")
+    record_outputs(out, "val_loss", target.identity, ["val_loss.json", "val_loss.png", "val_loss.md"])
     print(f"val_loss {result['val_loss']:.4f} on {result['tokens']:,} tokens -> {out / 'val_loss.json'}")
     return result
 

@@ -96,6 +96,8 @@ def test_every_cli_writes_json_png_and_markdown(runs):
         text = (run / "report.md").read_text()
         for png in ("val_loss.png", "logic_puzzles.png", "alignment_raw.png", "dynamics.png", "report_loss.png"):
             assert f"eval/{png}" in text
+        statuses = json.loads((run / "eval" / "report.json").read_text())["evaluations"]
+        assert statuses == {name: {"status": "current", "step": 2} for name in report.EVALUATIONS}
     check_outputs(root / "compare", ["compare.json", "compare.md", "compare_loss.png", "compare_enrichment.png"])
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import wilson_interval
+from eval.common import error_bars, wilson_interval
 from eval.logic_puzzles import (
     CATEGORIES,
     FIXED_SUITE,
@@ -80,8 +81,31 @@ def test_summary_accuracies_losses_and_intervals():
     assert lo < 4 / 6 < hi
 
 
-def test_wilson_interval_known_values():
-    lo, hi = wilson_interval(50, 100)
-    assert lo == pytest.approx(0.4038, abs=1e-3) and hi == pytest.approx(0.5962, abs=1e-3)
-    lo, hi = wilson_interval(0, 20)
-    assert lo == pytest.approx(0.0, abs=1e-12) and 0.1 < hi < 0.2
+def test_wilson_interval_textbook_values():
+    # Newcombe (1998), Statistics in Medicine 17:857, Table II, method 3 (Wilson score, 95%)
+    for k, n, lo, hi in ((81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611),
+                         (1, 29, 0.0061, 0.1718), (29, 29, 0.8830, 1.0)):
+        low, high = wilson_interval(k, n)
+        assert low == pytest.approx(lo, abs=1e-4) and high == pytest.approx(hi, abs=1e-4)
+    low, high = wilson_interval(50, 100)
+    assert low == pytest.approx(0.4038, abs=1e-4) and high == pytest.approx(0.5962, abs=1e-4)
+
+
+def test_wilson_interval_edges_bracket_the_score():
+    for n in range(1, 400):  # the textbook centre ± half form put the lower bound above 0 at 0/11, 0/22, ...
+        assert wilson_interval(0, n)[0] == 0.0 and wilson_interval(n, n)[1] == 1.0
+        for k in range(0, n + 1, max(1, n // 7)):
+            low, high = wilson_interval(k, n)
+            assert 0.0 <= low <= k / n <= high <= 1.0
+    assert all(math.isnan(v) for v in wilson_interval(0, 0))
+    with pytest.raises(ValueError, match="3 of 2"):
+        wilson_interval(3, 2)
+
+
+def test_error_bars_are_never_negative():
+    values = [0.0, 1.0, 0.5, 0.2]
+    intervals = [(1e-17, 0.3), (0.7, 1.0 - 1e-16), (0.4, 0.6), (float("nan"), float("nan"))]
+    below, above = error_bars(values, intervals)
+    assert min(below + above) >= 0.0
+    assert below == [0.0, pytest.approx(0.3), pytest.approx(0.1), 0.0]
+    assert above == [pytest.approx(0.3), 0.0, pytest.approx(0.1), 0.0]

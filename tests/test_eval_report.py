@@ -1,0 +1,200 @@
+"""eval.report and the outputs' checkpoint records (docs/evaluation.md#outputs-and-reports): stale outputs rerun,
+every failure printed with a non-zero exit, only written files linked, the step in every table (report, compare)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt
+from data.shards import sha256_file, write_shard
+from eval import common, compare, logic_puzzles, report, val_loss
+from optim import OPTIMIZERS
+from optim.torch_optimizers import AdamWConfig
+from tests.conftest import ROOT
+
+# Flags that keep every evaluation a second or two on the tiny model.
+FAST_FLAGS = {"logic_puzzles": ["--per-category", "1"], "alignment": ["--modes", "raw"]}
+
+
+def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1, 2),
+             optimizer_state: bool = True) -> Path:
+    """A run directory (config.json, log.jsonl, step_XXXXXX.pt per step and latest.pt) of a 1-layer, 32-wide model
+    trained a step with AdamW between checkpoints."""
+    torch.manual_seed(0)
+    model_cfg = train_gpt.GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32,
+                                    bias_mode="bqbv")
+    hp = train_gpt.Hyperparameters(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
+                                   val_tokens=128, seed=7)
+    cfg = train_gpt.RunConfig(model_cfg, hp, AdamWConfig(lr=1e-3))
+    model = train_gpt.GPT(model_cfg)
+    opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tokens = torch.from_numpy(np.fromfile(val_file, dtype="<u2", offset=1024)[:66].astype(np.int64)).view(2, 33)
+    log = []
+    for step in steps:
+        loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1]
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        log.append({"step": step, "train_loss": loss.item(), "tokens": 64 * step})
+        save_step(run, model, opts if optimizer_state else [], cfg.to_dict(), step)
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    return run
+
+
+def save_step(run: Path, model: train_gpt.GPT, opts: list, config: dict, step: int) -> None:
+    """checkpoints/step_<step>.pt and latest.pt of `model` at `step`."""
+    ckpt = {"format": train_gpt.CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
+            "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 64 * step}}
+    train_gpt.save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
+    train_gpt.save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
+
+
+@pytest.fixture
+def val_file(tmp_path) -> Path:
+    path = tmp_path / "tiny_val_000000.bin"
+    write_shard(path, np.random.default_rng(0).integers(0, 50257, 4096))
+    return path
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    """Make report's evaluations fast (FAST_FLAGS) and record which ran, in order."""
+    ran: list[str] = []
+
+    def wrap(name, evaluate):
+        def run(argv):
+            ran.append(name)
+            return evaluate(argv + FAST_FLAGS.get(name, []))
+        return run
+    monkeypatch.setattr(report, "EVALUATIONS", {name: wrap(name, f) for name, f in report.EVALUATIONS.items()})
+    return ran
+
+
+def table(markdown: str, heading: str) -> list[list[str]]:
+    """The body rows (cells stripped) of the first Markdown table after `heading`."""
+    lines = markdown.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start + 2:end]]
+
+
+def linked_files(run: Path) -> list[Path]:
+    return [run / link for link in re.findall(r"\]\(([^)]+)\)", (run / "report.md").read_text())]
+
+
+def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_path, val_file, calls, monkeypatch):
+    run = tiny_run(tmp_path, "run", val_file)
+    step1 = run / "checkpoints" / "step_000001.pt"
+    val_loss.main(["--checkpoint", str(step1)])  # step-1 result in the run's eval/ (what misled the old report)
+    recorded = json.loads((run / "eval" / "val_loss.json").read_text())["checkpoint"]
+    assert recorded == {"path": str(step1), "step": 1, "sha256": sha256_file(step1)}
+
+    hashed = []
+    monkeypatch.setattr(common, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
+    common._sha256_of_version.cache_clear()
+    report.main(["--run", str(run)])
+    assert calls == ["val_loss", "logic_puzzles", "alignment", "dynamics"]  # val_loss: stale, the rest: missing
+    assert len(hashed) == 1  # latest.pt, once for the report and its four evaluations
+    assert json.loads((run / "eval" / "val_loss.json").read_text())["step"] == 2
+    text = (run / "report.md").read_text()
+    assert [row[:2] for row in table(text, "## Evaluations")] == [
+        ["val_loss", "2"], ["logic_puzzles", "2"], ["alignment", "2"], ["dynamics", "2"]]
+    assert all(row[3] == "current" for row in table(text, "## Evaluations"))
+    assert all(path.is_file() for path in linked_files(run)) and len(linked_files(run)) >= 10
+
+    calls.clear()
+    report.main(["--run", str(run)])
+    assert calls == []  # everything is current
+
+    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    model = train_gpt.model_from_checkpoint(ckpt)
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.mul_(1.5)
+    save_step(run, model, [], ckpt["config"], 3)  # no optimizer state: dynamics must fail on it
+    with pytest.raises(SystemExit) as failed:
+        report.main(["--run", str(run)])
+    assert failed.value.code not in (0, None)
+    assert calls == ["val_loss", "logic_puzzles", "alignment", "dynamics"]
+    text = (run / "report.md").read_text()
+    rows = table(text, "## Evaluations")
+    assert [row[:2] for row in rows[:3]] == [["val_loss", "3"], ["logic_puzzles", "3"], ["alignment", "3"]]
+    assert rows[3][1] == "-" and "holds no optimizer state" in rows[3][3]
+    assert "dynamics.md" not in text and "dynamics.png" not in text  # step-2 outputs are not shown as step 3
+    assert table(text, "## Logic puzzles")[0][1] == "3"
+    assert all(path.is_file() for path in linked_files(run))
+
+    out = tmp_path / "compare"
+    result = compare.main([str(run), "--out", str(out)])
+    assert result["runs"][0]["steps"] == {"val_loss": 3, "logic_puzzles": 3, "alignment": 3}
+    assert table((out / "compare.md").read_text(), "# Run comparison")[0][:2] == ["run", "3"]
+
+    val_loss.main(["--checkpoint", str(step1)])
+    compare.main([str(run), "--out", str(out)])
+    assert table((out / "compare.md").read_text(), "# Run comparison")[0][1] == (
+        "val_loss 1, logic_puzzles 3, alignment 3")
+
+
+def test_report_prints_every_failure_writes_the_rest_and_exits_non_zero(tmp_path, val_file, monkeypatch, capsys):
+    run = tiny_run(tmp_path, "run", val_file, steps=(1,))
+
+    def broken_logic(argv):
+        raise ValueError("'yerr' must not contain negative values")
+
+    def broken_alignment(argv):
+        raise SystemExit("error: --val-files: no such shards")
+    monkeypatch.setattr(report, "EVALUATIONS", {"val_loss": val_loss.main, "logic_puzzles": broken_logic,
+                                                "alignment": broken_alignment,
+                                                "dynamics": report.EVALUATIONS["dynamics"],
+                                                "silent": lambda argv: None})  # records nothing
+    (run / "eval").mkdir()
+    (run / "eval" / "logic_puzzles.md").write_text("# from an older version, unrecorded\n")
+    with pytest.raises(SystemExit) as failed:
+        report.main(["--run", str(run)])
+    assert "3 of 5 evaluations failed (logic_puzzles, alignment, silent)" in str(failed.value.code)
+    err = capsys.readouterr().err
+    assert "eval.silent failed: it ran but left no outputs recorded for this checkpoint (not computed" in err
+    assert "eval.logic_puzzles failed: ValueError: 'yerr' must not contain negative values" in err
+    assert "eval.alignment failed: SystemExit: error: --val-files: no such shards" in err
+    text = (run / "report.md").read_text()
+    assert "logic_puzzles.md" not in text and "alignment" not in "".join(re.findall(r"\]\(([^)]+)\)", text))
+    assert "failed: ValueError: 'yerr' must not contain negative values" in text
+    assert (run / "eval" / "val_loss.md").is_file() and "eval/val_loss.md" in text and "eval/dynamics.png" in text
+    index = json.loads((run / "eval" / "report.json").read_text())
+    assert set(index["failures"]) == {"logic_puzzles", "alignment", "silent"}
+    assert index["evaluations"]["val_loss"] == {"status": "current", "step": 1}
+
+
+def test_report_command_exits_1_naming_the_failed_module(tmp_path, val_file):
+    run = tiny_run(tmp_path, "run", val_file, steps=(1,), optimizer_state=False)
+    for name in ("val_loss", "logic_puzzles", "alignment"):  # current outputs: the command runs only dynamics
+        report.EVALUATIONS[name](["--run", str(run)] + FAST_FLAGS.get(name, []))
+    result = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(run)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "eval.dynamics failed: ValueError: checkpoint at step 1 holds no optimizer state" in result.stderr
+    assert "1 of 4 evaluations failed (dynamics)" in result.stderr
+    assert (run / "report.md").is_file()
+
+
+def test_wilson_failure_mode_is_gone_for_logic_scoring_zero(tmp_path, val_file):
+    """A score of 0 out of 11 (the old interval's lower bound was a hair above 0 there) plots and reports."""
+    run = tiny_run(tmp_path, "run", val_file, steps=(1,))
+    items = [{"id": f"z{i}", "category": "copy", "prompt": f"Say: {i} {i}.", "expected": " photograph"}
+             for i in range(11)]
+    suite = tmp_path / "zero.json"
+    suite.write_text(json.dumps({"name": "zero", "items": items}))
+    result = logic_puzzles.main(["--run", str(run), "--suite", str(suite), "--no-generated"])
+    overall = result["suites"][0]["overall"]
+    assert overall["n"] == 11 and overall["top5"] == 0.0 and overall["top5_ci"][0] == 0.0
+    assert common.stale_reason(run / "eval", "logic_puzzles", result["checkpoint"]) is None
