@@ -702,8 +702,8 @@ class WandbTracker:
         elif numbers and "step" in record:
             self.run.log(numbers, step=record["step"])
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
 
 
 class RunLog:
@@ -744,10 +744,14 @@ class RunLog:
             self.tracker.record(record)
 
     def error(self, exc: BaseException) -> None:
-        """Write an error that ends the run to log.txt (it is printed by Python as it propagates)."""
+        """Write an error that ends the run to log.txt (it is printed by Python as it propagates); the tracker's
+        run ends as failed."""
         if self.text is not None:
             self.text.write("".join(traceback.format_exception(exc)))
             self.text.flush()
+        if self.tracker is not None:
+            self.tracker.close(exit_code=1)
+            self.tracker = None
 
     def close(self) -> None:
         for handle in (self.text, self.records):
@@ -845,14 +849,12 @@ def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
         old, new = saved[split]["files"], now[split]["files"]
         if [(f["tokens"], f["sha256"]) for f in old] == [(f["tokens"], f["sha256"]) for f in new]:
             continue
-        index = next((i for i, (a, b) in enumerate(zip(old, new)) if a["sha256"] != b["sha256"]), min(len(old),
-                                                                                                        len(new)))
-        first = (f"file {index}: recorded {old[index]['path']} (sha256 {old[index]['sha256'][:12]}..), now "
-                 f"{new[index]['path']} (sha256 {new[index]['sha256'][:12]}..)" if index < min(len(old), len(new))
-                 else "the files differ in number")
         what = (f"the {split} data {now[split]['pattern']} is not what the checkpoint recorded: {len(new)} files / "
-                f"{now[split]['tokens']:,} tokens now, {len(old)} files / {saved[split]['tokens']:,} tokens then; "
-                f"first difference at {first}")
+                f"{now[split]['tokens']:,} tokens now, {len(old)} files / {saved[split]['tokens']:,} tokens then")
+        i = next((i for i, (a, b) in enumerate(zip(old, new)) if a["sha256"] != b["sha256"]), None)
+        if i is not None:
+            what += (f"; first difference at file {i}: recorded {old[i]['path']} (sha256 {old[i]['sha256'][:12]}..), "
+                     f"now {new[i]['path']} (sha256 {new[i]['sha256'][:12]}..)")
         if split == "train":
             problem = (f"--resume: {what}. The data order and the loader's position would mean nothing on other "
                        "data: restore the recorded shards (the run's config.json lists them with their sha256), or "

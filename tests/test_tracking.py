@@ -24,8 +24,8 @@ class FakeRun:
     def log(self, values: dict, step: int) -> None:
         self.calls.append(("log", step, values))
 
-    def finish(self) -> None:
-        self.calls.append(("finish",))
+    def finish(self, exit_code: int = 0) -> None:
+        self.calls.append(("finish", exit_code))
 
 
 def fake_wandb(calls: list) -> types.ModuleType:
@@ -58,7 +58,7 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
     train_gpt.main([*args, "--wandb-project", "symgpt-tests", "--checkpoint-every", "2", "--steps", "2"])
     run = tmp_path / "runs" / "tracked"
     (kind, init), *rest = calls
-    assert kind == "init" and [c[0] for c in calls].count("init") == 1 and rest[-1] == ("finish",)
+    assert kind == "init" and [c[0] for c in calls].count("init") == 1 and rest[-1] == ("finish", 0)
     assert init["project"] == "symgpt-tests" and init["name"] == "tracked" and init["dir"] == str(run)
     assert init["config"] == json.loads((run / "config.json").read_text())  # the config, data record included
     assert init["config"]["data"]["train"]["tokens"] == 4000
@@ -74,6 +74,15 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
     train_gpt.main(["--resume", str(run), "--steps", "4"])  # the resumed run goes on in the same W&B run
     assert calls[0][1]["id"] == run_id and calls[0][1]["project"] == "symgpt-tests"
     assert [c[1] for c in calls if c[0] == "log"][0] == 2  # logging continues at the resumed step
+
+
+def test_a_failed_run_ends_its_wandb_run_as_failed(args, monkeypatch):
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
+    monkeypatch.setattr(train_gpt, "finish", lambda state: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        train_gpt.main([*args, "--wandb-project", "p", "--steps", "1", "--val-every", "0"])
+    assert calls[-1] == ("finish", 1) and [c[0] for c in calls].count("finish") == 1
 
 
 def test_a_default_run_never_imports_wandb(args, monkeypatch):
