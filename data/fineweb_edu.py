@@ -67,8 +67,9 @@ def _offline_advice(dest: Path) -> str:
 
 
 def _validate(path: Path, size: int | None, sha256: str | None) -> None:
-    """Header, length and token range (docs/data.md#shard-format), then the expected size and sha256 when the Hub gave them; a
-    verified digest goes to the trainer's digest cache, so a run's first start need not hash the file again."""
+    """Header, length and token range (docs/data.md#shard-format), then the expected size and sha256 when the Hub
+    gave them; a verified digest goes to the trainer's digest cache, so a run's first start need not hash the file
+    again."""
     open_shard(path, vocab_size=GPT2_VOCAB)
     actual = path.stat().st_size
     if size is not None and actual != size:
