@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 from cli import add_flags, flag, option
 from data.loader import DistributedTokenLoader, validation_batches
-from data.shards import atomic_writer
+from data.shards import DIGEST_CACHE, atomic_writer, describe_shards
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum, init_process_group
@@ -129,6 +131,9 @@ class Hyperparameters:
     compile: bool = flag(True, "torch.compile the model on CUDA")
     overlap_reduce: bool = flag(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
                                       "backward pass computes the others (as DDP does)")
+    wandb_project: str = flag("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
+                                  "(needs `pip install wandb`; empty: off)")
+    wandb_run_name: str = flag("", "Weights & Biases run name (default: the run directory's name)")
 
 
 PRESETS: dict[str, dict[str, object]] = {
@@ -313,11 +318,21 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
             return str(exc)
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
+    if hp.wandb_project and not module_available("wandb"):
+        return (f"--wandb-project {hp.wandb_project}: the wandb package is not installed; `pip install wandb` "
+                "(then `wandb login`), or leave --wandb-project empty")
     try:
         batch_layout(hp, world)
     except ValueError as exc:
         return str(exc)
     return existing_run_problem(hp, cfg.continue_in)
+
+
+def module_available(name: str) -> bool:
+    """Whether `import name` can succeed, without importing it."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
 
 
 def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
@@ -598,7 +613,8 @@ def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> 
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False) -> dict:
-    """Load and check a checkpoint written by `save_checkpoint` (mmap: tensors are read only when touched)."""
+    """Load and check a checkpoint written by `save_checkpoint` (mmap: tensors are read only when touched). A tied
+    weight stored once (see checkpoint_model_state) is filled in under each of its names."""
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as exc:  # torch reports a foreign file through several types, none naming the file
@@ -607,7 +623,30 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                               "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory") from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint")
+    return link_tied(ckpt)
+
+
+def link_tied(ckpt: dict) -> dict:
+    """The checkpoint with each tied name of its model (ckpt["tied"], see checkpoint_model_state) pointing at the
+    stored tensor; checkpoints that stored every name have no "tied" entry."""
+    for alias, name in ckpt.get("tied", {}).items():
+        ckpt["model"].setdefault(alias, ckpt["model"][name])
     return ckpt
+
+
+def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state, tied): CPU copies of the model's tensors, each parameter once, and {alias: stored name} for the
+    names of a parameter stored under an earlier one (the tied lm_head.weight is transformer.wte.weight: one copy,
+    154 MB at 124M parameters, instead of two). Copies, because sharded optimizers make parameters views into
+    padded flat buffers that torch.save would write whole."""
+    state, tied, first_name = {}, {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first_name:
+            tied[name] = first_name[id(tensor)]
+            continue
+        first_name[id(tensor)] = name
+        state[name] = tensor.detach().to("cpu", copy=True)
+    return state, tied
 
 
 def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
@@ -665,7 +704,7 @@ def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
     """The checkpoint's model on the CPU in eval mode (evaluation uses the mean biases)."""
     ckpt = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     model = GPT(config_from_dict(ckpt["config"]["model"]))
-    model.load_state_dict(ckpt["model"])
+    model.load_state_dict(link_tied(ckpt)["model"])
     return model.eval()
 
 
@@ -711,13 +750,41 @@ def copy_code(run_dir: Path) -> None:
             shutil.copyfile(source, target)
 
 
+class WandbTracker:
+    """Weights & Biases for a run (--wandb-project; master rank only): the config once, at the start, then the
+    numbers of every log.jsonl record at its step, and the final summary. wandb is imported only here. The W&B run
+    id is kept in <run>/wandb_run_id.txt, so a run resumed in its directory goes on in the same W&B run."""
+
+    def __init__(self, hp: Hyperparameters, run_dir: Path, config: dict) -> None:
+        import wandb  # config_problem checked that it is installed
+
+        id_file = run_dir / "wandb_run_id.txt"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
+        self.run = wandb.init(project=hp.wandb_project, name=hp.wandb_run_name or run_dir.name, id=run_id,
+                              resume="allow", dir=str(run_dir), config=config)
+        id_file.write_text(run_id + "\n")
+
+    def record(self, record: dict) -> None:
+        numbers = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if record.get("summary"):
+            self.run.summary.update(numbers)
+        elif numbers and "step" in record:
+            self.run.log(numbers, step=record["step"])
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
 class RunLog:
     """What the master rank reports: stdout, and once the run directory exists, log.txt (which starts with the
-    code) and log.jsonl. Lines printed before the directory exists are written to log.txt when it does."""
+    code), log.jsonl and the optional tracker (WandbTracker). Lines printed before the directory exists are
+    written to log.txt when it does."""
 
     def __init__(self, is_master: bool) -> None:
         self.is_master = is_master
         self.text = self.records = None
+        self.tracker: WandbTracker | None = None
         self.pending: list[str] = []
 
     def attach(self, run_dir: Path) -> None:
@@ -743,18 +810,26 @@ class RunLog:
         if self.records is not None:
             self.records.write(json.dumps(record) + "\n")
             self.records.flush()
+        if self.tracker is not None:
+            self.tracker.record(record)
 
     def error(self, exc: BaseException) -> None:
-        """Write an error that ends the run to log.txt (it is printed by Python as it propagates)."""
+        """Write an error that ends the run to log.txt (it is printed by Python as it propagates); the tracker's
+        run ends as failed."""
         if self.text is not None:
             self.text.write("".join(traceback.format_exception(exc)))
             self.text.flush()
+        if self.tracker is not None:
+            self.tracker.close(exit_code=1)
+            self.tracker = None
 
     def close(self) -> None:
         for handle in (self.text, self.records):
             if handle is not None:
                 handle.close()
-        self.text = self.records = None
+        if self.tracker is not None:
+            self.tracker.close()
+        self.text = self.records = self.tracker = None
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -811,6 +886,52 @@ def default_data_files(hp: Hyperparameters, is_master: bool) -> tuple[str, str, 
         dist.barrier()
     train, val = files if is_master else prepare_embedded_corpus()  # the other ranks find the master's cache
     return train, val, "no --train-files and no FineWeb-Edu shards: using the embedded corpus (Python docstrings)"
+
+
+def describe_data(hp: Hyperparameters, train_files: str, val_files: str, log: RunLog) -> dict:
+    """What a run trains and validates on (docs/data.md#shard-format), for config.json and checkpoints: per split,
+    the glob as given (--train-files/--val-files; empty: the default data), the resolved glob, each file with its
+    token count and sha256, and the total tokens. Digests are cached by (path, size, mtime_ns) in the cache root
+    (data.shards.sha256_shards), so only new or changed shards are read."""
+    from data.tokenizer import cache_root
+
+    cache = cache_root() / DIGEST_CACHE
+    data = {split: {"given": given, **describe_shards(pattern, cache)}
+            for split, given, pattern in (("train", hp.train_files, train_files), ("val", hp.val_files, val_files))}
+    log.line(" | ".join(f"{split} data {d['pattern']}: {len(d['files'])} files, {d['tokens']:,} tokens"
+                        for split, d in data.items()))
+    return data
+
+
+class DataChangedError(RuntimeError):
+    """--resume found other training shards than the checkpoint trained on."""
+
+
+def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
+    """(problem, warnings) from comparing a checkpoint's data record with the data found now, by contents (token
+    counts and sha256 of the files in order), not paths. Other training data is a problem: the loader's position
+    and the data order would mean nothing. Other validation data is a warning: losses before and after the resume
+    are not comparable. Moved files with the same contents are fine."""
+    if not saved:
+        return None, ["the checkpoint records no data (written by an older version): the data is not checked"]
+    problem, warnings = None, []
+    for split in ("train", "val"):
+        old, new = saved[split]["files"], now[split]["files"]
+        if [(f["tokens"], f["sha256"]) for f in old] == [(f["tokens"], f["sha256"]) for f in new]:
+            continue
+        what = (f"the {split} data {now[split]['pattern']} is not what the checkpoint recorded: {len(new)} files / "
+                f"{now[split]['tokens']:,} tokens now, {len(old)} files / {saved[split]['tokens']:,} tokens then")
+        i = next((i for i, (a, b) in enumerate(zip(old, new)) if a["sha256"] != b["sha256"]), None)
+        if i is not None:
+            what += (f"; first difference at file {i}: recorded {old[i]['path']} (sha256 {old[i]['sha256'][:12]}..), "
+                     f"now {new[i]['path']} (sha256 {new[i]['sha256'][:12]}..)")
+        if split == "train":
+            problem = (f"--resume: {what}. The data order and the loader's position would mean nothing on other "
+                       "data: restore the recorded shards (the run's config.json lists them with their sha256), or "
+                       "start a new run")
+        else:
+            warnings.append(f"WARNING: {what}. Validation losses before and after this resume are not comparable.")
+    return problem, warnings
 
 
 def format_duration(seconds: float) -> str:
@@ -877,6 +998,7 @@ class TrainState:
     loader: DistributedTokenLoader
     sampler: BiasSampler
     val_files: str
+    data: dict | None  # the master's record of the training and validation shards (describe_data); None elsewhere
     hyperparameters: list[list[dict]]  # each optimizer group's settings as the config built them (lr = the peak)
     forward: nn.Module | None = None  # what the loop calls: the model, compiled on CUDA, in DDP where needed
     run_dir: Path | None = None
@@ -904,17 +1026,16 @@ class TrainState:
         optimizer_states = [opt.state_dict() for opt in self.optimizers]
         if not self.rt.is_master:
             return None
-        # Copies: sharded optimizers make parameters views into padded flat buffers that torch.save would write whole.
-        model_state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        return {"format": CHECKPOINT_FORMAT, "step": self.step, "config": self.cfg.to_dict(), "model": model_state,
-                "optimizers": optimizer_states, "loader": self.loader.state_dict(),
+        model_state, tied = checkpoint_model_state(self.model)
+        return {"format": CHECKPOINT_FORMAT, "step": self.step, "config": {**self.cfg.to_dict(), "data": self.data},
+                "model": model_state, "tied": tied, "optimizers": optimizer_states, "loader": self.loader.state_dict(),
                 "sampler": self.sampler.state_dict(), "rng": {"torch": torch.get_rng_state()},
                 "metrics": self.metrics()}
 
     def restore(self, ckpt: dict) -> None:
         """Load a checkpoint; the optimizer settings of the current config (lr, weight decay, betas, ...) replace
         the saved ones, so flags given on --resume take effect."""
-        self.model.load_state_dict(ckpt["model"])
+        self.model.load_state_dict(link_tied(ckpt)["model"])
         for opt, saved, settings in zip(self.optimizers, ckpt["optimizers"], self.hyperparameters, strict=True):
             opt.load_state_dict(saved)
             for group, values in zip(opt.param_groups, settings, strict=True):
@@ -975,7 +1096,8 @@ def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
     loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank, world_size=rt.world,
                                     grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
                                     align_to_eot=hp.align_to_eot, device=rt.device)
-    return TrainState(cfg, rt, log, model, optimizers, loader, BiasSampler(cfg.model, hp.seed), val_files,
+    data = describe_data(hp, train_files, val_files, log) if rt.is_master else None
+    return TrainState(cfg, rt, log, model, optimizers, loader, BiasSampler(cfg.model, hp.seed), val_files, data,
                       hyperparameters)
 
 
@@ -983,6 +1105,13 @@ def restore(state: TrainState) -> dict:
     """Continue from --resume; returns the log record saying from where and which settings changed."""
     path = resolve_checkpoint_path(state.cfg.train.resume)
     ckpt = load_checkpoint(path, map_location=state.rt.device)
+    problem = None
+    if state.rt.is_master:
+        problem, warnings = data_changes(ckpt["config"].get("data"), state.data)
+        for warning in warnings:
+            state.log.line(warning)
+    if all_reduce_sum(torch.tensor(float(problem is not None), device=state.rt.device)).item():
+        raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
     state.restore(ckpt)
     now = state.cfg.to_dict()
     changed = {f"{section}.{k}": [v, now[section][k]] for section, values in ckpt["config"].items()
@@ -1004,9 +1133,12 @@ def open_run(state: TrainState) -> None:
         else:
             state.run_dir, note = create_run_dir(cfg)
         layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
+        config = {**cfg.to_dict(), "layout": layout, "data": state.data}
         with atomic_writer(state.run_dir / "config.json") as f:
-            f.write(json.dumps({**cfg.to_dict(), "layout": layout}, indent=2).encode())
+            f.write(json.dumps(config, indent=2).encode())
         log.attach(state.run_dir)
+        if cfg.train.wandb_project:
+            log.tracker = WandbTracker(cfg.train, state.run_dir, config)
         if note:
             log.line(note)
         log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}"

@@ -22,7 +22,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.shards import GPT2_VOCAB, ShardError, open_shard, read_shard_header, sha256_file, shard_globs
+from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, open_shard, read_shard_header, remember_sha256,
+                         sha256_file, shard_globs)
+from data.tokenizer import cache_root
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REPO = "kjj0/finewebedu10B-gpt2"
@@ -65,13 +67,17 @@ def _offline_advice(dest: Path) -> str:
 
 
 def _validate(path: Path, size: int | None, sha256: str | None) -> None:
-    """Header, length and token range (SPEC §10), then the expected size and sha256 when the Hub gave them."""
+    """Header, length and token range (docs/data.md#shard-format), then the expected size and sha256 when the Hub
+    gave them; a verified digest goes to the trainer's digest cache, so a run's first start need not hash the file
+    again."""
     open_shard(path, vocab_size=GPT2_VOCAB)
     actual = path.stat().st_size
     if size is not None and actual != size:
         raise ShardError(f"{path}: {actual} bytes, the Hub says {size}")
-    if sha256 is not None and (actual_sha256 := sha256_file(path)) != sha256:
-        raise ShardError(f"{path}: sha256 {actual_sha256} differs from the Hub's {sha256}")
+    if sha256 is not None:
+        if (actual_sha256 := sha256_file(path)) != sha256:
+            raise ShardError(f"{path}: sha256 {actual_sha256} differs from the Hub's {sha256}")
+        remember_sha256(path, sha256, cache_root() / DIGEST_CACHE)
 
 
 def _download_one(name: str, dest: Path, repo: str, revision: str | None, endpoint: str | None) -> Path:

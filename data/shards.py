@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+from tqdm import tqdm
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -21,6 +24,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 EOT_TOKEN = 50256  # <|endoftext|>, the document separator
 GPT2_VOCAB = 50257
+DIGEST_CACHE = "shard_sha256.json"  # sha256_shards' cache, in the cache root (data.tokenizer.cache_root)
 
 
 class ShardError(ValueError):
@@ -119,6 +123,64 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 24), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _stat_key(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _read_digests(cache_file: Path | None) -> dict[str, list]:
+    """The digest cache {absolute path: [size, mtime_ns, sha256]}; empty when absent or unreadable."""
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file is not None else {}
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def _write_digests(cache_file: Path, cache: dict[str, list]) -> None:
+    """Write the cache atomically, dropping entries of files that are gone; an unwritable cache only costs time."""
+    live = {path: entry for path, entry in cache.items() if Path(path).is_file()}
+    with contextlib.suppress(OSError):
+        atomic_write(cache_file, json.dumps(live, indent=1, sort_keys=True).encode())
+
+
+def remember_sha256(path: str | os.PathLike, sha256: str, cache_file: str | os.PathLike) -> None:
+    """Store a digest computed elsewhere (e.g. a verified download) in the cache of `sha256_shards`."""
+    cache_file = Path(cache_file)
+    path = Path(path).resolve()
+    cache = _read_digests(cache_file)
+    cache[str(path)] = [*_stat_key(path), sha256]
+    _write_digests(cache_file, cache)
+
+
+def sha256_shards(paths: list[Path], cache_file: str | os.PathLike | None, progress: bool = True) -> list[str]:
+    """The sha256 of each file. A file whose size and mtime_ns match its entry in `cache_file` (JSON: absolute path
+    -> [size, mtime_ns, sha256]) is not read again; the others are hashed (with a progress bar on stderr) and added,
+    so a run hashes a 200 MB shard once, not at every start. Without `cache_file`, every file is hashed."""
+    cache_file = Path(cache_file) if cache_file is not None else None
+    cache = _read_digests(cache_file)
+    keys = [str(Path(p).resolve()) for p in paths]
+    stale = [(path, key) for path, key in zip(paths, keys)
+             if not (isinstance(entry := cache.get(key), list) and entry[:2] == _stat_key(Path(path)))]
+    for path, key in tqdm(stale, desc="sha256 of new or changed shards", unit="shard", file=sys.stderr,
+                          disable=not progress or not stale):
+        cache[key] = [*_stat_key(Path(path)), sha256_file(path)]
+        if cache_file is not None:
+            _write_digests(cache_file, cache)  # after every file: an interrupted first start keeps what it did
+    return [cache[key][2] for key in keys]
+
+
+def describe_shards(pattern: str, cache_file: str | os.PathLike | None, progress: bool = True) -> dict:
+    """What a glob of shards holds: {"pattern", "files": [{"path", "tokens", "bytes", "sha256"}], "tokens"}, the
+    token counts from the headers (read_shard_header) and the digests from sha256_shards."""
+    paths = find_shards(pattern)
+    tokens = [read_shard_header(p) for p in paths]
+    digests = sha256_shards(paths, cache_file, progress)
+    files = [{"path": str(p.resolve()), "tokens": n, "bytes": p.stat().st_size, "sha256": d}
+             for p, n, d in zip(paths, tokens, digests)]
+    return {"pattern": pattern, "files": files, "tokens": sum(tokens)}
 
 
 def shard_name(prefix: str, split: str, index: int) -> str:

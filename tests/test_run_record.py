@@ -1,0 +1,181 @@
+"""What a run records about its data (config.json, checkpoints, log.txt), the shard digest cache, the data check on
+--resume, and checkpoints that store the tied embedding once (and still load the older ones that stored it twice)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train_gpt
+from data import shards
+from data.shards import describe_shards, sha256_shards, write_shard
+from optim import OPTIMIZERS
+
+VOCAB = 80  # no other weight of the tiny model has 80 rows
+
+
+def tokens(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, n).astype(np.uint16)
+
+
+@pytest.fixture
+def corpus(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))  # the digest cache of this test only
+    root = tmp_path / "corpus"
+    write_shard(root / "r_val_000000.bin", tokens(2048, 0))
+    write_shard(root / "r_train_000001.bin", tokens(6000, 1))
+    write_shard(root / "r_train_000002.bin", tokens(5000, 2))
+    return root
+
+
+def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
+    args = {"train-files": str(corpus / "r_train_*.bin"), "val-files": str(corpus / "r_val_*.bin"),
+            "vocab-size": VOCAB, "block-size": 16, "n-layer": 2, "n-head": 2, "n-embd": 32, "seq-len": 16,
+            "micro-batch": 4, "batch-tokens": 64, "steps": 3, "val-every": 0, "val-tokens": 256, "log-every": 1,
+            "device": "cpu", "run-dir": str(run_dir), "run-name": name, **overrides}
+    return [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_digests_are_cached_by_path_size_and_mtime(tmp_path, monkeypatch):
+    paths = [tmp_path / f"d_train_{i:06d}.bin" for i in range(3)]
+    for i, path in enumerate(paths):
+        write_shard(path, tokens(100 + i, i))
+    hashed = []
+    real = shards.sha256_file
+    monkeypatch.setattr(shards, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+    cache = tmp_path / "cache" / "digests.json"
+    assert sha256_shards(paths, cache, progress=False) == [sha256(p) for p in paths]
+    assert len(hashed) == 3
+    hashed.clear()
+    assert sha256_shards(paths, cache, progress=False) == [sha256(p) for p in paths]
+    assert hashed == []  # a second start reads no shard
+    write_shard(paths[1], tokens(100, 7))  # same size, new contents and mtime
+    assert sha256_shards(paths, cache, progress=False)[1] == sha256(paths[1])
+    assert hashed == [paths[1].name]
+    paths[2].unlink()
+    sha256_shards(paths[:1], cache, progress=False)
+    cache.write_text("{not json")  # a damaged cache costs a rehash, not an error
+    assert sha256_shards(paths[:1], cache, progress=False) == [sha256(paths[0])]
+    assert set(json.loads(cache.read_text())) == {str(paths[0].resolve())}  # entries of deleted files are dropped
+
+
+def test_a_verified_download_digest_is_reused(tmp_path, monkeypatch):
+    path = tmp_path / "x_train_000001.bin"
+    write_shard(path, tokens(50, 3))
+    cache = tmp_path / "digests.json"
+    shards.remember_sha256(path, "ab" * 32, cache)  # as data.fineweb_edu does after checking the Hub's sha256
+    monkeypatch.setattr(shards, "sha256_file", lambda p: pytest.fail("hashed again"))
+    assert describe_shards(str(path), cache, progress=False)["files"][0]["sha256"] == "ab" * 32
+
+
+def test_config_checkpoint_and_log_record_the_data(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "rec"))
+    run = tmp_path / "rec"
+    data = json.loads((run / "config.json").read_text())["data"]
+    train = data["train"]
+    assert train["given"] == train["pattern"] == str(corpus / "r_train_*.bin")
+    assert [(Path(f["path"]).name, f["tokens"], f["bytes"]) for f in train["files"]] == [
+        ("r_train_000001.bin", 6000, 1024 + 12000), ("r_train_000002.bin", 5000, 1024 + 10000)]
+    assert [f["sha256"] for f in train["files"]] == [sha256(corpus / f"r_train_00000{i}.bin") for i in (1, 2)]
+    assert train["tokens"] == 11000 and data["val"]["tokens"] == 2048
+    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert ckpt["config"]["data"] == data
+    assert (f"train data {corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
+            f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens") in (run / "log.txt").read_text()
+
+
+def test_default_data_records_the_empty_glob_as_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))
+    write_shard(tmp_path / "e_train_000000.bin", tokens(300, 0))
+    write_shard(tmp_path / "e_val_000000.bin", tokens(200, 1))
+    log = train_gpt.RunLog(is_master=False)
+    hp = train_gpt.Hyperparameters()  # no --train-files: the resolved default glob is recorded next to ""
+    data = train_gpt.describe_data(hp, str(tmp_path / "e_train_*.bin"), str(tmp_path / "e_val_*.bin"), log)
+    assert data["train"]["given"] == "" and data["train"]["pattern"].endswith("e_train_*.bin")
+    assert data["val"]["tokens"] == 200
+
+
+def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "first", **{"checkpoint-every": 2}))
+    run = tmp_path / "first"
+    write_shard(corpus / "r_val_000000.bin", tokens(2048, 5))
+    train_gpt.main(["--resume", str(run), "--steps", "4"])
+    assert "WARNING: the val data" in (run / "log.txt").read_text()
+    write_shard(corpus / "r_train_000002.bin", tokens(5000, 9))
+    with pytest.raises(train_gpt.DataChangedError, match=r"train data .* first difference at file 1: .*"
+                                                         r"r_train_000002\.bin.*restore the recorded shards"):
+        train_gpt.main(["--resume", str(run), "--steps", "6"])
+    write_shard(corpus / "r_train_000003.bin", tokens(100, 3))
+    write_shard(corpus / "r_train_000002.bin", tokens(5000, 2))  # the recorded contents again, plus one more file
+    with pytest.raises(train_gpt.DataChangedError, match="3 files / 11,100 tokens now, 2 files / 11,000 tokens"):
+        train_gpt.main(["--resume", str(run), "--steps", "6"])
+    (corpus / "r_train_000003.bin").unlink()
+    train_gpt.main(["--resume", str(run), "--steps", "6"])
+    assert train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
+
+
+def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "tied"))
+    path = tmp_path / "tied" / "checkpoints" / "latest.pt"
+    raw = torch.load(path, weights_only=False)
+    assert "lm_head.weight" not in raw["model"] and raw["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    model = train_gpt.model_from_checkpoint(path)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(model.transformer.wte.weight, raw["model"]["transformer.wte.weight"])
+    assert set(train_gpt.load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
+    # The layout of earlier versions, with both copies and no "tied" entry, is one embedding larger and still loads.
+    raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
+    del raw["tied"]
+    old = tmp_path / "old.pt"
+    torch.save(raw, old)
+    stored = lambda f: sum(i.file_size for i in zipfile.ZipFile(f).infolist())  # noqa: E731 (torch.save's zip)
+    assert stored(old) - stored(path) >= VOCAB * 32 * 4
+    again = train_gpt.model_from_checkpoint(old)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_resume_from_a_checkpoint_of_an_earlier_version(corpus, tmp_path):
+    """Both embedding copies and no data record: the run resumes, says the data is not checked, and continues the
+    trajectory of an uninterrupted run exactly."""
+    train_gpt.main(tiny_args(corpus, tmp_path, "straight", steps=4))
+    train_gpt.main(tiny_args(corpus, tmp_path, "old", steps=4, **{"checkpoint-every": 2, "keep-checkpoints": True}))
+    run = tmp_path / "old"
+    raw = torch.load(run / "checkpoints" / "step_000002.pt", weights_only=False)
+    raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
+    del raw["tied"], raw["config"]["data"]
+    torch.save(raw, run / "checkpoints" / "latest.pt")
+    (run / "log.jsonl").write_text("")
+    train_gpt.main(["--resume", str(run)])
+    assert "the checkpoint records no data" in (run / "log.txt").read_text()
+    losses = lambda r: {x["step"]: x["train_loss"] for x in train_gpt.read_log(r) if "train_loss" in x}  # noqa: E731
+    resumed, straight = losses(run), losses(tmp_path / "straight")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in resumed)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_optimizer_state_holds_the_tied_embedding_once(optimizer):
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    spec = OPTIMIZERS[optimizer]
+    optimizers = spec.build(model, spec.config())
+    x = torch.randint(0, VOCAB, (2, 16))
+    loss = model(x, x)[1]
+    loss.backward()
+    for opt in optimizers:
+        opt.step(loss) if spec.needs_loss else opt.step()
+    unique = list(model.parameters())  # the tied weight once
+    states = [opt.state_dict() for opt in optimizers]
+    assert sum(len(g["params"]) for s in states for g in s["param_groups"]) == len(unique)
+    embedding_entries = [entry for s in states for entry in s["state"].values()
+                         if any(torch.is_tensor(t) and VOCAB in t.shape for t in entry.values())]
+    assert len(embedding_entries) == 1  # one state entry for the embedding and the head
