@@ -893,7 +893,7 @@ def describe_data(hp: Hyperparameters, train_files: str, val_files: str, log: Ru
     the glob as given (--train-files/--val-files; empty: the default data), the resolved glob, each file with its
     token count and sha256, and the total tokens. Digests are cached by (path, size, mtime_ns) in the cache root
     (data.shards.sha256_shards), so only new or changed shards are read."""
-    from data.tokenizer import cache_root
+    from data.shards import cache_root
 
     cache = cache_root() / DIGEST_CACHE
     data = {split: {"given": given, **describe_shards(pattern, cache)}

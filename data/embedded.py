@@ -36,7 +36,7 @@ from tqdm import tqdm
 from data.shards import ShardError, read_shard_header, shard_globs
 from data.tokenize import TokenizeError, default_workers, documents_to_shards, parallel_map
 from data.tokenize import main as tokenize_main
-from data.tokenizer import cache_root
+from data.shards import cache_root
 
 PREFIX = "embedded"
 DEFAULT_MAX_BYTES = 16_000_000

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, open_shard, read_shard_header, remember_sha256,
+from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, cache_root, open_shard, read_shard_header, remember_sha256,
                          sha256_file, shard_globs)
-from data.tokenizer import cache_root
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REPO = "kjj0/finewebedu10B-gpt2"

@@ -24,7 +24,15 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 EOT_TOKEN = 50256  # <|endoftext|>, the document separator
 GPT2_VOCAB = 50257
-DIGEST_CACHE = "shard_sha256.json"  # sha256_shards' cache, in the cache root (data.tokenizer.cache_root)
+DIGEST_CACHE = "shard_sha256.json"  # sha256_shards' cache, in cache_root()
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def cache_root() -> Path:
+    """Root of our caches (tokenizer ranks, embedded corpus, shard digests): `$SYMGPT_CACHE` if set, else
+    `<repo>/data/cache`."""
+    env = os.environ.get("SYMGPT_CACHE")
+    return Path(env) if env else REPO_ROOT / "data" / "cache"
 
 
 class ShardError(ValueError):

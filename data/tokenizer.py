@@ -27,24 +27,17 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write
+from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write, cache_root
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 WHISPER_SDIST = "openai-whisper==20250625"
 WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
 RANKS_FILENAME = "r50k_base.tiktoken"
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class TokenizerSetupError(RuntimeError):
     """The GPT-2 rank file could not be found, fetched or verified."""
-
-
-def cache_root() -> Path:
-    """Root of our caches: `$SYMGPT_CACHE` if set, else `<repo>/data/cache`."""
-    env = os.environ.get("SYMGPT_CACHE")
-    return Path(env) if env else REPO_ROOT / "data" / "cache"
 
 
 def _sha256(data: bytes) -> str:
