@@ -3,6 +3,7 @@ both directions, exact resume, split invariance) and relational attention (O(C) 
 refused combinations). Tiny models on the CPU."""
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -194,14 +195,16 @@ def test_mlm_losses_do_not_depend_on_the_micro_batch_split(corpus, tmp_path):
 
 
 def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
-    model = tiny_model(objective="mlm")
-    val = str(corpus / "syn_val_*.bin")
-    losses = [train_gpt.evaluate(model, val, 1024, 32, mb, 0, 1, torch.device("cpu"), torch.autocast("cpu", enabled=False))
-              for mb in (4, 4, 8)]
+    """Fixed validation masks: the same loss on every call and whatever the micro-batch."""
+    val, cpu = str(corpus / "syn_val_*.bin"), torch.device("cpu")
+
+    def loss(model: train_gpt.GPT, micro_batch: int) -> float:
+        return train_gpt.evaluate(model, val, 1024, 32, micro_batch, 0, 1, cpu, contextlib.nullcontext())
+
+    mlm = tiny_model(objective="mlm")
+    losses = [loss(mlm, micro_batch) for micro_batch in (4, 4, 8)]
     assert losses[0] == losses[1] and losses[2] == pytest.approx(losses[0], rel=1e-6)
-    clm = train_gpt.evaluate(tiny_model(), val, 1024, 32, 4, 0, 1, torch.device("cpu"),
-                             torch.autocast("cpu", enabled=False))
-    assert clm != pytest.approx(losses[0], rel=1e-3)
+    assert loss(tiny_model(), 4) != pytest.approx(losses[0], rel=1e-3)  # the clm model scores every next token
 
 
 # ----- relational attention -----
