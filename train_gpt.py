@@ -652,7 +652,9 @@ class BiasSampler:
 # -----------------------------------------------------------------------------------------------------------------
 # Masked-LM masking (docs/variants.md#masked-lm-objective): stateless, each row's mask a function of (seed, step, row).
 
-MASK_STREAM = 0x4D41534B  # "MASK": keeps the masks' random streams apart from the bias sampler's
+# Distinct first words keep these random streams apart from each other and from the bias sampler's.
+TRAINING_MASKS = 0x4D41534B  # "MASK"
+VALIDATION_MASKS = 0x56414C4D  # "VALM"
 
 
 class TokenMasker:
@@ -660,9 +662,9 @@ class TokenMasker:
     targets are the original tokens there and -1 (not scored) everywhere else.
 
     Row r of a training step's global batch (its index in the step's rows, whatever the rank and micro-batch; see
-    data/loader.py) draws its positions from numpy's SeedSequence([MASK_STREAM, seed, step, r]); row r of the
-    validation stream from SeedSequence([MASK_STREAM, r]), the same in every run. No state: a resumed run and a run
-    on any number of GPUs mask the same positions of the same data. Every row has the same number of masked
+    data/loader.py) draws its positions from numpy's SeedSequence([TRAINING_MASKS, seed, step, r]); row r of the
+    validation stream from SeedSequence([VALIDATION_MASKS, r]), the same in every run. No state: a resumed run and a
+    run on any number of GPUs mask the same positions of the same data. Every row has the same number of masked
     positions, so the mean loss of equal micro-batches is the mean over all masked positions of the batch.
     """
 
@@ -672,19 +674,22 @@ class TokenMasker:
     def masked_count(self, seq_len: int) -> int:
         return max(1, round(self.mask_prob * seq_len))
 
-    def positions(self, first_row: int, rows: int, seq_len: int, key: tuple[int, ...] = ()) -> np.ndarray:
-        """Boolean (rows, seq_len) mask of rows first_row, first_row + 1, ... under `key` ((seed, step) in
-        training, () for validation)."""
+    def positions(self, first_row: int, rows: int, seq_len: int, step_key: tuple[int, int] | None = None
+                  ) -> np.ndarray:
+        """Boolean (rows, seq_len) mask of rows first_row, first_row + 1, ...: of a training step with
+        step_key = (seed, step), of the validation stream with None."""
+        stream = [TRAINING_MASKS, *step_key] if step_key is not None else [VALIDATION_MASKS]
         count = self.masked_count(seq_len)
         mask = np.zeros((rows, seq_len), dtype=bool)
         for i in range(rows):
-            rng = np.random.default_rng([MASK_STREAM, *key, first_row + i])
+            rng = np.random.default_rng([*stream, first_row + i])
             mask[i, rng.choice(seq_len, size=count, replace=False)] = True
         return mask
 
-    def apply(self, x: torch.Tensor, first_row: int, key: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(self, x: torch.Tensor, first_row: int, step_key: tuple[int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(masked inputs, targets) of the token rows x (B, T) whose first row is `first_row` (see `positions`)."""
-        mask = torch.from_numpy(self.positions(first_row, x.shape[0], x.shape[1], key)).to(x.device)
+        mask = torch.from_numpy(self.positions(first_row, x.shape[0], x.shape[1], step_key)).to(x.device)
         return x.masked_fill(mask, self.mask_token), torch.where(mask, x, -1)
 
 

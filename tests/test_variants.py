@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt
+from data.loader import validation_batches
 from data.shards import write_shard
 from kernels.attention import attention_reference
 from optim import OPTIMIZERS
@@ -73,7 +74,7 @@ def test_masking_rate_and_targets():
     cfg = train_gpt.GPTConfig(**TINY, objective="mlm")
     masker = train_gpt.TokenMasker(cfg)
     x = torch.randint(1, MASK, (16, 100))
-    inputs, targets = masker.apply(x, first_row=0, key=(1337, 5))
+    inputs, targets = masker.apply(x, first_row=0, step_key=(1337, 5))
     masked = targets != -1
     assert (masked.sum(dim=1) == 15).all()  # round(0.15 · 100) positions in every row
     assert torch.equal(targets[masked], x[masked]) and (inputs[masked] == MASK).all()
@@ -81,18 +82,18 @@ def test_masking_rate_and_targets():
     rows_differ = sum(not torch.equal(masked[i], masked[0]) for i in range(1, 16))
     assert rows_differ == 15  # each row its own positions
     counts = masked.sum(dim=0).float()  # every position is masked about equally often
-    many = torch.from_numpy(masker.positions(0, 4000, 100, key=(1337, 5))).float().mean(dim=0)
+    many = torch.from_numpy(masker.positions(0, 4000, 100, step_key=(1337, 5))).float().mean(dim=0)
     assert many.mean().item() == pytest.approx(0.15) and (many - 0.15).abs().max() < 0.03, counts
     assert masker.masked_count(3) == 1  # never an unscored sequence
 
 
 def test_masks_depend_on_seed_step_and_row_only():
     masker = train_gpt.TokenMasker(train_gpt.GPTConfig(**TINY, objective="mlm"))
-    whole = masker.positions(0, 8, 64, key=(7, 3))
-    split = np.concatenate([masker.positions(0, 3, 64, key=(7, 3)), masker.positions(3, 5, 64, key=(7, 3))])
+    whole = masker.positions(0, 8, 64, step_key=(7, 3))
+    split = np.concatenate([masker.positions(0, 3, 64, step_key=(7, 3)), masker.positions(3, 5, 64, step_key=(7, 3))])
     assert np.array_equal(whole, split)  # a row's mask does not depend on the micro-batch it is in
-    assert not np.array_equal(whole, masker.positions(0, 8, 64, key=(7, 4)))  # another step
-    assert not np.array_equal(whole, masker.positions(0, 8, 64, key=(8, 3)))  # another seed
+    assert not np.array_equal(whole, masker.positions(0, 8, 64, step_key=(7, 4)))  # another step
+    assert not np.array_equal(whole, masker.positions(0, 8, 64, step_key=(8, 3)))  # another seed
     assert np.array_equal(masker.positions(0, 8, 64), masker.positions(0, 8, 64))  # validation: fixed
     assert not np.array_equal(masker.positions(0, 8, 64), whole)
 
@@ -198,13 +199,20 @@ def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
     """Fixed validation masks: the same loss on every call and whatever the micro-batch."""
     val, cpu = str(corpus / "syn_val_*.bin"), torch.device("cpu")
 
-    def loss(model: train_gpt.GPT, micro_batch: int) -> float:
-        return train_gpt.evaluate(model, val, 1024, 32, micro_batch, 0, 1, cpu, contextlib.nullcontext())
+    def loss(model: train_gpt.GPT, micro_batch: int, rank: int = 0, world: int = 1) -> float:
+        return train_gpt.evaluate(model, val, 1024, 32, micro_batch, rank, world, cpu, contextlib.nullcontext())
 
     mlm = tiny_model(objective="mlm")
     losses = [loss(mlm, micro_batch) for micro_batch in (4, 4, 8)]
     assert losses[0] == losses[1] and losses[2] == pytest.approx(losses[0], rel=1e-6)
-    assert loss(tiny_model(), 4) != pytest.approx(losses[0], rel=1e-3)  # the clm model scores every next token
+    two_ranks = [loss(mlm, 4, rank, 2) for rank in (0, 1)]  # each rank's share (no process group: no averaging)
+    assert sum(two_ranks) / 2 == pytest.approx(losses[0], rel=1e-6) and two_ranks[0] != two_ranks[1]
+    masker, by_hand = train_gpt.TokenMasker(mlm.config), []
+    for batch, (x, _) in enumerate(validation_batches(val, 8, 32, 1024)):
+        inputs, targets = masker.apply(x, first_row=8 * batch)  # the validation stream's rows 8b .. 8b + 7
+        with torch.no_grad():
+            by_hand.append(mlm(inputs, targets)[1].item())
+    assert losses[2] == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-6)
 
 
 # ----- relational attention -----
