@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt
-from data.loader import validation_batches
+from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import write_shard
 from kernels.attention import attention_reference
 from optim import OPTIMIZERS
@@ -193,6 +193,28 @@ def test_mlm_losses_do_not_depend_on_the_micro_batch_split(corpus, tmp_path):
         assert small[step] == pytest.approx(large[step], rel=1e-5)
     val_small, val_large = logged(tmp_path / "two", "val_loss")[2], logged(tmp_path / "eight", "val_loss")[2]
     assert val_small == pytest.approx(val_large, rel=1e-5)
+
+
+def test_training_masks_follow_the_rows_whatever_the_ranks(corpus):
+    """The trainer keys a micro-batch's masks by its first row in the step's batch, chunk x micro_batch: two ranks
+    with micro-batches of 2 mask every row of a step as one process with one micro-batch of 8 does."""
+    masker, files = train_gpt.TokenMasker(train_gpt.GPTConfig(**TINY, objective="mlm")), corpus / "syn_train_*.bin"
+
+    def masked_rows(rank: int, world: int, micro_batch: int) -> dict[tuple[int, int], torch.Tensor]:
+        rows = {}
+        with DistributedTokenLoader(files, micro_batch, 32, rank=rank, world_size=world,
+                                    grad_accum_steps=8 // (world * micro_batch), prefetch=0) as loader:
+            for step in range(2):
+                for _ in range(8 // (world * micro_batch)):
+                    x, _, chunk = loader.next_batch()
+                    inputs, _ = masker.apply(x, chunk * micro_batch, (1337, step))
+                    rows.update({(step, chunk * micro_batch + i): row for i, row in enumerate(inputs)})
+        return rows
+
+    one = masked_rows(0, 1, 8)
+    two = {**masked_rows(0, 2, 2), **masked_rows(1, 2, 2)}
+    assert sorted(one) == sorted(two) and len(one) == 16
+    assert all(torch.equal(one[key], two[key]) for key in one)
 
 
 def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
