@@ -71,6 +71,18 @@ class GPTConfig:
     std_v_max: float = flag(0.02, "see --std-v-min")
     bias_per_head: bool = flag(False, "sample one vector per head instead of one per layer shared by all heads")
     key_bias: bool = flag(False, "also sample b_K ~ N(mean_q, std_q) on keys: an exact no-op, for parity checks")
+    init: str = flag("normal", "attention initialisation: normal, or symmetric (W_K := W_Q, so every head's W_QK is "
+                               "symmetric; docs/variants.md#symmetric-initialisation)", choices=("normal", "symmetric"))
+    objective: str = flag("clm", "clm (next-token prediction, causal attention) or mlm (masked tokens, attention "
+                                 "in both directions; docs/variants.md#masked-lm-objective)", choices=("clm", "mlm"))
+    mask_prob: float = flag(0.15, "mlm: fraction of each sequence's positions masked (round(mask_prob x seq_len), "
+                                  "at least one)")
+    mask_token: int = flag(50257, "mlm: the [MASK] input id; 50257 is the first padded id, which GPT-2 text never "
+                                  "holds")
+    attention: str = flag("standard", "standard (dot-product heads with the biases) or relational (Gram attention, a "
+                                      "pure-PyTorch prototype for small models; docs/variants.md#relational-attention)",
+                          choices=("standard", "relational"))
+    relational_hidden: int = flag(32, "relational attention: hidden width of the score MLP f")
 
     @property
     def head_dim(self) -> int:
@@ -316,6 +328,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
             resolve_checkpoint_path(hp.init_from, flag="--init-from")
         except CheckpointError as exc:
             return str(exc)
+    problem = variant_problem(model, hp)
+    if problem:
+        return problem
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     if hp.wandb_project and not module_available("wandb"):
@@ -333,6 +348,45 @@ def module_available(name: str) -> bool:
     if name in sys.modules:
         return sys.modules[name] is not None
     return importlib.util.find_spec(name) is not None
+
+
+RELATIONAL_MEMORY_LIMIT = 8 * 2**30  # bytes of score-MLP activations per micro-batch beyond which we refuse
+
+
+def relational_activation_bytes(model: GPTConfig, micro_batch: int, seq_len: int) -> int:
+    """What relational attention keeps for the backward pass per micro-batch: per layer and token pair the three
+    Gram features, the score MLP's hidden layer before and after the activation, and per head the score, its
+    softmax and the masked score (fp32)."""
+    per_pair = 3 + 2 * model.relational_hidden + 3 * model.n_head
+    return 4 * model.n_layer * micro_batch * seq_len * seq_len * per_pair
+
+
+def variant_problem(model: GPTConfig, hp: Hyperparameters) -> str | None:
+    """Flags of the model variants (docs/variants.md) that cannot work together; None when they can."""
+    if not 0.0 < model.mask_prob <= 1.0:
+        return f"--mask-prob must lie in (0, 1], got {model.mask_prob}"
+    if model.objective == "mlm" and not 0 <= model.mask_token < model.vocab_size:
+        return (f"--mask-token {model.mask_token} is not an id of the vocabulary (--vocab-size {model.vocab_size}): "
+                "choose an id below the vocabulary size that the data never holds")
+    if model.attention != "relational":
+        return None
+    if model.bias_mode != "none" or model.key_bias:
+        return ("--attention relational has no queries, keys or values to bias: add --bias-mode none (and drop "
+                "--key-bias)")
+    if model.init == "symmetric":
+        return "--init symmetric sets W_K := W_Q, which --attention relational does not have: use --init normal"
+    if hp.dynamics_every:
+        return ("--dynamics-every measures the heads' W_Q, W_K, W_V, W_O, which --attention relational does not "
+                "have: set --dynamics-every 0")
+    if model.relational_hidden <= 0:
+        return f"--relational-hidden must be positive, got {model.relational_hidden}"
+    needed = relational_activation_bytes(model, hp.micro_batch, hp.seq_len)
+    if needed > RELATIONAL_MEMORY_LIMIT:
+        return (f"--attention relational is a prototype for small models: --micro-batch {hp.micro_batch} x "
+                f"--seq-len {hp.seq_len} over {model.n_layer} layers would keep {needed / 2**30:.1f} GiB of score "
+                f"activations (limit {RELATIONAL_MEMORY_LIMIT / 2**30:.0f} GiB); lower --micro-batch (the batch is "
+                "kept by accumulating gradients), --seq-len or --relational-hidden")
+    return None
 
 
 def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
@@ -376,9 +430,12 @@ def existing_run_problem(hp: Hyperparameters, continue_in: Path | None) -> str |
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head dot-product attention with the biases; causal under --objective clm, in both directions under mlm."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.causal = config.objective == "clm"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True
@@ -398,8 +455,40 @@ class CausalSelfAttention(nn.Module):
             b_q, b_v = self.b_q, self.b_v
         if b_k is not None:  # cancels in the softmax (constant per query row); kept only for parity checks
             k = k + (b_k if b_k.dim() == 1 else b_k.unsqueeze(1)).to(k.dtype)
-        y = attention(q, k, v, b_q, b_v, causal=True)
+        y = attention(q, k, v, b_q, b_v, causal=self.causal)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class RelationalAttention(nn.Module):
+    """Relational (Gram) attention (docs/variants.md#relational-attention), a pure-PyTorch prototype for small models.
+
+    With X the (T, C) LayerNormed token states and G = XXᵀ/C, head h scores s_ij = f(G_ij, G_ii, G_jj)_h with f a
+    small MLP (3 -> relational_hidden -> n_head), masks them (causal under clm), takes the softmax A_h, and the
+    output is Y = (Σ_h α_h A_h) X with learned mixing scalars α_h. The values are the token states themselves (no
+    W_V, no W_O), so the layer is O(C)-equivariant: X -> XR gives Y -> YR for every orthogonal R. The biases of the
+    standard attention have nothing to act on here (the configuration refuses them).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.causal = config.objective == "clm"
+        self.score = nn.Sequential(nn.Linear(3, config.relational_hidden), nn.GELU(),
+                                   nn.Linear(config.relational_hidden, config.n_head))
+        for layer in self.score:
+            layer.fan_in_init = True
+        self.mix = nn.Parameter(torch.empty(config.n_head))
+
+    def forward(self, x: torch.Tensor, b_q=None, b_k=None, b_v=None) -> torch.Tensor:
+        B, T, C = x.shape
+        gram = x @ x.transpose(1, 2) / C
+        norms = gram.diagonal(dim1=1, dim2=2)
+        pairs = torch.stack([gram, norms[:, :, None].expand(B, T, T), norms[:, None, :].expand(B, T, T)], dim=-1)
+        scores = self.score(pairs).permute(0, 3, 1, 2)  # (B, H, T, T): query i, key j
+        if self.causal:
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        mixing = torch.einsum("h,bhij->bij", self.mix.to(scores.dtype), scores.softmax(dim=-1))
+        return mixing.to(x.dtype) @ x
 
 
 class FeaturePReLU(nn.PReLU):
@@ -425,7 +514,7 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
+        self.attn = RelationalAttention(config) if config.attention == "relational" else CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
@@ -439,6 +528,8 @@ class GPT(nn.Module):
 
     forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 3, d) or
     (n_layer, 3, H, d) holding b_Q, b_K, b_V per layer; None means evaluation, which uses the means (SPEC §1).
+    Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Variants
+    (docs/variants.md): --init symmetric, --objective mlm (attention in both directions), --attention relational.
     """
 
     def __init__(self, config: GPTConfig):
@@ -454,11 +545,18 @@ class GPT(nn.Module):
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.register_buffer("mean_biases", mean_biases(config), persistent=False)
         self.apply(self._init_weights)
+        if config.init == "symmetric":
+            self._copy_queries_to_keys()
 
     def _init_weights(self, module: nn.Module) -> None:
-        """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1) (SPEC §2)."""
+        """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1) (SPEC §2).
+        Relational attention (docs/variants.md#relational-attention): the score MLP N(0, 1/fan_in), each mixing
+        scalar α_h = 0.02 · 0.02/√(2L) · C / H, so Σ_h α_h is the gain 0.02√C · 0.02/√(2L)·√C that a
+        standard layer's W_V W_O has at this initialisation."""
         if isinstance(module, nn.Linear):
             std = 0.02 / math.sqrt(2 * self.config.n_layer) if hasattr(module, "is_residual_projection") else 0.02
+            if hasattr(module, "fan_in_init"):
+                std = module.in_features ** -0.5
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 torch.nn.init.zeros_(module.bias)
@@ -471,6 +569,20 @@ class GPT(nn.Module):
             with torch.no_grad():
                 module.b_q.copy_(mean_q + std_q * torch.randn_like(module.b_q))
                 module.b_v.copy_(mean_v + std_v * torch.randn_like(module.b_v))
+        elif isinstance(module, RelationalAttention):
+            cfg = self.config
+            torch.nn.init.constant_(module.mix, 0.02 * 0.02 / math.sqrt(2 * cfg.n_layer) * cfg.n_embd / cfg.n_head)
+
+    @torch.no_grad()
+    def _copy_queries_to_keys(self) -> None:
+        """--init symmetric (docs/variants.md#symmetric-initialisation): W_K := W_Q and c_K := c_Q in every layer,
+        after the normal initialisation (which therefore draws the same numbers), so M_QK = W_Qᵀ W_K is symmetric
+        per head and per layer."""
+        C = self.config.n_embd
+        for block in self.transformer.h:
+            c_attn = block.attn.c_attn
+            c_attn.weight[C:2 * C].copy_(c_attn.weight[:C])
+            c_attn.bias[C:2 * C].copy_(c_attn.bias[:C])
 
     def get_num_params(self, non_embedding: bool = False) -> int:
         """Parameter count (tied weights once); non_embedding drops the positional table, as in nanoGPT."""
@@ -495,7 +607,7 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()
@@ -584,6 +696,50 @@ class BiasSampler:
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "rule": "SeedSequence([seed, step, layer])"}
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Masked-LM masking (docs/variants.md#masked-lm-objective): stateless, each row's mask a function of (seed, step, row).
+
+# Distinct first words keep these random streams apart from each other and from the bias sampler's.
+TRAINING_MASKS = 0x4D41534B  # "MASK"
+VALIDATION_MASKS = 0x56414C4D  # "VALM"
+
+
+class TokenMasker:
+    """Masks round(mask_prob · T) positions (at least one) of every sequence: inputs there become mask_token, the
+    targets are the original tokens there and -1 (not scored) everywhere else.
+
+    Row r of a training step's global batch (its index in the step's rows, whatever the rank and micro-batch; see
+    data/loader.py) draws its positions from numpy's SeedSequence([TRAINING_MASKS, seed, step, r]); row r of the
+    validation stream from SeedSequence([VALIDATION_MASKS, r]), the same in every run. No state: a resumed run and a
+    run on any number of GPUs mask the same positions of the same data. Every row has the same number of masked
+    positions, so the mean loss of equal micro-batches is the mean over all masked positions of the batch.
+    """
+
+    def __init__(self, config: GPTConfig):
+        self.mask_prob, self.mask_token = config.mask_prob, config.mask_token
+
+    def masked_count(self, seq_len: int) -> int:
+        return max(1, round(self.mask_prob * seq_len))
+
+    def positions(self, first_row: int, rows: int, seq_len: int, step_key: tuple[int, int] | None = None
+                  ) -> np.ndarray:
+        """Boolean (rows, seq_len) mask of rows first_row, first_row + 1, ...: of a training step with
+        step_key = (seed, step), of the validation stream with None."""
+        stream = [TRAINING_MASKS, *step_key] if step_key is not None else [VALIDATION_MASKS]
+        count = self.masked_count(seq_len)
+        mask = np.zeros((rows, seq_len), dtype=bool)
+        for i in range(rows):
+            rng = np.random.default_rng([*stream, first_row + i])
+            mask[i, rng.choice(seq_len, size=count, replace=False)] = True
+        return mask
+
+    def apply(self, x: torch.Tensor, first_row: int, step_key: tuple[int, int] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(masked inputs, targets) of the token rows x (B, T) whose first row is `first_row` (see `positions`)."""
+        mask = torch.from_numpy(self.positions(first_row, x.shape[0], x.shape[1], step_key)).to(x.device)
+        return x.masked_fill(mask, self.mask_token), torch.where(mask, x, -1)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -945,13 +1101,17 @@ def evaluate(model: GPT, val_files: str, val_tokens: int, seq_len: int, micro_ba
              device: torch.device, autocast: contextlib.AbstractContextManager) -> float:
     """Mean loss over the fixed validation budget (val_tokens in micro-batches of micro_batch x seq_len, which weigh
     equally), with the mean biases (SPEC §1), averaged over ranks; the trainer (micro_batch = --micro-batch, the
-    memory bound) and eval.val_loss."""
+    memory bound) and eval.val_loss. Under --objective mlm: the loss on the validation stream's fixed masks."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for x, y in validation_batches(val_files, micro_batch, seq_len, val_tokens, rank=rank, world_size=world,
-                                   vocab_size=model.config.vocab_size, device=device):
+    masker = TokenMasker(model.config) if model.config.objective == "mlm" else None
+    for batch, (x, y) in enumerate(validation_batches(val_files, micro_batch, seq_len, val_tokens, rank=rank,
+                                                      world_size=world, vocab_size=model.config.vocab_size,
+                                                      device=device)):
+        if masker is not None:  # the validation stream's own fixed masks (docs/variants.md#masked-lm-objective)
+            x, y = masker.apply(x, (batch * world + rank) * micro_batch)
         with autocast:
             total += model(x, y)[1].double()
         count += 1
@@ -1000,6 +1160,7 @@ class TrainState:
     val_files: str
     data: dict | None  # the master's record of the training and validation shards (describe_data); None elsewhere
     hyperparameters: list[list[dict]]  # each optimizer group's settings as the config built them (lr = the peak)
+    masker: TokenMasker | None = None  # --objective mlm: what turns the loader's rows into masked inputs and targets
     forward: nn.Module | None = None  # what the loop calls: the model, compiled on CUDA, in DDP where needed
     run_dir: Path | None = None
     step: int = 0
@@ -1098,7 +1259,7 @@ def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
                                     align_to_eot=hp.align_to_eot, device=rt.device)
     data = describe_data(hp, train_files, val_files, log) if rt.is_master else None
     return TrainState(cfg, rt, log, model, optimizers, loader, BiasSampler(cfg.model, hp.seed), val_files, data,
-                      hyperparameters)
+                      hyperparameters, masker=TokenMasker(cfg.model) if cfg.model.objective == "mlm" else None)
 
 
 def restore(state: TrainState) -> dict:
@@ -1224,7 +1385,9 @@ def train_step(state: TrainState) -> torch.Tensor:
     biases = state.sampler.sample(state.step, rt.device)
     loss_sum = torch.zeros((), device=rt.device)
     for micro in range(rt.grad_accum):
-        x, y, _ = state.loader.next_batch()
+        x, y, chunk = state.loader.next_batch()
+        if state.masker is not None:  # chunk * micro_batch: the first row's index in the step's global batch
+            x, y = state.masker.apply(x, chunk * rt.micro_batch, (hp.seed, state.step))
         with state.accumulating(micro < rt.grad_accum - 1), rt.autocast():
             loss = state.forward(x, y, biases)[1]
             (loss / rt.grad_accum).backward()
