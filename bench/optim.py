@@ -15,9 +15,10 @@ least (read θ and g, write θ, read and write each state vector) over the copy 
 (`dst.copy_(src)` of a 256 MiB buffer), and the step's fraction of it.
 
 On a CPU the header names the instruction set and whether the CPU multiplies bf16 matrices natively (AVX512-BF16 or
-AMX): Muon's Newton-Schulz iteration runs in bf16, and without native support those products are many times slower
-(a Muon step of seconds instead of ~0.1 s for the small model above). A wide spread between the fastest and the
-median step means other processes were competing for the cores.
+AMX): Muon's Newton-Schulz iteration runs in bf16, and without native support those products are several times
+slower. A wide spread between the fastest and the median step means other processes were competing for the cores;
+small matrix products suffer most (each waits for every thread), and `OMP_NUM_THREADS=1` is then often faster.
+BENCHMARKS.md records both effects on Muon.
 """
 from __future__ import annotations
 
