@@ -6,11 +6,19 @@
 
 Builds `train_gpt.GPT(GPTConfig(...))`, fills its gradients with one real forward/backward, then for each
 optimizer builds it from the registry with its defaults and times `step()` alone (gradients fixed, median over
---steps after --warmup steps; CUDA synchronised around each step). ECD gets the measured loss.
-The first SOAP step only builds its eigenbases, so warm-up must be >= 2 for SOAP's steady state.
+--steps after --warmup steps, with the fastest and slowest step beside it; CUDA synchronised around each step).
+ECD gets the measured loss. The first SOAP step only builds its eigenbases, so warm-up must be >= 2 for SOAP's
+steady state.
+
 For the elementwise optimizers (ECD, SGDM, AdamW) it also prints the memory floor: the bytes a step must move at
 least (read θ and g, write θ, read and write each state vector) over the copy bandwidth measured in the same run
 (`dst.copy_(src)` of a 256 MiB buffer), and the step's fraction of it.
+
+On a CPU the header names the instruction set and whether the CPU multiplies bf16 matrices natively (AVX512-BF16 or
+AMX): Muon's Newton-Schulz iteration runs in bf16, and without native support those products are several times
+slower. A wide spread between the fastest and the median step means other processes were competing for the cores;
+small matrix products suffer most (each waits for every thread), and `OMP_NUM_THREADS=1` is then often faster.
+BENCHMARKS.md records both effects on Muon.
 """
 from __future__ import annotations
 
@@ -46,6 +54,14 @@ def copy_bandwidth(device: torch.device) -> float:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def cpu_description() -> str:
+    """Threads, instruction set and native bf16 matrix support of this CPU (the latter matters for Muon)."""
+    native_bf16 = any(getattr(torch.cpu, probe, lambda: False)()
+                      for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return (f"cpu ({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, bf16 matmul "
+            f"{'native' if native_bf16 else 'emulated: bf16 products (Muon) are slow'})")
 
 
 def time_optimizer(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.device, args) -> dict:
@@ -88,26 +104,29 @@ def time_optimizer(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.d
     if name in STATE_VECTORS:  # θ read and written, g read, each state vector read and written
         param_bytes = next(model.parameters()).element_size()
         floor_bytes = num_params * (3 * param_bytes + 2 * state_bytes)
-    return {"optimizer": variant, "step_ms": 1e3 * statistics.median(times), "state_bytes_per_param": state_bytes,
-            "params": num_params, "floor_bytes": floor_bytes}
+    return {"optimizer": variant, "step_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+            "max_ms": 1e3 * max(times), "state_bytes_per_param": state_bytes, "params": num_params,
+            "floor_bytes": floor_bytes}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm")
-    parser.add_argument("--n-layer", type=int, default=12)
-    parser.add_argument("--n-head", type=int, default=12)
-    parser.add_argument("--n-embd", type=int, default=768)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args()
+    parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm",
+                        help="comma-separated registry names; NAME:unfused turns a fused path off")
+    parser.add_argument("--n-layer", type=int, default=12, help="model layers (12: the 124M preset)")
+    parser.add_argument("--n-head", type=int, default=12, help="attention heads")
+    parser.add_argument("--n-embd", type=int, default=768, help="model width")
+    parser.add_argument("--batch", type=int, default=2, help="sequences of the forward/backward giving the gradients")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence of that pass")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (median, min, max reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2 for SOAP)")
+    parser.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"], help="--optim-state-dtype")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda if available, else cpu")
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     model_cfg = train_gpt.GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_description()
     print(f"device {where} | torch {torch.__version__} | L={args.n_layer} H={args.n_head} C={args.n_embd} "
           f"| state dtype {args.state_dtype} | median of {args.steps} steps after {args.warmup} warm-up")
     bandwidth = copy_bandwidth(device)
@@ -119,8 +138,8 @@ def main() -> None:
             floor_ms = 1e3 * r["floor_bytes"] / bandwidth
             share = 100 * floor_ms / r["step_ms"]
             floor = f" | floor {floor_ms:.2f} ms ({r['floor_bytes'] / 1e9:.2f} GB): {share:.0f}%"
-        print(f"{r['optimizer']:>12}: {r['step_ms']:9.1f} ms/step | {r['state_bytes_per_param']:5.2f} bytes/param "
-              f"of optimizer state | {r['params']:,} parameters{floor}")
+        print(f"{r['optimizer']:>12}: {r['step_ms']:9.1f} ms/step (min {r['min_ms']:.1f}, max {r['max_ms']:.1f}) | "
+              f"{r['state_bytes_per_param']:5.2f} bytes/param of optimizer state | {r['params']:,} parameters{floor}")
 
 
 if __name__ == "__main__":
