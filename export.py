@@ -115,6 +115,9 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    if model.config.attention != "standard" or model.config.objective != "clm":
+        raise ExportError(f"--attention {model.config.attention} --objective {model.config.objective}: only standard "
+                          "attention trained as a causal LM (clm) maps onto GPT-2's layout")
     config = exported_model_config(model.config)
     if config.activation == "gelu":
         meta = gpt2_config(config)

@@ -619,6 +619,9 @@ class GPT(nn.Module):
         the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the `top_k`
         most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the vocabulary
         is padded (docs/export.md#sampling)."""
+        if self.config.objective != "clm":
+            raise ValueError(f"this model was trained with --objective {self.config.objective}: it predicts masked "
+                             "tokens from both sides, not the next token, so it cannot generate text")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:])[0][:, -1, :vocab_limit].float()
             if temperature == 0:

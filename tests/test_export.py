@@ -231,3 +231,10 @@ def test_small_vocabulary_exports_without_gpt2_special_tokens(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, model(idx)[0], rtol=1e-5, atol=1e-5)
     assert "eos_token_id" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("overrides", [dict(objective="mlm"), dict(attention="relational", bias_mode="none")])
+def test_models_without_gpt2_layout_are_refused(tmp_path, overrides):
+    with pytest.raises(export.ExportError, match="--attention .* --objective"):
+        export.export_model(random_model(**overrides), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

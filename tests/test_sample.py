@@ -134,3 +134,8 @@ def test_cli_samples_on_cuda_in_bf16(run_dir):
     texts = sample.main(["--checkpoint", run_dir, "--device", "cuda", "--dtype", "bf16", "--max-new-tokens", "5",
                          "--num-samples", "2"])
     assert len(texts) == 2
+
+
+def test_a_masked_lm_model_refuses_to_generate():
+    with pytest.raises(ValueError, match="--objective mlm"):
+        tiny_model(objective="mlm").generate(torch.zeros(1, 4, dtype=torch.long), 2)
