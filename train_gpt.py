@@ -37,6 +37,7 @@ from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import atomic_writer
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_state_tensors
+from optim.registry import upgrade_saved_config
 from optim.distributed import all_reduce_sum, init_process_group
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
 
@@ -128,10 +129,17 @@ class Hyperparameters:
                                       "backward pass computes the others (as DDP does)")
 
 
+# The paper's training run (docs/model.md#the-papers-model): 8 x 512 tokens per step in one pass (no gradient
+# accumulation on up to 8 ranks), 500M tokens, constant learning rate. Pinned here, though they are the defaults, so
+# that the presets keep reproducing the published runs if a default changes. The optimizers' defaults are their
+# published updates with the Table 9 hyperparameters (docs/optimizers.md#paper-parity).
+PAPER_RUN: dict[str, object] = {
+    "activation": "prelu", "seq_len": 512, "batch_tokens": 4096, "micro_batch": 8, "steps": 122070,
+    "lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0,
+}
 PRESETS: dict[str, dict[str, object]] = {
-    # SPEC §2: PReLU, context 512, 124,119,552 parameters, batch 8 x 512, 500M tokens, constant LR (the defaults).
-    "gpt2-124m": {},
-    "gpt2-124m-gelu": {"activation": "gelu"},
+    "gpt2-124m": PAPER_RUN,
+    "gpt2-124m-gelu": {**PAPER_RUN, "activation": "gelu"},
     # A few minutes on a 2-core CPU: a narrow model on the embedded corpus, AdamW with warmup and cosine decay.
     "smoke": {
         "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128,
@@ -141,6 +149,21 @@ PRESETS: dict[str, dict[str, object]] = {
         "optimizer": "adamw", "lr": 2e-3,  # a preset's optimizer settings apply to its own optimizer only
     },
 }
+PRESET_NOTES = {
+    "gpt2-124m": "the paper's GPT-2 small (PReLU) run: model, 500M tokens, batch 8 x 512 without accumulation, "
+                 "constant learning rate, and the optimizer's published update with its Table 9 hyperparameters",
+    "gpt2-124m-gelu": "the paper's GPT-2 small run with GELU: as gpt2-124m but the activation",
+    "smoke": "a few minutes on a CPU to check the trainer; reproduces no published run",
+}
+PAPER_OPTIMIZERS = ("adamw", "ecd", "sgdm", "soap")  # Table 9 of the paper
+VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
+                            "over single-batch estimates; this run reports the mean loss over the same fixed "
+                            "--val-tokens budget each time (docs/evaluation.md#validation-loss)")
+# Fields that change the published numbers when they differ from the paper presets (seeds, logging and the choice
+# of kernel implementation do not).
+PAPER_INDIFFERENT = {"fused", "optim_seed", "seed", "val_every", "log_every", "checkpoint_every",
+                     "keep_checkpoints", "run_dir", "run_name", "resume", "device", "compile", "overlap_reduce",
+                     "dynamics_every", "target_val_loss", "stop_at_target", "train_files", "val_files", "val_tokens"}
 # What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state.
 FIXED_ON_RESUME = ("optimizer", "train_files", "seq_len", "batch_tokens", "align_to_eot", "seed")
 
@@ -169,6 +192,38 @@ def config_classes(optimizer: str) -> dict[str, type]:
     return {"model": GPTConfig, "train": Hyperparameters, "optim": OPTIMIZERS[optimizer].config}
 
 
+def preset_values(preset: str | None, optimizer: str) -> dict[str, dict]:
+    """Each config section's values under `preset` for `optimizer`: the defaults, then the preset's entries (those
+    of the optimizer section only when the preset names no other optimizer)."""
+    entries = PRESETS[preset] if preset else {}
+    base = {section: asdict(cls()) for section, cls in config_classes(optimizer).items()}
+    for section, values in base.items():
+        if section != "optim" or entries.get("optimizer", optimizer) == optimizer:
+            values.update({k: v for k, v in entries.items() if k in values})
+    base["train"]["optimizer"] = optimizer
+    return base
+
+
+def preset_report(cfg: RunConfig) -> dict:
+    """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
+    start of log.txt; docs/optimizers.md#paper-parity). A run without --preset is compared with gpt2-124m, whose
+    values are the defaults."""
+    name = cfg.preset
+    if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
+        return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
+    reference = name or "gpt2-124m"
+    optimizer = cfg.train.optimizer
+    differs = [] if optimizer in PAPER_OPTIMIZERS else [
+        f"--optimizer {optimizer} is not one of the paper's optimizers ({', '.join(PAPER_OPTIMIZERS)})"]
+    paper = preset_values(reference, optimizer)
+    for section, values in cfg.to_dict().items():
+        for field, value in values.items():
+            if field not in PAPER_INDIFFERENT and value != paper[section][field]:
+                differs.append(f"{option(field)} {value} ({reference}: {paper[section][field]})")
+    return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
+            "differs": differs + [VALIDATION_PROTOCOL_NOTE]}
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
 
@@ -187,7 +242,8 @@ def build_arg_parser(optimizer: str, base: dict[str, dict]) -> argparse.Argument
         description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
         formatter_class=_HelpFormatter, epilog="\n".join(lines))
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
-                        help="named configuration (none: the paper's run, gpt2-124m); flags override it")
+                        help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, whose values "
+                             "are also the defaults (docs/optimizers.md#paper-parity)")
     titles = {"model": "model (GPTConfig)", "train": "training (Hyperparameters)",
               "optim": f"optimizer {optimizer} ({OPTIMIZERS[optimizer].config.__name__})"}
     for section, cls in config_classes(optimizer).items():
@@ -203,19 +259,17 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     pre.add_argument("--resume", default="")
     pre.add_argument("--optimizer", choices=sorted(OPTIMIZERS))
     known, _ = pre.parse_known_args(argv)
-    preset = PRESETS[known.preset] if known.preset else {}
     saved = None
     if known.resume:
         try:
             saved = load_checkpoint(resolve_checkpoint_path(known.resume), mmap=True)["config"]  # reads no tensor
         except CheckpointError as exc:
             pre.error(str(exc))
+        saved = {**saved, "optim": upgrade_saved_config(saved.get("optim", {}))}
     optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
-                 or preset.get("optimizer") or Hyperparameters.optimizer)
-    base = {section: asdict(cls()) for section, cls in config_classes(optimizer).items()}
+                 or PRESETS.get(known.preset, {}).get("optimizer") or Hyperparameters.optimizer)
+    base = preset_values(known.preset, optimizer)
     for section, values in base.items():
-        if section != "optim" or preset.get("optimizer", optimizer) == optimizer:
-            values.update({k: v for k, v in preset.items() if k in values})
         if saved and (section != "optim" or saved["train"].get("optimizer") == optimizer):
             values.update({k: v for k, v in saved.get(section, {}).items() if k in values})
     base["train"]["optimizer"] = optimizer
@@ -933,7 +987,7 @@ def open_run(state: TrainState) -> None:
             state.run_dir, note = create_run_dir(cfg)
         layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
         with atomic_writer(state.run_dir / "config.json") as f:
-            f.write(json.dumps({**cfg.to_dict(), "layout": layout}, indent=2).encode())
+            f.write(json.dumps({**cfg.to_dict(), "layout": layout, "preset": preset_report(cfg)}, indent=2).encode())
         log.attach(state.run_dir)
         if note:
             log.line(note)
@@ -941,6 +995,9 @@ def open_run(state: TrainState) -> None:
                  + (f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else "")
                  + f" | world {rt.world}")
         log.line(f"run directory {state.run_dir}")
+        parity = preset_report(cfg)
+        log.line(f"preset {parity['name']}: reproduces {parity['reproduces']}" + "".join(
+            f"\n  differs: {line}" for line in parity["differs"]))
     log.line(f"model: {state.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
              f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
              f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
