@@ -354,7 +354,7 @@ def build_ecd(model: nn.Module, cfg: ECDConfig) -> list[torch.optim.Optimizer]:
             energy_conservation=cfg.ecd_energy_conservation,
             projection=cfg.ecd_projection,
             seed=cfg.optim_seed,
-            state_dtype=state_dtype(cfg),
+            state_dtype=state_dtype(cfg, model),
             fused=None if cfg.fused else False,
         )
     ]

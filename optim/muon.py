@@ -186,7 +186,7 @@ def build_muon(model: nn.Module, cfg: MuonConfig) -> list[torch.optim.Optimizer]
             ns_steps=cfg.muon_ns_steps,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
-            state_dtype=state_dtype(cfg),
+            state_dtype=state_dtype(cfg, model),
         )
     ]
 

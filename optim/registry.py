@@ -2,6 +2,7 @@
 parameter groups."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -46,8 +47,8 @@ def upgrade_saved_config(optim: dict) -> dict:
 class ShardedOptimizerConfig(OptimizerConfig):
     """Optimizers with owner-computes sharding over flat buffers (`optim.distributed`)."""
 
-    optim_state_dtype: str = flag("fp32", "dtype of the optimizer state (ECD's Π, the moments)",
-                                  choices=("fp32", "bf16"))
+    optim_state_dtype: str = flag("fp32", "dtype of the optimizer state (ECD's Π, the moments); fp32 keeps wider "
+                                          "(float64) parameters' own dtype", choices=("fp32", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,15 @@ def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def state_dtype(cfg: ShardedOptimizerConfig) -> torch.dtype:
-    """--optim-state-dtype as a torch dtype: fp32 | bf16."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if cfg.optim_state_dtype not in dtypes:
-        raise ValueError(f"--optim-state-dtype must be one of {sorted(dtypes)}, got {cfg.optim_state_dtype!r}")
-    return dtypes[cfg.optim_state_dtype]
+def state_dtype(cfg: ShardedOptimizerConfig, model: nn.Module) -> torch.dtype:
+    """--optim-state-dtype as a torch dtype for `model`'s optimizer: bf16, or fp32 (the parameters' dtype where it
+    is wider, e.g. float64: the state of the published optimizers has the parameters' dtype)."""
+    if cfg.optim_state_dtype == "bf16":
+        return torch.bfloat16
+    if cfg.optim_state_dtype != "fp32":
+        raise ValueError(f"--optim-state-dtype must be one of ['bf16', 'fp32'], got {cfg.optim_state_dtype!r}")
+    dtypes = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterator[Tensor]:

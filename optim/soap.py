@@ -269,7 +269,7 @@ def build_soap(model: nn.Module, cfg: SOAPConfig) -> list[torch.optim.Optimizer]
             max_precond_dim=cfg.soap_max_precond_dim,
             merge_dims=cfg.soap_merge_dims,
             precondition_1d=cfg.soap_precondition_1d,
-            state_dtype=state_dtype(cfg),
+            state_dtype=state_dtype(cfg, model),
         )
     ]
 
