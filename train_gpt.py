@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +106,10 @@ class Hyperparameters:
     grad_clip: float = flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm")
     val_every: int = flag(1000, "validate every N steps (and at the start and end); 0: only at the end")
     val_tokens: int = flag(1048576, "fixed validation token budget (the same tokens every time)")
+    val_batch_estimate: bool = flag(True, "also log the published runs' validation: at each multiple of "
+                                          "--val-every the loss on the next batch of --batch-tokens validation "
+                                          "tokens, and the minimum of these single-batch estimates "
+                                          "(docs/optimizers.md#paper-parity)")
     log_every: int = flag(10, "print and log a line every N steps")
     checkpoint_every: int = flag(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
                                        "SIGINT/SIGTERM and at a target stop)")
@@ -157,15 +161,18 @@ PRESET_NOTES = {
 }
 PAPER_OPTIMIZERS = ("adamw", "ecd", "sgdm", "soap")  # Table 9 of the paper
 VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
-                            "over single-batch estimates; this run reports the mean loss over the same fixed "
+                            "over single-batch estimates (logged here as val_loss_batch and best_val_loss_batch "
+                            "with --val-batch-estimate); val_loss is the mean loss over the same fixed "
                             "--val-tokens budget each time (docs/evaluation.md#validation-loss)")
 # Fields that change the published numbers when they differ from the paper presets (seeds, logging and the choice
 # of kernel implementation do not).
-PAPER_INDIFFERENT = {"fused", "optim_seed", "seed", "val_every", "log_every", "checkpoint_every",
+PAPER_INDIFFERENT = {"fused", "optim_seed", "seed", "val_every", "val_batch_estimate", "log_every", "checkpoint_every",
                      "keep_checkpoints", "run_dir", "run_name", "resume", "device", "compile", "overlap_reduce",
                      "dynamics_every", "target_val_loss", "stop_at_target", "train_files", "val_files", "val_tokens"}
-# What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state.
+# What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state
+# (the decay groups are the optimizers' parameter groups).
 FIXED_ON_RESUME = ("optimizer", "train_files", "seq_len", "batch_tokens", "align_to_eot", "seed")
+FIXED_OPTIM_ON_RESUME = ("decay_groups",)
 
 
 @dataclass
@@ -375,6 +382,11 @@ def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
         if old is not None and old != new:
             return (f"{option(name)} cannot change when resuming (the checkpoint has {old!r}, the flags give "
                     f"{new!r}): it fixes the data order, the biases or the optimizer state; start a new run instead")
+    for name in FIXED_OPTIM_ON_RESUME:
+        old, new = saved["optim"].get(name), getattr(cfg.optim, name)
+        if old is not None and old != new:
+            return (f"{option(name)} cannot change when resuming (the checkpoint has {old!r}, the flags give "
+                    f"{new!r}): it fixes the optimizer's parameter groups; start a new run instead")
     return None
 
 
@@ -870,6 +882,7 @@ class TrainState:
     val_loss: float | None = None
     val_step: int | None = None
     first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
+    best_val_batch: float | None = None  # the least single-batch validation estimate (--val-batch-estimate)
     reached_target: dict | None = None
     checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
     last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's forward pass
@@ -881,7 +894,8 @@ class TrainState:
 
     def metrics(self, **extra) -> dict:
         return {"step": self.step, "tokens": self.tokens, "train_time_s": self.train_time, "val_loss": self.val_loss,
-                "val_step": self.val_step, "reached_target": self.reached_target, **extra}
+                "val_step": self.val_step, "best_val_loss_batch": self.best_val_batch,
+                "reached_target": self.reached_target, **extra}
 
     def to_checkpoint(self) -> dict | None:
         """The checkpoint of this state on the master rank (None elsewhere); a collective for sharded optimizers."""
@@ -909,6 +923,7 @@ class TrainState:
         self.step = self.checkpoint_step = ckpt["step"]
         self.tokens, self.train_time = metrics["tokens"], metrics["train_time_s"]
         self.val_loss, self.val_step = metrics.get("val_loss"), metrics.get("val_step")
+        self.best_val_batch = metrics.get("best_val_loss_batch")
         self.reached_target = metrics.get("reached_target")
 
     def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
@@ -1104,16 +1119,45 @@ def stop_non_finite(state: TrainState, what: str) -> None:
     raise TrainingStopped(2)
 
 
+@torch.no_grad()
+def single_batch_estimate(state: TrainState) -> float | None:
+    """The published runs' validation estimate at this step: the mean loss (mean biases) on one global batch of
+    --batch-tokens validation tokens, the k-th batch of the validation stream at the k-th multiple of --val-every
+    (cycling within the --val-tokens budget); None at other steps and when the budget holds no whole batch
+    (docs/optimizers.md#paper-parity)."""
+    hp, rt, model = state.cfg.train, state.rt, state.model
+    budget = hp.val_tokens // hp.batch_tokens
+    if not hp.val_batch_estimate or not hp.val_every or not budget or state.step == 0 or state.step % hp.val_every:
+        return None
+    index = (state.step // hp.val_every - 1) % budget
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=rt.device)
+    batches = validation_batches(state.val_files, rt.micro_batch, hp.seq_len, (index + 1) * hp.batch_tokens,
+                                 rank=rt.rank, world_size=rt.world, vocab_size=model.config.vocab_size,
+                                 device=rt.device)
+    for x, y in islice(batches, index * rt.grad_accum, None):
+        with rt.autocast():
+            total += model(x, y)[1].double()
+    model.train(was_training)
+    return all_reduce_sum(total.reshape(1))[0].item() / (rt.grad_accum * rt.world)
+
+
 def validate(state: TrainState) -> bool:
-    """Validation loss on the fixed budget; True when it reaches --target-val-loss for the first time."""
+    """Validation loss on the fixed budget (and the single-batch estimate); True when it reaches --target-val-loss
+    for the first time."""
     hp, rt = state.cfg.train, state.rt
     state.val_loss = evaluate(state.model, state.val_files, hp.val_tokens, hp.seq_len, hp.micro_batch, rt.rank,
                               rt.world, rt.device, rt.autocast())
     state.val_step = state.step
     state.first_val = state.first_val or (state.step, state.val_loss)
+    estimate = single_batch_estimate(state)
+    if estimate is not None:
+        state.best_val_batch = min(estimate, state.best_val_batch if state.best_val_batch is not None else math.inf)
     state.log.line(f"step {state.step}/{hp.steps} | val loss {state.val_loss:.4f} | train time "
-                   f"{state.train_time:.1f}s")
-    state.log.record(state.metrics(elapsed_s=state.train_time))
+                   f"{state.train_time:.1f}s" + (f" | single-batch val loss {estimate:.4f} (least "
+                                                 f"{state.best_val_batch:.4f})" if estimate is not None else ""))
+    state.log.record(state.metrics(elapsed_s=state.train_time, val_loss_batch=estimate))
     if not math.isfinite(state.val_loss):
         stop_non_finite(state, "the validation loss")
     if not hp.target_val_loss or state.reached_target is not None or state.val_loss > hp.target_val_loss:

@@ -9,6 +9,7 @@ decay of matrices only) leave them by a measurable fraction of it.
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 import train_gpt
 from optim import OPTIMIZERS
 from tests.test_optim_soap import reference_soap
+from tests.test_train import corpus, tiny_args  # noqa: F401 (corpus is a fixture)
 
 ECD_STEPS, SOAP_STEPS = 20, 25
 VOCAB, SEQ, BATCH = 64, 32, 4
@@ -231,3 +233,45 @@ def test_paper_soap_follows_the_published_soap(soap_oracle):
 def test_soap_decaying_matrices_only_leaves_the_published_trajectory(soap_oracle):
     eps_name, oracle = soap_oracle
     assert drift(soap_run(eps_name, "--decay-groups", "matrices"), *oracle) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run records the published validation estimate and what differs
+
+
+def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_path, capsys):
+    from data.loader import validation_batches
+
+    summary = train_gpt.main(tiny_args(corpus, tmp_path, "parity", steps=8, **{"val-every": 4}))
+    run = tmp_path / "parity"
+    records = [r for r in train_gpt.read_log(run) if "val_loss_batch" in r]
+    estimates = {r["step"]: r["val_loss_batch"] for r in records if r["val_loss_batch"] is not None}
+    assert set(estimates) == {4, 8}  # the multiples of --val-every; not step 0
+    model = train_gpt.model_from_checkpoint(train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    config = json.loads((run / "config.json").read_text())
+    hp = config["train"]
+    # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens validation tokens
+    rows = hp["batch_tokens"] // hp["seq_len"]
+    (_, (x, y)) = validation_batches(hp["val_files"], rows, hp["seq_len"], 2 * hp["batch_tokens"])
+    with torch.no_grad():
+        expected = model(x, y)[1].item()
+    assert estimates[8] == pytest.approx(expected, rel=1e-6)
+    assert summary["best_val_loss_batch"] == min(estimates.values())
+    assert config["preset"]["name"] is None and config["preset"]["compared_with"] == "gpt2-124m"
+    assert "--n-layer 2 (gpt2-124m: 12)" in config["preset"]["differs"]
+    log = (run / "log.txt").read_text()
+    assert "preset None: reproduces" in log and "differs: --n-layer 2 (gpt2-124m: 12)" in log
+    assert "single-batch val loss" in log
+
+    # the decay groups are the optimizer's parameter groups: fixed on resume; a checkpoint written before
+    # --decay-groups existed resumes with the groups its two switches meant
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--resume", str(run), "--decay-groups", "matrices"])
+    assert "--decay-groups cannot change when resuming" in capsys.readouterr().err
+    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt["config"]["optim"] = {k: v for k, v in ckpt["config"]["optim"].items() if k != "decay_groups"}
+    ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
+    old = tmp_path / "old" / "checkpoints" / "latest.pt"
+    old.parent.mkdir(parents=True)
+    torch.save(ckpt, old)
+    assert train_gpt.parse_config(["--resume", str(old)]).optim.decay_groups == "matrices+embeddings"
