@@ -1011,8 +1011,10 @@ def open_run(state: TrainState) -> None:
                  + f" | world {rt.world}")
         log.line(f"run directory {state.run_dir}")
         parity = preset_report(cfg)
-        log.line(f"preset {parity['name']}: reproduces {parity['reproduces']}" + "".join(
-            f"\n  differs: {line}" for line in parity["differs"]))
+        compared = parity.get("compared_with")
+        log.line(f"preset {parity['name'] or 'none'}" + (f" (compared with {compared})" if compared != parity["name"]
+                                                        and compared else "")
+                 + f": reproduces {parity['reproduces']}" + "".join(f"\n  differs: {d}" for d in parity["differs"]))
     log.line(f"model: {state.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
              f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
              f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
