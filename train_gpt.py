@@ -164,9 +164,14 @@ VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the 
                             "over single-batch estimates (logged here as val_loss_batch and best_val_loss_batch "
                             "with --val-batch-estimate); val_loss is the mean loss over the same fixed "
                             "--val-tokens budget each time (docs/evaluation.md#validation-loss)")
+PRECISION_NOTES = {
+    "bf16": "precision: bf16 autocast on CUDA; the published trainer computes in fp32 with TF32 matmuls (bf16 only "
+            "with its --use_bf16)",
+    "fp32": "precision: fp32 with fp32 matmuls; the published trainer uses TF32 matmuls",
+}
 # Fields that change the published numbers when they differ from the paper presets (seeds, logging and the choice
-# of kernel implementation do not).
-PAPER_INDIFFERENT = {"fused", "optim_seed", "seed", "val_every", "val_batch_estimate", "log_every", "checkpoint_every",
+# of kernel implementation do not; the precision has its own note).
+PAPER_INDIFFERENT = {"dtype", "fused", "optim_seed", "seed", "val_every", "val_batch_estimate", "log_every", "checkpoint_every",
                      "keep_checkpoints", "run_dir", "run_name", "resume", "device", "compile", "overlap_reduce",
                      "dynamics_every", "target_val_loss", "stop_at_target", "train_files", "val_files", "val_tokens"}
 # What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state
@@ -228,7 +233,7 @@ def preset_report(cfg: RunConfig) -> dict:
             if field not in PAPER_INDIFFERENT and value != paper[section][field]:
                 differs.append(f"{option(field)} {value} ({reference}: {paper[section][field]})")
     return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
-            "differs": differs + [VALIDATION_PROTOCOL_NOTE]}
+            "differs": differs + [PRECISION_NOTES[cfg.train.dtype], VALIDATION_PROTOCOL_NOTE]}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

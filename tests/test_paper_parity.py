@@ -70,7 +70,8 @@ def test_paper_presets_build_the_published_run(preset, optimizer):
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 512, 50304)
     assert model.activation == ("gelu" if preset.endswith("gelu") else "prelu")
     report = train_gpt.preset_report(cfg)
-    assert report["name"] == preset and report["differs"] == [train_gpt.VALIDATION_PROTOCOL_NOTE]
+    assert report["name"] == preset
+    assert report["differs"] == [train_gpt.PRECISION_NOTES["bf16"], train_gpt.VALIDATION_PROTOCOL_NOTE]
 
 
 def test_the_defaults_are_the_paper_run():
@@ -78,18 +79,19 @@ def test_the_defaults_are_the_paper_run():
         plain = train_gpt.parse_config(["--optimizer", optimizer])
         paper = train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", optimizer])
         assert plain.to_dict() == paper.to_dict()
-        assert train_gpt.preset_report(plain)["differs"] == [train_gpt.VALIDATION_PROTOCOL_NOTE]
+        assert train_gpt.preset_report(plain)["differs"] == [train_gpt.PRECISION_NOTES["bf16"],
+                                                              train_gpt.VALIDATION_PROTOCOL_NOTE]
 
 
 def test_report_names_every_departure_from_the_published_run():
     cfg = train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "ecd", "--ecd-projection", "global",
                                   "--decay-groups", "matrices", "--micro-batch", "4", "--lr-schedule", "cosine",
-                                  "--ecd-nu", "0.1", "--val-every", "50"])
+                                  "--ecd-nu", "0.1", "--val-every", "50", "--dtype", "fp32"])
     differs = train_gpt.preset_report(cfg)["differs"]
-    assert differs[:-1] == ["--micro-batch 4 (gpt2-124m: 8)", "--lr-schedule cosine (gpt2-124m: constant)",
+    assert differs[:-2] == ["--micro-batch 4 (gpt2-124m: 8)", "--lr-schedule cosine (gpt2-124m: constant)",
                             "--decay-groups matrices (gpt2-124m: all)", "--ecd-nu 0.1 (gpt2-124m: 0.0)",
                             "--ecd-projection global (gpt2-124m: per_tensor)"]
-    assert differs[-1] == train_gpt.VALIDATION_PROTOCOL_NOTE
+    assert differs[-2:] == [train_gpt.PRECISION_NOTES["fp32"], train_gpt.VALIDATION_PROTOCOL_NOTE]
     muon = train_gpt.preset_report(train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "muon"]))
     assert "not one of the paper's optimizers" in muon["differs"][0]
     assert train_gpt.preset_report(train_gpt.parse_config(["--preset", "smoke"]))["differs"] == []
