@@ -171,9 +171,10 @@ PRECISION_NOTES = {
 }
 # Fields that change the published numbers when they differ from the paper presets (seeds, logging and the choice
 # of kernel implementation do not; the precision has its own note).
-PAPER_INDIFFERENT = {"dtype", "fused", "optim_seed", "seed", "val_every", "val_batch_estimate", "log_every", "checkpoint_every",
-                     "keep_checkpoints", "run_dir", "run_name", "resume", "device", "compile", "overlap_reduce",
-                     "dynamics_every", "target_val_loss", "stop_at_target", "train_files", "val_files", "val_tokens"}
+PAPER_INDIFFERENT = {"dtype", "fused", "optim_seed", "seed", "val_every", "val_batch_estimate", "log_every",
+                     "checkpoint_every", "keep_checkpoints", "run_dir", "run_name", "resume", "device", "compile",
+                     "overlap_reduce", "dynamics_every", "target_val_loss", "stop_at_target", "train_files",
+                     "val_files", "val_tokens"}
 # What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state
 # (the decay groups are the optimizers' parameter groups).
 FIXED_ON_RESUME = ("optimizer", "train_files", "seq_len", "batch_tokens", "align_to_eot", "seed")
@@ -254,8 +255,8 @@ def build_arg_parser(optimizer: str, base: dict[str, dict]) -> argparse.Argument
         description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
         formatter_class=_HelpFormatter, epilog="\n".join(lines))
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
-                        help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, whose values "
-                             "are also the defaults (docs/optimizers.md#paper-parity)")
+                        help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, "
+                             "whose values are also the defaults (docs/optimizers.md#paper-parity)")
     titles = {"model": "model (GPTConfig)", "train": "training (Hyperparameters)",
               "optim": f"optimizer {optimizer} ({OPTIMIZERS[optimizer].config.__name__})"}
     for section, cls in config_classes(optimizer).items():

@@ -155,8 +155,8 @@ def gradient_oracle():
 
 def published_ecd(theta: list[np.ndarray], loss_and_grad, steps: int, lr: float, eta: float, F0: float,
                   wd: float) -> list[np.ndarray]:
-    """ECD q=1 as published (docs/optimizers.md#ecd), ν = 0: Π·g̃ per parameter tensor, F̃ = F + ½λ‖θ‖² over every
-    parameter, energy conservation on, eps1 = 1e-10, eps2 = 1e-40. Float64 NumPy, one array per tensor."""
+    """ECD q=1 as published (docs/optimizers.md#ecd), ν = 0: Π·g̃ per parameter tensor, F̃ = F + ½λ‖θ‖² over
+    every parameter, energy conservation on, eps1 = 1e-10, eps2 = 1e-40. Float64 NumPy, one array per tensor."""
     D = sum(t.size for t in theta)
     h = lr / math.sqrt(eta)
     kappa = 0.5 * h * eta * D / (D - 1)
