@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import DIGEST_CACHE, atomic_writer, describe_shards
 from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_state_tensors
+from optim.registry import upgrade_saved_config
 from optim.distributed import all_reduce_sum, init_process_group
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
 
@@ -119,6 +120,10 @@ class Hyperparameters:
     grad_clip: float = flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm")
     val_every: int = flag(1000, "validate every N steps (and at the start and end); 0: only at the end")
     val_tokens: int = flag(1048576, "fixed validation token budget (the same tokens every time)")
+    val_batch_estimate: bool = flag(True, "also log the published runs' validation: at each multiple of "
+                                          "--val-every the loss on the next batch of --batch-tokens validation "
+                                          "tokens, and the minimum of these single-batch estimates "
+                                          "(docs/optimizers.md#paper-parity)")
     log_every: int = flag(10, "print and log a line every N steps")
     checkpoint_every: int = flag(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
                                        "SIGINT/SIGTERM and at a target stop)")
@@ -148,10 +153,17 @@ class Hyperparameters:
     wandb_run_name: str = flag("", "Weights & Biases run name (default: the run directory's name)")
 
 
+# The paper's training run (docs/model.md#the-papers-model): 8 x 512 tokens per step in one pass (no gradient
+# accumulation on up to 8 ranks), 500M tokens, constant learning rate. Pinned here, though they are the defaults, so
+# that the presets keep reproducing the published runs if a default changes. The optimizers' defaults are their
+# published updates with the Table 9 hyperparameters (docs/optimizers.md#paper-parity).
+PAPER_RUN: dict[str, object] = {
+    "activation": "prelu", "seq_len": 512, "batch_tokens": 4096, "micro_batch": 8, "steps": 122070,
+    "lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0,
+}
 PRESETS: dict[str, dict[str, object]] = {
-    # SPEC §2: PReLU, context 512, 124,119,552 parameters, batch 8 x 512, 500M tokens, constant LR (the defaults).
-    "gpt2-124m": {},
-    "gpt2-124m-gelu": {"activation": "gelu"},
+    "gpt2-124m": PAPER_RUN,
+    "gpt2-124m-gelu": {**PAPER_RUN, "activation": "gelu"},
     # A few minutes on a 2-core CPU: a narrow model on the embedded corpus, AdamW with warmup and cosine decay.
     "smoke": {
         "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128,
@@ -161,8 +173,32 @@ PRESETS: dict[str, dict[str, object]] = {
         "optimizer": "adamw", "lr": 2e-3,  # a preset's optimizer settings apply to its own optimizer only
     },
 }
-# What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state.
+PRESET_NOTES = {
+    "gpt2-124m": "the paper's GPT-2 small (PReLU) run: model, 500M tokens, batch 8 x 512 without accumulation, "
+                 "constant learning rate, and the optimizer's published update with its Table 9 hyperparameters",
+    "gpt2-124m-gelu": "the paper's GPT-2 small run with GELU: as gpt2-124m but the activation",
+    "smoke": "a few minutes on a CPU to check the trainer; reproduces no published run",
+}
+PAPER_OPTIMIZERS = ("adamw", "ecd", "sgdm", "soap")  # Table 9 of the paper
+VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
+                            "over single-batch estimates (logged here as val_loss_batch and best_val_loss_batch "
+                            "with --val-batch-estimate); val_loss is the mean loss over the same fixed "
+                            "--val-tokens budget each time (docs/evaluation.md#validation-loss)")
+PRECISION_NOTES = {
+    "bf16": "precision: bf16 autocast on CUDA; the published trainer computes in fp32 with TF32 matmuls (bf16 only "
+            "with its --use_bf16)",
+    "fp32": "precision: fp32 with fp32 matmuls; the published trainer uses TF32 matmuls",
+}
+# Fields that change the published numbers when they differ from the paper presets (seeds, logging and the choice
+# of kernel implementation do not; the precision has its own note).
+PAPER_INDIFFERENT = {"dtype", "fused", "optim_seed", "seed", "val_every", "val_batch_estimate", "log_every",
+                     "checkpoint_every", "keep_checkpoints", "run_dir", "run_name", "resume", "device", "compile",
+                     "overlap_reduce", "dynamics_every", "target_val_loss", "stop_at_target", "train_files",
+                     "val_files", "val_tokens"}
+# What a resumed run cannot change: the model, and what fixes the data order, the biases and the optimizer state
+# (the decay groups are the optimizers' parameter groups).
 FIXED_ON_RESUME = ("optimizer", "train_files", "seq_len", "batch_tokens", "align_to_eot", "seed")
+FIXED_OPTIM_ON_RESUME = ("decay_groups",)
 
 
 @dataclass
@@ -189,6 +225,38 @@ def config_classes(optimizer: str) -> dict[str, type]:
     return {"model": GPTConfig, "train": Hyperparameters, "optim": OPTIMIZERS[optimizer].config}
 
 
+def preset_values(preset: str | None, optimizer: str) -> dict[str, dict]:
+    """Each config section's values under `preset` for `optimizer`: the defaults, then the preset's entries (those
+    of the optimizer section only when the preset names no other optimizer)."""
+    entries = PRESETS[preset] if preset else {}
+    base = {section: asdict(cls()) for section, cls in config_classes(optimizer).items()}
+    for section, values in base.items():
+        if section != "optim" or entries.get("optimizer", optimizer) == optimizer:
+            values.update({k: v for k, v in entries.items() if k in values})
+    base["train"]["optimizer"] = optimizer
+    return base
+
+
+def preset_report(cfg: RunConfig) -> dict:
+    """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
+    start of log.txt; docs/optimizers.md#paper-parity). A run without --preset is compared with gpt2-124m, whose
+    values are the defaults."""
+    name = cfg.preset
+    if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
+        return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
+    reference = name or "gpt2-124m"
+    optimizer = cfg.train.optimizer
+    differs = [] if optimizer in PAPER_OPTIMIZERS else [
+        f"--optimizer {optimizer} is not one of the paper's optimizers ({', '.join(PAPER_OPTIMIZERS)})"]
+    paper = preset_values(reference, optimizer)
+    for section, values in cfg.to_dict().items():
+        for field, value in values.items():
+            if field not in PAPER_INDIFFERENT and value != paper[section][field]:
+                differs.append(f"{option(field)} {value} ({reference}: {paper[section][field]})")
+    return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
+            "differs": differs + [PRECISION_NOTES[cfg.train.dtype], VALIDATION_PROTOCOL_NOTE]}
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
 
@@ -207,7 +275,8 @@ def build_arg_parser(optimizer: str, base: dict[str, dict]) -> argparse.Argument
         description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
         formatter_class=_HelpFormatter, epilog="\n".join(lines))
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
-                        help="named configuration (none: the paper's run, gpt2-124m); flags override it")
+                        help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, "
+                             "whose values are also the defaults (docs/optimizers.md#paper-parity)")
     titles = {"model": "model (GPTConfig)", "train": "training (Hyperparameters)",
               "optim": f"optimizer {optimizer} ({OPTIMIZERS[optimizer].config.__name__})"}
     for section, cls in config_classes(optimizer).items():
@@ -223,7 +292,6 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
     pre.add_argument("--resume", default="")
     pre.add_argument("--optimizer", choices=sorted(OPTIMIZERS))
     known, _ = pre.parse_known_args(argv)
-    preset = PRESETS[known.preset] if known.preset else {}
     saved = None
     if known.resume:
         try:
@@ -234,12 +302,11 @@ def parse_config(argv: list[str] | None = None) -> RunConfig:
             saved = checkpoint["config"]
         except CheckpointError as exc:
             pre.error(str(exc))
+        saved = {**saved, "optim": upgrade_saved_config(saved.get("optim", {}))}
     optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
-                 or preset.get("optimizer") or Hyperparameters.optimizer)
-    base = {section: asdict(cls()) for section, cls in config_classes(optimizer).items()}
+                 or PRESETS.get(known.preset, {}).get("optimizer") or Hyperparameters.optimizer)
+    base = preset_values(known.preset, optimizer)
     for section, values in base.items():
-        if section != "optim" or preset.get("optimizer", optimizer) == optimizer:
-            values.update({k: v for k, v in preset.items() if k in values})
         if saved and (section != "optim" or saved["train"].get("optimizer") == optimizer):
             values.update({k: v for k, v in saved.get(section, {}).items() if k in values})
     base["train"]["optimizer"] = optimizer
@@ -402,6 +469,11 @@ def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
         if old is not None and old != new:
             return (f"{option(name)} cannot change when resuming (the checkpoint has {old!r}, the flags give "
                     f"{new!r}): it fixes the data order, the biases or the optimizer state; start a new run instead")
+    for name in FIXED_OPTIM_ON_RESUME:
+        old, new = saved["optim"].get(name), getattr(cfg.optim, name)
+        if old is not None and old != new:
+            return (f"{option(name)} cannot change when resuming (the checkpoint has {old!r}, the flags give "
+                    f"{new!r}): it fixes the optimizer's parameter groups; start a new run instead")
     return None
 
 
@@ -1172,6 +1244,7 @@ class TrainState:
     val_loss: float | None = None
     val_step: int | None = None
     first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
+    best_val_batch: float | None = None  # the least single-batch validation estimate (--val-batch-estimate)
     reached_target: dict | None = None
     checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
     last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's forward pass
@@ -1183,7 +1256,8 @@ class TrainState:
 
     def metrics(self, **extra) -> dict:
         return {"step": self.step, "tokens": self.tokens, "train_time_s": self.train_time, "val_loss": self.val_loss,
-                "val_step": self.val_step, "reached_target": self.reached_target, **extra}
+                "val_step": self.val_step, "best_val_loss_batch": self.best_val_batch,
+                "reached_target": self.reached_target, **extra}
 
     def to_checkpoint(self) -> dict | None:
         """The checkpoint of this state on the master rank (None elsewhere); a collective for sharded optimizers."""
@@ -1210,6 +1284,7 @@ class TrainState:
         self.step = self.checkpoint_step = ckpt["step"]
         self.tokens, self.train_time = metrics["tokens"], metrics["train_time_s"]
         self.val_loss, self.val_step = metrics.get("val_loss"), metrics.get("val_step")
+        self.best_val_batch = metrics.get("best_val_loss_batch")
         self.reached_target = metrics.get("reached_target")
 
     def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
@@ -1297,7 +1372,7 @@ def open_run(state: TrainState) -> None:
         else:
             state.run_dir, note = create_run_dir(cfg)
         layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
-        config = {**cfg.to_dict(), "layout": layout, "data": state.data}
+        config = {**cfg.to_dict(), "layout": layout, "data": state.data, "preset": preset_report(cfg)}
         with atomic_writer(state.run_dir / "config.json") as f:
             f.write(json.dumps(config, indent=2).encode())
         log.attach(state.run_dir)
@@ -1309,6 +1384,11 @@ def open_run(state: TrainState) -> None:
                  + (f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else "")
                  + f" | world {rt.world}")
         log.line(f"run directory {state.run_dir}")
+        parity = preset_report(cfg)
+        compared = parity.get("compared_with")
+        log.line(f"preset {parity['name'] or 'none'}" + (f" (compared with {compared})" if compared != parity["name"]
+                                                        and compared else "")
+                 + f": reproduces {parity['reproduces']}" + "".join(f"\n  differs: {d}" for d in parity["differs"]))
     log.line(f"model: {state.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
              f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
              f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
@@ -1417,16 +1497,45 @@ def stop_non_finite(state: TrainState, what: str) -> None:
     raise TrainingStopped(2)
 
 
+@torch.no_grad()
+def single_batch_estimate(state: TrainState) -> float | None:
+    """The published runs' validation estimate at this step: the mean loss (mean biases) on one global batch of
+    --batch-tokens validation tokens, the k-th batch of the validation stream at the k-th multiple of --val-every
+    (cycling within the --val-tokens budget); None at other steps and when the budget holds no whole batch
+    (docs/optimizers.md#paper-parity)."""
+    hp, rt, model = state.cfg.train, state.rt, state.model
+    budget = hp.val_tokens // hp.batch_tokens
+    if not hp.val_batch_estimate or not hp.val_every or not budget or state.step == 0 or state.step % hp.val_every:
+        return None
+    index = (state.step // hp.val_every - 1) % budget
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=rt.device)
+    batches = validation_batches(state.val_files, rt.micro_batch, hp.seq_len, (index + 1) * hp.batch_tokens,
+                                 rank=rt.rank, world_size=rt.world, vocab_size=model.config.vocab_size,
+                                 device=rt.device)
+    for x, y in islice(batches, index * rt.grad_accum, None):
+        with rt.autocast():
+            total += model(x, y)[1].double()
+    model.train(was_training)
+    return all_reduce_sum(total.reshape(1))[0].item() / (rt.grad_accum * rt.world)
+
+
 def validate(state: TrainState) -> bool:
-    """Validation loss on the fixed budget; True when it reaches --target-val-loss for the first time."""
+    """Validation loss on the fixed budget (and the single-batch estimate); True when it reaches --target-val-loss
+    for the first time."""
     hp, rt = state.cfg.train, state.rt
     state.val_loss = evaluate(state.model, state.val_files, hp.val_tokens, hp.seq_len, hp.micro_batch, rt.rank,
                               rt.world, rt.device, rt.autocast())
     state.val_step = state.step
     state.first_val = state.first_val or (state.step, state.val_loss)
+    estimate = single_batch_estimate(state)
+    if estimate is not None:
+        state.best_val_batch = min(estimate, state.best_val_batch if state.best_val_batch is not None else math.inf)
     state.log.line(f"step {state.step}/{hp.steps} | val loss {state.val_loss:.4f} | train time "
-                   f"{state.train_time:.1f}s")
-    state.log.record(state.metrics(elapsed_s=state.train_time))
+                   f"{state.train_time:.1f}s" + (f" | single-batch val loss {estimate:.4f} (least "
+                                                 f"{state.best_val_batch:.4f})" if estimate is not None else ""))
+    state.log.record(state.metrics(elapsed_s=state.train_time, val_loss_batch=estimate))
     if not math.isfinite(state.val_loss):
         stop_non_finite(state, "the validation loss")
     if not hp.target_val_loss or state.reached_target is not None or state.val_loss > hp.target_val_loss:

@@ -35,13 +35,14 @@ class ECDConfig(ShardedOptimizerConfig):
     """ECD's hyperparameters with the paper's defaults (SPEC §2)."""
 
     lr: float = flag(1.0, "ℓ; the position step is lr/sqrt(ecd_eta)")
-    weight_decay: float = flag(0.0, "λ: F̃ = F + λ|θ|²/2 over the decayed group (matrices; see --decay-*)")
+    weight_decay: float = flag(0.0, "λ: F̃ = F + λ|θ|²/2 over the decayed parameters (--decay-groups)")
     ecd_eta: float = flag(100.0, "η, concentration of the measure near low loss")
     ecd_f0: float = flag(2.0, "F0, must stay below the training loss")
     ecd_nu: float = flag(0.0, "ν, chaos (momentum noise) strength")
     ecd_energy_conservation: bool = flag(True, "renormalise Π to unit norm every step")
-    ecd_projection: str = flag("global", "Π·g over all parameters (global, the Hamiltonian's) or per tensor "
-                               "(the published code)", choices=PROJECTIONS)
+    ecd_projection: str = flag("per_tensor", "Π·g̃ in the momentum update per parameter tensor (per_tensor, the "
+                               "published implementation) or over all parameters (global, the Hamiltonian's "
+                               "dynamics; docs/optimizers.md#ecd)", choices=PROJECTIONS)
     optim_seed: int = flag(0, "seed of the momentum noise (and of the stochastic rounding of a bf16 Π)")
     fused: bool = flag(True, "on CUDA with fp32 parameters: the Triton step kernels (kernels/ecd.py, no host sync, "
                              "a bf16 Π rounded stochastically); off: the per-tensor PyTorch path")
@@ -353,7 +354,7 @@ def build_ecd(model: nn.Module, cfg: ECDConfig) -> list[torch.optim.Optimizer]:
             energy_conservation=cfg.ecd_energy_conservation,
             projection=cfg.ecd_projection,
             seed=cfg.optim_seed,
-            state_dtype=state_dtype(cfg),
+            state_dtype=state_dtype(cfg, model),
             fused=None if cfg.fused else False,
         )
     ]

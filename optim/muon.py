@@ -15,7 +15,14 @@ from torch import Tensor, nn
 
 from cli import flag
 from optim.distributed import ShardedOptimizer
-from optim.registry import EMBEDDING_PREFIXES, OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
+from optim.registry import (
+    DECAY_GROUPS,
+    EMBEDDING_PREFIXES,
+    OptimizerSpec,
+    ShardedOptimizerConfig,
+    parameter_groups,
+    state_dtype,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -25,7 +32,10 @@ class MuonConfig(ShardedOptimizerConfig):
     """Muon for hidden matrices, AdamW for the rest, with the KellerJordan/Muon recipe's defaults."""
 
     lr: float = flag(3e-4, "learning rate of the AdamW part (embeddings, head, gains, biases)")
-    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed group (matrices; see --decay-*)")
+    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)")
+    decay_groups: str = flag("matrices", "parameters that weight decay acts on: matrices (the speedrun's "
+                             "convention), all, matrices+embeddings or all-but-embeddings "
+                             "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS)
     beta1: float = flag(0.9, "AdamW part: first-moment decay")
     beta2: float = flag(0.95, "AdamW part: second-moment decay")
     eps: float = flag(1e-10, "AdamW part: denominator epsilon")
@@ -183,7 +193,7 @@ def build_muon(model: nn.Module, cfg: MuonConfig) -> list[torch.optim.Optimizer]
             ns_steps=cfg.muon_ns_steps,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
-            state_dtype=state_dtype(cfg),
+            state_dtype=state_dtype(cfg, model),
         )
     ]
 

@@ -2,6 +2,7 @@
 parameter groups."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -11,24 +12,43 @@ from torch import Tensor, nn
 from cli import flag
 
 
+# Which parameters weight decay acts on (docs/optimizers.md#weight-decay-groups). "Matrices" are the weights of
+# linear layers; "embeddings" the token and position tables (the token table is tied with lm_head); the rest are
+# LayerNorm gains and biases, linear biases, PReLU slopes and learned attention biases.
+DECAY_GROUPS = ("all", "matrices", "matrices+embeddings", "all-but-embeddings")
+
+
 @dataclass
 class OptimizerConfig:
     """What every optimizer takes. Each optimizer's config subclass adds its own hyperparameters and sets the
-    defaults of `lr` and `weight_decay` (SPEC §2, Table 9 of the paper); every field is a command-line flag."""
+    defaults of `lr`, `weight_decay` and `decay_groups` (the paper's, docs/optimizers.md); every field is a
+    command-line flag."""
 
     lr: float
     weight_decay: float
-    decay_embeddings: bool = flag(False, "also decay wte/wpe (tied with lm_head)")
-    decay_norms_and_biases: bool = flag(
-        False, "also decay LayerNorm gains/biases, linear biases, PReLU slopes and learned attention biases")
+    decay_groups: str = flag("all", "parameters that weight decay acts on: all (the paper's optimizers), matrices "
+                             "(nanoGPT's convention), matrices+embeddings or all-but-embeddings "
+                             "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS)
+
+
+def upgrade_saved_config(optim: dict) -> dict:
+    """A saved optimizer config section in today's fields: configs written before --decay-groups existed carry the
+    two switches decay_embeddings / decay_norms_and_biases (both off by default: matrices only), which map onto
+    the decay group they meant."""
+    if "decay_groups" in optim:
+        return optim
+    embeddings, rest = bool(optim.get("decay_embeddings", False)), bool(optim.get("decay_norms_and_biases", False))
+    groups = {(False, False): "matrices", (True, False): "matrices+embeddings",
+              (False, True): "all-but-embeddings", (True, True): "all"}
+    return {**optim, "decay_groups": groups[embeddings, rest]}
 
 
 @dataclass
 class ShardedOptimizerConfig(OptimizerConfig):
     """Optimizers with owner-computes sharding over flat buffers (`optim.distributed`)."""
 
-    optim_state_dtype: str = flag("fp32", "dtype of the optimizer state (ECD's Π, the moments)",
-                                  choices=("fp32", "bf16"))
+    optim_state_dtype: str = flag("fp32", "dtype of the optimizer state (ECD's Π, the moments); fp32 keeps wider "
+                                          "(float64) parameters' own dtype", choices=("fp32", "bf16"))
 
 
 @dataclass(frozen=True)
@@ -54,24 +74,28 @@ class OptimizerSpec:
 EMBEDDING_PREFIXES = ("transformer.wte", "transformer.wpe")  # token and position tables (nanoGPT names)
 
 
-def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
-    """Split trainable parameters into decayed and non-decayed groups.
+def decays(name: str, param: Tensor, decay_groups: str) -> bool:
+    """Whether parameter `name` belongs to the decayed group of --decay-groups `decay_groups`."""
+    is_embedding = name.startswith(EMBEDDING_PREFIXES)
+    is_attention_bias = name.endswith((".attn.b_q", ".attn.b_v"))  # learned mode, (d,) or (H, d)
+    is_matrix = param.dim() >= 2 and not is_embedding and not is_attention_bias
+    members = {"all": True, "matrices": is_matrix, "matrices+embeddings": is_matrix or is_embedding,
+               "all-but-embeddings": not is_embedding}
+    if decay_groups not in members:
+        raise ValueError(f"--decay-groups must be one of {DECAY_GROUPS}, got {decay_groups!r}")
+    return members[decay_groups]
 
-    Matrices of linear layers decay; embeddings decay only with `decay_embeddings`; LayerNorm parameters,
-    linear biases, PReLU slopes and learned attention biases decay only with `decay_norms_and_biases`.
+
+def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
+    """Split trainable parameters into a decayed group (weight_decay = cfg.weight_decay) and a non-decayed one,
+    as --decay-groups says (docs/optimizers.md#weight-decay-groups); empty groups are left out.
+
     Each group carries the parameter names (key "names") for optimizers that treat tensors by role.
     """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        is_embedding = name.startswith(EMBEDDING_PREFIXES)
-        is_attention_bias = name.endswith((".attn.b_q", ".attn.b_v"))  # learned mode, (d,) or (H, d)
-        is_matrix = param.dim() >= 2 and not is_embedding and not is_attention_bias
-        if is_matrix or (is_embedding and cfg.decay_embeddings) or (not is_embedding and cfg.decay_norms_and_biases):
-            decay.append((name, param))
-        else:
-            no_decay.append((name, param))
+        if param.requires_grad:
+            (decay if decays(name, param, cfg.decay_groups) else no_decay).append((name, param))
     groups = [
         {"params": [p for _, p in decay], "names": [n for n, _ in decay], "weight_decay": cfg.weight_decay},
         {"params": [p for _, p in no_decay], "names": [n for n, _ in no_decay], "weight_decay": 0.0},
@@ -79,12 +103,15 @@ def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def state_dtype(cfg: ShardedOptimizerConfig) -> torch.dtype:
-    """--optim-state-dtype as a torch dtype: fp32 | bf16."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if cfg.optim_state_dtype not in dtypes:
-        raise ValueError(f"--optim-state-dtype must be one of {sorted(dtypes)}, got {cfg.optim_state_dtype!r}")
-    return dtypes[cfg.optim_state_dtype]
+def state_dtype(cfg: ShardedOptimizerConfig, model: nn.Module) -> torch.dtype:
+    """--optim-state-dtype as a torch dtype for `model`'s optimizer: bf16, or fp32 (the parameters' dtype where it
+    is wider, e.g. float64: the state of the published optimizers has the parameters' dtype)."""
+    if cfg.optim_state_dtype == "bf16":
+        return torch.bfloat16
+    if cfg.optim_state_dtype != "fp32":
+        raise ValueError(f"--optim-state-dtype must be one of ['bf16', 'fp32'], got {cfg.optim_state_dtype!r}")
+    dtypes = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
 def optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterator[Tensor]:

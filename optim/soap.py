@@ -26,7 +26,7 @@ class SOAPConfig(ShardedOptimizerConfig):
     """SOAP's hyperparameters with the paper's defaults (SPEC §2)."""
 
     lr: float = flag(3e-4, "peak learning rate")
-    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed group (matrices; see --decay-*)")
+    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)")
     beta1: float = flag(0.95, "first-moment decay")
     beta2: float = flag(0.95, "second-moment decay (and the Kronecker factors' unless --soap-shampoo-beta)")
     eps: float = flag(1e-8, "denominator epsilon")
@@ -269,7 +269,7 @@ def build_soap(model: nn.Module, cfg: SOAPConfig) -> list[torch.optim.Optimizer]
             max_precond_dim=cfg.soap_max_precond_dim,
             merge_dims=cfg.soap_merge_dims,
             precondition_1d=cfg.soap_precondition_1d,
-            state_dtype=state_dtype(cfg),
+            state_dtype=state_dtype(cfg, model),
         )
     ]
 

@@ -18,7 +18,7 @@ class TorchOptimizerConfig(OptimizerConfig):
 @dataclass
 class AdamWConfig(TorchOptimizerConfig):
     lr: float = flag(1e-4, "peak learning rate")
-    weight_decay: float = flag(0.0, "decoupled weight decay of the decayed group (matrices; see --decay-*)")
+    weight_decay: float = flag(0.0, "decoupled weight decay of the decayed parameters (--decay-groups)")
     beta1: float = flag(0.9, "first-moment decay")
     beta2: float = flag(0.999, "second-moment decay")
     eps: float = flag(1e-8, "denominator epsilon")
@@ -27,7 +27,7 @@ class AdamWConfig(TorchOptimizerConfig):
 @dataclass
 class SGDMConfig(TorchOptimizerConfig):
     lr: float = flag(0.03, "peak learning rate")
-    weight_decay: float = flag(0.0, "L2 weight decay of the decayed group (matrices; see --decay-*)")
+    weight_decay: float = flag(0.0, "L2 weight decay of the decayed parameters (--decay-groups)")
     momentum: float = flag(0.95, "momentum coefficient")
     nesterov: bool = flag(True, "Nesterov momentum")
 

@@ -24,13 +24,17 @@ def tiny_model() -> nn.Module:
     return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 12), nn.LayerNorm(12))
 
 
-def groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def groups(model: nn.Module, weight_decay: float | str) -> list[dict]:
+    """Matrices decayed by `weight_decay` and the rest not, or every parameter decayed ("all0.05", --decay-groups
+    all: one group)."""
+    if isinstance(weight_decay, str):
+        return [{"params": list(model.parameters()), "weight_decay": float(weight_decay.removeprefix("all"))}]
     matrices = [p for p in model.parameters() if p.dim() == 2]
     vectors = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
 
 
-def run_ecd(fused: bool, projection: str, nu: float, weight_decay: float, steps: int = STEPS,
+def run_ecd(fused: bool, projection: str, nu: float, weight_decay: float | str, steps: int = STEPS,
             state_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     from optim.ecd import ECD
 
@@ -110,7 +114,7 @@ def optimizer_checks() -> dict:
     out = {}
     for projection in ("global", "per_tensor"):
         for nu in (0.0, 0.3):
-            for wd in (0.0, 0.05):
+            for wd in (0.0, 0.05, "all0.05"):
                 name = f"{projection}_nu{nu}_wd{wd}"
                 fused = run_ecd(True, projection, nu, wd)
                 out[name] = relative_difference(fused, run_ecd(False, projection, nu, wd))
@@ -151,8 +155,8 @@ def test_stochastic_rounding_is_unbiased(results: dict) -> None:
 
 @pytest.mark.parametrize("projection", ["global", "per_tensor"])
 @pytest.mark.parametrize("nu", [0.0, 0.3])
-@pytest.mark.parametrize("wd", [0.0, 0.05])
-def test_fused_optimizer_equals_reference_over_20_steps(results: dict, projection: str, nu: float, wd: float) -> None:
+@pytest.mark.parametrize("wd", [0.0, 0.05, "all0.05"])
+def test_fused_optimizer_equals_reference_over_20_steps(results: dict, projection: str, nu: float, wd) -> None:
     name = f"{projection}_nu{nu}_wd{wd}"
     assert results["optimizer"][name + "_moved"] > 0.05  # the run moved
     assert results["optimizer"][name] < 1e-5

@@ -113,14 +113,14 @@ def test_matches_numpy_transcription_over_20_steps(projection, nu):
 
 def test_first_step_moves_along_minus_gradient():
     model = tiny_model(1)
-    opt = ECD(model.parameters(), lr=0.3, eta=9.0, F0=0.0)
+    opt = ECD(model.parameters(), lr=0.3, eta=9.0, F0=0.0, projection="global")
     before = flat(model.parameters())
     loss = loss_of(model, 0)
     loss.backward()
     g = flat(p.grad for p in model.parameters())
     opt.step(loss.detach())
     step = flat(model.parameters()) - before
-    # Π0 = −g/‖g‖ has no component orthogonal to g̃ = g, so the projected force vanishes: Δθ = −h g/‖g‖.
+    # Π0 = −g/‖g‖ has no component orthogonal to g̃ = g, so the (globally) projected force vanishes: Δθ = −h g/‖g‖.
     np.testing.assert_allclose(step, -(0.3 / 3.0) * g / np.linalg.norm(g), rtol=1e-12, atol=1e-15)
 
 
@@ -128,7 +128,7 @@ def test_first_step_moves_along_minus_gradient():
 def test_update_is_projected_form_with_renormalised_momentum(energy_conservation):
     model = tiny_model(2)
     lr, eta, F0 = 0.2, 4.0, 0.05
-    opt = ECD(model.parameters(), lr=lr, eta=eta, F0=F0, energy_conservation=energy_conservation)
+    opt = ECD(model.parameters(), lr=lr, eta=eta, F0=F0, energy_conservation=energy_conservation, projection="global")
     run_ecd(model, opt, 2)
     state = opt.state_dict()
     gen = torch.Generator().manual_seed(3)

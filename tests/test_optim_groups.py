@@ -1,9 +1,16 @@
-"""Weight-decay parameter groups of the optimizer registry."""
+"""Weight-decay parameter groups of the optimizer registry (docs/optimizers.md#weight-decay-groups)."""
 from __future__ import annotations
 
-from optim import OptimizerConfig, parameter_groups
+import pytest
+
+from optim import OPTIMIZERS, OptimizerConfig, parameter_groups
+from optim.registry import DECAY_GROUPS, upgrade_saved_config
 from optim.torch_optimizers import AdamWConfig
 from train_gpt import GPT, GPTConfig
+
+MATRICES = {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
+            "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"}
+EMBEDDINGS = {"transformer.wte.weight", "transformer.wpe.weight"}
 
 
 def grouped_names(cfg: OptimizerConfig) -> tuple[set[str], set[str]]:
@@ -16,18 +23,32 @@ def grouped_names(cfg: OptimizerConfig) -> tuple[set[str], set[str]]:
     return decayed, plain
 
 
-def test_only_linear_matrices_decay_by_default():
-    decayed, plain = grouped_names(AdamWConfig(weight_decay=0.1))
-    assert decayed == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
-                       "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"}
-    assert {"transformer.h.0.attn.b_q", "transformer.h.0.attn.b_v", "transformer.wte.weight",
-            "transformer.h.0.mlp.act.weight", "transformer.ln_f.bias"} <= plain
+def test_each_choice_decays_its_parameters():
+    everything = set().union(*grouped_names(AdamWConfig(weight_decay=0.1)))
+    rest = everything - MATRICES - EMBEDDINGS
+    assert {"transformer.ln_f.weight", "transformer.h.0.attn.b_q", "transformer.h.0.mlp.act.weight",
+            "transformer.h.0.attn.c_attn.bias"} <= rest
+    expected = {"all": everything, "matrices": MATRICES, "matrices+embeddings": MATRICES | EMBEDDINGS,
+                "all-but-embeddings": MATRICES | rest}
+    assert set(expected) == set(DECAY_GROUPS)
+    for choice, decayed in expected.items():
+        assert grouped_names(AdamWConfig(weight_decay=0.1, decay_groups=choice)) == (decayed, everything - decayed)
 
 
-def test_flags_extend_decay_to_embeddings_and_norms():
-    decayed, _ = grouped_names(AdamWConfig(weight_decay=0.1, decay_embeddings=True))
-    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= decayed
-    assert "transformer.ln_f.weight" not in decayed
-    decayed, plain = grouped_names(AdamWConfig(weight_decay=0.1, decay_norms_and_biases=True))
-    assert {"transformer.ln_f.weight", "transformer.h.0.attn.b_q", "transformer.h.0.mlp.act.weight"} <= decayed
-    assert plain == {"transformer.wte.weight", "transformer.wpe.weight"}
+def test_paper_optimizers_decay_every_parameter_by_default_and_muon_matrices():
+    defaults = {name: spec.config.decay_groups for name, spec in OPTIMIZERS.items()}
+    assert defaults == {"ecd": "all", "soap": "all", "adamw": "all", "sgdm": "all", "muon": "matrices"}
+
+
+def test_unknown_choice_is_an_error():
+    with pytest.raises(ValueError, match="--decay-groups"):
+        grouped_names(AdamWConfig(weight_decay=0.1, decay_groups="biases"))
+
+
+@pytest.mark.parametrize("embeddings, rest, meant", [(False, False, "matrices"), (True, False, "matrices+embeddings"),
+                                                     (False, True, "all-but-embeddings"), (True, True, "all")])
+def test_configs_saved_before_decay_groups_keep_their_meaning(embeddings, rest, meant):
+    old = {"lr": 1.0, "weight_decay": 0.1, "decay_embeddings": embeddings, "decay_norms_and_biases": rest}
+    assert upgrade_saved_config(old)["decay_groups"] == meant
+    assert upgrade_saved_config({"lr": 1.0})["decay_groups"] == "matrices"  # the old default
+    assert upgrade_saved_config({"decay_groups": "all"}) == {"decay_groups": "all"}

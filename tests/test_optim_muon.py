@@ -65,7 +65,7 @@ def test_hidden_matrices_use_muon_and_the_rest_adamw():
 
 def test_steps_match_direct_transcription():
     model, ref = Block(1), Block(1)
-    opt = build(model, weight_decay=0.1, decay_norms_and_biases=True)
+    opt = build(model, weight_decay=0.1, decay_groups="all-but-embeddings")
     named = dict(ref.named_parameters())
     muon_names = ["attn.c_attn.weight", "mlp.weight"]
     decayed = [p for n, p in named.items() if n not in muon_names and not n.startswith("transformer")]

@@ -79,9 +79,8 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     assert reported["elapsed_s"] == summary["train_time_s"] > 0 and reported["final_val_loss"] == vals[-1]
     config = json.loads((run / "config.json").read_text())
     assert config["model"]["n_embd"] == 32 and config["train"]["optimizer"] == "adamw"
-    assert config["optim"] == {"lr": 3e-3, "weight_decay": 0.0, "decay_embeddings": False,
-                               "decay_norms_and_biases": False, "fused": True, "beta1": 0.9, "beta2": 0.999,
-                               "eps": 1e-8}  # every value that ran, none left to a later default
+    assert config["optim"] == {"lr": 3e-3, "weight_decay": 0.0, "decay_groups": "all", "fused": True,
+                               "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}  # every value that ran, none left to a later default
     assert config["layout"] == {"world_size": 1, "micro_batch": 4, "grad_accum": 2}
     assert (run / "log.txt").read_text().startswith(Path(train_gpt.__file__).read_text()[:200])
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
