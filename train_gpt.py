@@ -302,6 +302,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if hp.dynamics_every and hp.optimizer not in VELOCITY_OPTIMIZERS:
         return (f"--dynamics-every needs a velocity, which SPEC §6 defines for --optimizer "
                 f"{', '.join(VELOCITY_OPTIMIZERS)}; {hp.optimizer} has none (set --dynamics-every 0)")
+    if hp.gauge_diagnostic_every and hp.optimizer == "soap":
+        return ("--gauge-diagnostic-every compares one step of a fresh optimizer, and SOAP's first step only builds "
+                "its preconditioner (no motion); set --gauge-diagnostic-every 0")
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     try:

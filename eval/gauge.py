@@ -181,7 +181,8 @@ def gauge_diagnostic(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor,
             for s in SECTORS:
                 moves[s].append(_products(g1)[s] - _products(g0)[s])
         for s in SECTORS:
-            scale = _norm(reference[s]).clamp_min(1e-300)
+            # No motion (e.g. SOAP's first step only builds its preconditioner): the relative metrics are undefined.
+            scale = torch.where(_norm(reference[s]) > 0, _norm(reference[s]), torch.nan)
             stacked = torch.stack(moves[s])  # (samples, H, rows, cols)
             mean_move = stacked.mean(0)
             rel = _norm(stacked - reference[s]) / scale  # (samples, H)
@@ -308,6 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
     plot(result, target.out / "gauge.png", target.run_dir.name)
     atomic_write(target.out / "gauge.md", report(result, target.run_dir.name).encode())
     s = result["summary"]
+    if all(math.isnan(s[f"relative_difference_{sector}"]) for sector in SECTORS):
+        print(f"note: one fresh {name} step does not move the attention weights (ΔM = 0), so the relative metrics "
+              "are undefined (NaN; null in gauge.json)")
     print(f"relative ΔM difference QK {s['relative_difference_QK']:.3g}  VO {s['relative_difference_VO']:.3g}  "
           f"(max logit change {max(result['logit_change']):.3g}); wrote {target.out / 'gauge.json'}")
     return result

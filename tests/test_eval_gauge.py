@@ -137,3 +137,14 @@ def test_cli(tiny_run, tmp_path):
     assert gd["optimizer"] == "sgdm" and gd["lr"] == pytest.approx(0.03)  # another optimizer takes its defaults
     # Fresh SGD with (Nesterov) momentum takes a plain gradient step first: still rotation-equivariant.
     assert gd["summary"]["relative_difference_QK"] < 1e-9
+
+
+def test_a_step_without_motion_gives_undefined_metrics_and_soap_is_refused_in_training(capsys):
+    from optim import OPTIMIZERS
+
+    x, y = batch()
+    result = gauge.gauge_diagnostic(tiny_model(), "soap", OPTIMIZERS["soap"].config(), x, y, samples=1)
+    assert np.isnan(result["summary"]["relative_difference_QK"])  # SOAP's first step builds its preconditioner
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--optimizer", "soap", "--gauge-diagnostic-every", "5"])
+    assert "SOAP's first step" in capsys.readouterr().err
