@@ -171,28 +171,30 @@ def gauge_diagnostic(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor,
     per_head: dict[str, list] = {f"{k}_{s}": [] for s in SECTORS for k in keys}
     for layer in range(n_layer):
         f0, f1 = head_factors(params0, layer, n_head), head_factors(after0, layer, n_head)
-        reference = {s: _products(f1)[s] - _products(f0)[s] for s in SECTORS}
+        p0, p1 = _products(f0), _products(f1)
+        reference = {s: p1[s] - p0[s] for s in SECTORS}
         moves, imbalances = {s: [] for s in SECTORS}, {s: [] for s in SECTORS}
         for before, after, s_qk, s_vo in gauged:
             g0, g1 = head_factors(before, layer, n_head), head_factors(after, layer, n_head)
             for s, (a, b) in _pairs(g0).items():
                 imbalances[s].append(gram_imbalance(a, b))
-            g0, g1 = (_inverse_gauge(g, s_qk[layer], s_vo[layer]) for g in (g0, g1))
+            q0, q1 = (_products(_inverse_gauge(g, s_qk[layer], s_vo[layer])) for g in (g0, g1))
             for s in SECTORS:
-                moves[s].append(_products(g1)[s] - _products(g0)[s])
+                moves[s].append(q1[s] - q0[s])
         for s in SECTORS:
             # No motion (e.g. SOAP's first step only builds its preconditioner): the relative metrics are undefined.
             scale = torch.where(_norm(reference[s]) > 0, _norm(reference[s]), torch.nan)
             stacked = torch.stack(moves[s])  # (samples, H, rows, cols)
             mean_move = stacked.mean(0)
             rel = _norm(stacked - reference[s]) / scale  # (samples, H)
+            imbalance, rms_ratio = gram_imbalance(*_pairs(f0)[s])
             values = {
                 "relative_difference": rel.mean(0), "relative_difference_var": rel.var(0, correction=0),
                 "random_gauge_variance": _norm(stacked - mean_move).square().mean(0) / scale.square(),
                 "smoothed_difference": _norm(mean_move - reference[s]) / scale,
-                "gram_imbalance": gram_imbalance(*_pairs(f0)[s])[0],
+                "gram_imbalance": imbalance,
                 "gram_imbalance_gauged": torch.stack([g[0] for g in imbalances[s]]).mean(0),
-                "column_rms_ratio": gram_imbalance(*_pairs(f0)[s])[1],
+                "column_rms_ratio": rms_ratio,
                 "column_rms_ratio_gauged": torch.stack([g[1] for g in imbalances[s]]).mean(0),
             }
             for k, v in values.items():
@@ -206,8 +208,8 @@ def gauge_diagnostic(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor,
 def training_summary(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor, y: Tensor, step: int) -> dict:
     """The trainer's `--gauge-diagnostic-every N` record: one GL(d) gauge (condition 10, seeded by the step) in
     float64, the mean over heads of the relative ΔM difference per sector (keys gauge_dM_QK, gauge_dM_VO) and the
-    relative logit change (gauge_logit_change). Costs a float64 copy of the model, two forward passes and two
-    forward/backward passes plus fresh optimizer steps on (x, y)."""
+    relative logit change (gauge_logit_change), not asserted. Costs three float64 copies of the model (one at a
+    time besides the first), two forward passes and two forward/backward passes with fresh optimizer steps on (x, y)."""
     result = gauge_diagnostic(model, optimizer, optim_cfg, x, y, samples=1, seed=step, tolerance=math.inf)
     return {"gauge_dM_QK": result["summary"]["relative_difference_QK"],
             "gauge_dM_VO": result["summary"]["relative_difference_VO"],
