@@ -132,6 +132,8 @@ class Hyperparameters:
                                        "(0: off)")
     stop_at_target: bool = flag(False, "stop the run once target_val_loss is reached")
     dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; SPEC §6)")
+    gauge_diagnostic_every: int = flag(0, "log the gauge sensitivity of one fresh-optimizer step every N steps "
+                                          "(0: off; docs/structure.md#gauge-sensitivity-diagnostic)")
     run_dir: str = flag("runs", "parent directory of run directories")
     run_name: str = flag("", "run directory name (default: timestamp-preset-optimizer); an existing run is "
                              "never overwritten")
@@ -373,7 +375,8 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     for name, value in positive.items():
         if value <= 0:
             return f"{option(name)} must be positive, got {value}"
-    for name in ("warmup_steps", "val_every", "checkpoint_every", "dynamics_every", "seed", "grad_clip"):
+    for name in ("warmup_steps", "val_every", "checkpoint_every", "dynamics_every", "gauge_diagnostic_every", "seed",
+                 "grad_clip"):
         if getattr(hp, name) < 0:
             return f"{option(name)} must be >= 0, got {getattr(hp, name)}"
     for name in ("std_q_min", "std_q_max", "std_v_min", "std_v_max"):
@@ -398,6 +401,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     problem = variant_problem(model, hp)
     if problem:
         return problem
+    if hp.gauge_diagnostic_every and hp.optimizer == "soap":
+        return ("--gauge-diagnostic-every compares one step of a fresh optimizer, and SOAP's first step only builds "
+                "its preconditioner (no motion); set --gauge-diagnostic-every 0")
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     if hp.wandb_project and not module_available("wandb"):
@@ -1594,9 +1600,16 @@ def log_progress(state: TrainState, loss: torch.Tensor, stop: StopRequest, clock
         record["grad_norm"] = state.grad_norm.item()
     if hp.dynamics_every and state.step % hp.dynamics_every == 0:
         record.update(dynamics_summary(state.model, velocity_from_optimizers(state.optimizers), state.cfg.model.n_head))
+    if hp.gauge_diagnostic_every and state.step % hp.gauge_diagnostic_every == 0:
+        from eval.gauge import training_summary  # eval builds on this module; imported only when asked for
+
+        x, y, _ = state.last_batch
+        record.update(training_summary(state.model, hp.optimizer, state.cfg.optim, x, y, state.step))
     state.log.record(record)
     state.log.line(f"step {state.step}/{hp.steps} | loss {loss_value:.4f} | lr {record['lr']:.2e}"
                    + (f" | grad norm {record['grad_norm']:.3f}" if "grad_norm" in record else "")
+                   + (f" | gauge ΔM QK {record['gauge_dM_QK']:.3g} VO {record['gauge_dM_VO']:.3g}"
+                      if "gauge_dM_QK" in record else "")
                    + f" | {tokens_per_s:,.0f} tok/s" + (f" | mfu {100 * mfu:.1f}%" if mfu else "")
                    + f" | {state.train_time:.1f}s | eta {format_duration(eta)}")
     mark[:] = [state.train_time, state.tokens]

@@ -1,0 +1,196 @@
+"""Symmetry and directionality of the query-key matrices (docs/structure.md#symmetry-and-directionality-scores).
+
+    python -m eval.structure --run runs/NAME                 # every checkpoint of the run, tracked over steps
+    python -m eval.structure --checkpoint FILE               # one checkpoint
+    python -m eval.structure --run runs/NAME --convention published
+
+Per layer M = Σ_h A_Q^h A_K^hᵀ = W_Qᵀ W_K (C×C, rows: the query side's input, columns: the key side's; nn.Linear
+stores W_Q as (out, in)) and per head M^h = A_Q^h A_K^hᵀ (learned bias rows left out). Scores (docs/structure.md):
+  paper:     s = (‖M_s‖² − ‖M_n‖²)/‖M‖² ∈ [−1, 1];  d = (r̄ − c̄)/(r̄ + c̄), r̄ (c̄) the sum of the row (column) norms
+             above mean + γ·std of the row (column) norms; d > 0: rows dominate, d < 0: columns dominate.
+  published: ‖M_s‖²/‖M‖² ∈ [0, 1] (= (s + 1)/2) and (col_excess − row_excess)/(col_excess + row_excess) with the
+             excess of each norm over its threshold (so the sign is flipped: d > 0 means columns dominate).
+Medians across layers are what the paper reports. Writes structure_<convention>.json, .md and .png (medians vs
+step, and the per-layer scores of the last checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import train_gpt
+from data.shards import atomic_write, atomic_writer
+from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_device, resolve_target, write_json
+from eval.dynamics import run_checkpoints
+from optim.gauge import head_factors, num_attention_layers, plain_name
+
+CONVENTIONS = ("paper", "published")
+GAMMA = 2.0  # threshold = mean + GAMMA · std of the norms
+
+
+def _check_convention(convention: str) -> None:
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+
+
+def symmetry_score(m: Tensor, convention: str = "paper") -> Tensor:
+    """Symmetry score of square matrices m (..., n, n) (docs/structure.md#symmetry-and-directionality-scores).
+
+    paper: (‖M_s‖² − ‖M_n‖²)/‖M‖² with M_s = (M + Mᵀ)/2, M_n = (M − Mᵀ)/2: +1 symmetric, −1 skew, → 0 random.
+    published: ‖M_s‖²/‖M‖² = (s + 1)/2. A zero matrix scores 0 (paper) or 1/2 (published).
+    """
+    _check_convention(convention)
+    m = m.double()
+    total = m.square().sum(dim=(-2, -1))
+    sym = (0.5 * (m + m.mT)).square().sum(dim=(-2, -1))
+    skew = (0.5 * (m - m.mT)).square().sum(dim=(-2, -1))
+    score = torch.where(total > 0, (sym - skew) / total.clamp_min(1e-300), 0.0)
+    return score if convention == "paper" else 0.5 * (score + 1.0)
+
+
+def _outliers(norms: Tensor, gamma: float, convention: str) -> Tensor:
+    """Σ over the norms above mean + γ·std (unbiased std, as torch.std) of the norm (paper) or of its excess over
+    the threshold (published), over the last dim."""
+    threshold = norms.mean(-1, keepdim=True) + gamma * norms.std(-1, keepdim=True)
+    above = norms > threshold
+    values = norms if convention == "paper" else norms - threshold
+    return torch.where(above, values, 0.0).sum(-1)
+
+
+def directionality_score(m: Tensor, convention: str = "paper", gamma: float = GAMMA) -> Tensor:
+    """Directionality score of square matrices m (..., n, n) (docs/structure.md#symmetry-and-directionality-scores).
+
+    paper: (r̄ − c̄)/(r̄ + c̄) with r̄ (c̄) the sum of row (column) L2 norms above mean + γ·std of the row (column)
+    norms; positive: high-norm rows dominate, negative: columns dominate. published: (col_excess − row_excess) /
+    (col_excess + row_excess), summing each norm's excess over the threshold (opposite sign). 0 when nothing is above
+    either threshold.
+    """
+    _check_convention(convention)
+    m = m.double()
+    rows = _outliers(torch.linalg.vector_norm(m, dim=-1), gamma, convention)
+    cols = _outliers(torch.linalg.vector_norm(m, dim=-2), gamma, convention)
+    first, second = (rows, cols) if convention == "paper" else (cols, rows)
+    total = rows + cols
+    return torch.where(total > 0, (first - second) / total.clamp_min(1e-300), 0.0)
+
+
+def query_key_matrices(tensors: dict[str, Tensor], layer: int, n_head: int) -> tuple[Tensor, Tensor]:
+    """(M of the layer (C, C), M^h per head (H, C, C)) in float64 from named parameters: M^h = A_Q^h A_K^hᵀ (without
+    bias rows), M = Σ_h M^h = W_Qᵀ W_K."""
+    factors = head_factors(tensors, layer, n_head)
+    C = factors["O"].shape[-1]
+    per_head = factors["Q"][:, :C] @ factors["K"][:, :C].mT
+    return per_head.sum(0), per_head
+
+
+def structure_scores(tensors: dict[str, Tensor], n_head: int, convention: str = "paper",
+                     gamma: float = GAMMA) -> dict:
+    """Scores of every layer ("layers": {"symmetry", "directionality"}: lists of L) and head ("heads": L×H lists)
+    and their medians across layers ("median")."""
+    layers = {"symmetry": [], "directionality": []}
+    heads = {"symmetry": [], "directionality": []}
+    for layer in range(num_attention_layers(tensors)):
+        m, per_head = query_key_matrices(tensors, layer, n_head)
+        for out, matrices in ((layers, m), (heads, per_head)):
+            out["symmetry"].append(symmetry_score(matrices, convention).tolist())
+            out["directionality"].append(directionality_score(matrices, convention, gamma).tolist())
+    median = {key: float(np.median(values)) for key, values in layers.items()}
+    return {"layers": layers, "heads": heads, "median": median}
+
+
+def checkpoint_structure(ckpt: dict, convention: str, gamma: float, device: torch.device) -> dict:
+    tensors = {plain_name(n): t.to(device) for n, t in ckpt["model"].items() if ".attn." in n}
+    scores = structure_scores(tensors, ckpt["config"]["model"]["n_head"], convention, gamma)
+    return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), **scores}
+
+
+def plot(results: list[dict], path: Path, title: str, convention: str) -> None:
+    """Medians across layers vs step (left: symmetry, right: directionality) and the last checkpoint's layers."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    steps = [r["step"] for r in results]
+    for ax, key in zip(axes[:2], ("symmetry", "directionality")):
+        ax.plot(steps, [r["median"][key] for r in results], "o-", color="k", label="median across layers")
+        per_layer = np.array([r["layers"][key] for r in results])  # (checkpoints, L)
+        for layer in range(per_layer.shape[1]):
+            ax.plot(steps, per_layer[:, layer], lw=0.8, alpha=0.5, color=plt.cm.viridis(layer / per_layer.shape[1]))
+        ax.set_xlabel("step")
+        ax.set_title(f"{key} score ({convention})")
+        ax.axhline(0.5 if key == "symmetry" and convention == "published" else 0.0, color="gray", lw=0.5)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    last = results[-1]
+    layers = range(len(last["layers"]["symmetry"]))
+    axes[2].plot(layers, last["layers"]["symmetry"], "o-", label="symmetry")
+    axes[2].plot(layers, last["layers"]["directionality"], "s-", label="directionality")
+    axes[2].set_xlabel("layer")
+    axes[2].set_title(f"per layer at step {last['step']}")
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"{title}: thin lines are single layers (colour: depth)")
+    fig.tight_layout()
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
+
+
+def report(results: list[dict], run_name: str, convention: str, gamma: float, stem: str) -> str:
+    last = results[-1]
+    lines = [f"# W_QK structure ({convention} convention) — {run_name}", "",
+             "Per layer M = W_Qᵀ W_K (C×C); per head M^h = A_Q^h A_K^hᵀ. Threshold of the directionality score: "
+             f"mean + {gamma:g}·std of the norms. "
+             + ("Symmetry in [−1, 1] (+1 symmetric, −1 skew); directionality > 0: rows dominate, < 0: columns."
+                if convention == "paper" else
+                "Symmetry ‖M_s‖²/‖M‖² in [0, 1]; directionality (col − row excess) > 0: columns dominate."), "",
+             "## Medians across layers", "",
+             markdown_table(["step", "tokens", "symmetry", "directionality"],
+                            [[r["step"], r["tokens"] if r["tokens"] is not None else "-", r["median"]["symmetry"],
+                              r["median"]["directionality"]] for r in results]), "",
+             f"## Per layer and head at step {last['step']}", ""]
+    n_head = len(last["heads"]["symmetry"][0])
+    for key in ("symmetry", "directionality"):
+        rows = [[layer, last["layers"][key][layer], *last["heads"][key][layer]]
+                for layer in range(len(last["layers"][key]))]
+        lines += [f"{key}:", "", markdown_table(["layer", "layer M", *(f"head {h}" for h in range(n_head))], rows), ""]
+    lines += [f"![structure]({stem}.png)", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_target_args(parser)
+    parser.add_argument("--convention", choices=CONVENTIONS, default="paper",
+                        help="paper: the paper's definitions; published: the numbers of the authors' code")
+    parser.add_argument("--gamma", type=float, default=GAMMA, help="directionality threshold: mean + gamma * std")
+    args = parser.parse_args(argv)
+    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
+    out, device = output_dir(args, run_dir), resolve_device(args.device)
+    paths = run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
+    results = []
+    for i, path in enumerate(paths):
+        try:
+            ckpt = train_gpt.load_checkpoint(path, mmap=True)
+        except train_gpt.CheckpointError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if results and results[-1]["step"] == ckpt.get("step"):
+            continue  # latest.pt duplicating the last step_XXXXXX.pt
+        result = checkpoint_structure(ckpt, args.convention, args.gamma, device)
+        result["checkpoint"] = str(path)
+        results.append(result)
+        print(f"[{i + 1}/{len(paths)}] step {result['step']}: median symmetry {result['median']['symmetry']:.4f}  "
+              f"directionality {result['median']['directionality']:.4f}")
+    stem = f"structure_{args.convention}"
+    summary = {"convention": args.convention, "gamma": args.gamma, "checkpoints": results}
+    write_json(out / f"{stem}.json", summary)
+    plot(results, out / f"{stem}.png", run_dir.name, args.convention)
+    atomic_write(out / f"{stem}.md", report(results, run_dir.name, args.convention, args.gamma, stem).encode())
+    print(f"wrote {out / stem}.json, .md, .png")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
