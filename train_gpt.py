@@ -39,6 +39,7 @@ from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum, init_process_group
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
+from optim.gauge_updates import GAUGE_MODES, GaugeUpdates
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
@@ -113,6 +114,18 @@ class Hyperparameters:
                                        "(0: off)")
     stop_at_target: bool = flag(False, "stop the run once target_val_loss is reached")
     dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; SPEC §6)")
+    gauge: str = flag("none", "post-process each step on the attention heads' factor gauge (docs/gauge.md): "
+                              "correct (opposite-Gram), project (orbit-transverse), dress (Gram-balanced "
+                              "representatives every --gauge-every steps) or hyperball", choices=GAUGE_MODES)
+    gauge_correction: str = flag("full", "--gauge correct: full, diagonal (Gram diagonals) or periodic (full every "
+                                         "--gauge-every steps, diagonal otherwise)",
+                                 choices=("full", "diagonal", "periodic"))
+    gauge_every: int = flag(10, "--gauge dress: dress every N steps; --gauge-correction periodic: full every N")
+    gauge_damping: float = flag(1e-3, "--gauge correct: damping λ added to the opposite Gram")
+    gauge_group: str = flag("gl", "--gauge project: remove motion along GL(d) (gl) or only O(d) rotations (o)",
+                            choices=("gl", "o"))
+    hyperball_lr: float = flag(0.01, "--gauge hyperball: step length η relative to each head factor's norm (times "
+                                     "the learning-rate schedule)")
     run_dir: str = flag("runs", "parent directory of run directories")
     run_name: str = flag("", "run directory name (default: timestamp-preset-optimizer); an existing run is "
                              "never overwritten")
@@ -299,6 +312,11 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if hp.dynamics_every and hp.optimizer not in VELOCITY_OPTIMIZERS:
         return (f"--dynamics-every needs a velocity, which SPEC §6 defines for --optimizer "
                 f"{', '.join(VELOCITY_OPTIMIZERS)}; {hp.optimizer} has none (set --dynamics-every 0)")
+    if hp.gauge_every < 1 or hp.gauge_damping < 0 or hp.hyperball_lr <= 0:
+        return "--gauge-every must be >= 1, --gauge-damping >= 0 and --hyperball-lr > 0"
+    if hp.gauge == "dress" and model.bias_mode == "learned" and not model.bias_per_head:
+        return ("--gauge dress moves each head by its own gauge, which a learned bias shared by the heads cannot "
+                "follow: add --bias-per-head")
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     try:
@@ -820,6 +838,7 @@ class TrainState:
     checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
     last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's forward pass
     grad_norm: torch.Tensor | None = None
+    gauge: GaugeUpdates | None = None  # --gauge post-processing (None: off)
 
     @property
     def spec(self):
@@ -839,7 +858,7 @@ class TrainState:
         return {"format": CHECKPOINT_FORMAT, "step": self.step, "config": self.cfg.to_dict(), "model": model_state,
                 "optimizers": optimizer_states, "loader": self.loader.state_dict(),
                 "sampler": self.sampler.state_dict(), "rng": {"torch": torch.get_rng_state()},
-                "metrics": self.metrics()}
+                "metrics": self.metrics(), "gauge": self.gauge.state_dict() if self.gauge else None}
 
     def restore(self, ckpt: dict) -> None:
         """Load a checkpoint; the optimizer settings of the current config (lr, weight decay, betas, ...) replace
@@ -850,6 +869,8 @@ class TrainState:
             for group, values in zip(opt.param_groups, settings, strict=True):
                 group.update(values)
         self.loader.load_state_dict(ckpt["loader"])
+        if self.gauge and ckpt.get("gauge"):
+            self.gauge.load_state_dict(ckpt["gauge"], self.rt.device)
         torch.set_rng_state(ckpt["rng"]["torch"])
         metrics = ckpt["metrics"]
         self.step = self.checkpoint_step = ckpt["step"]
@@ -903,8 +924,11 @@ def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
     loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank, world_size=rt.world,
                                     grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
                                     align_to_eot=hp.align_to_eot, device=rt.device)
+    gauge = None if hp.gauge == "none" else GaugeUpdates(
+        hp.gauge, cfg.model.n_head, hp.gauge_correction, hp.gauge_every, hp.gauge_damping, hp.gauge_group,
+        hp.hyperball_lr)
     return TrainState(cfg, rt, log, model, optimizers, loader, BiasSampler(cfg.model, hp.seed), val_files,
-                      hyperparameters)
+                      hyperparameters, gauge=gauge)
 
 
 def restore(state: TrainState) -> dict:
@@ -1029,9 +1053,12 @@ def train_step(state: TrainState) -> torch.Tensor:
     loss = loss_sum / rt.grad_accum
     if hp.grad_clip and not state.spec.reduces_gradients:
         state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), hp.grad_clip, foreach=True)
+    before = state.gauge.snapshot(state.model) if state.gauge else None
     for opt in state.optimizers:
         opt.step(loss) if state.spec.needs_loss else opt.step()
         state.grad_norm = getattr(opt, "grad_norm", state.grad_norm)
+    if state.gauge:
+        state.gauge.after_step(state.model, state.optimizers, before, state.step + 1, factor)
     for opt in state.optimizers:
         opt.zero_grad(set_to_none=True)
     state.step += 1
