@@ -246,7 +246,7 @@ def test_dressing_keeps_the_forward_pass_balances_the_grams_and_transports_the_f
 
 
 GAUGE_RUNS = [("correct", "ecd", {}), ("correct", "soap", {"gauge-correction": "periodic", "gauge-every": 2}),
-              ("project", "muon", {}), ("project", "adamw", {"gauge-group": "o"}), ("dress", "sgdm", {}),
+              ("project", "muon", {}), ("project", "adamw", {"gauge-group": "o"}), ("dress", "sgdm", {"gauge-every": 4}),
               ("dress", "adamw", {"gauge-every": 2}), ("hyperball", "sgdm", {}), ("hyperball", "muon", {})]
 
 
@@ -290,7 +290,9 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
 
 
 def test_two_gloo_ranks_match_one_with_a_sharded_optimizer_and_dressing(corpus, tmp_path):
-    common = {"steps": 4, "val-every": 0, "optimizer": "muon", "gauge": "dress", "gauge-every": 2}
+    """ECD (sharded, Π transported by state_dict/load_state_dict); Muon's bf16 Newton-Schulz differs by ~2e-5
+    between 1 and 2 ranks even without a gauge, so it cannot show a 1e-5 match."""
+    common = {"steps": 4, "val-every": 0, "optimizer": "ecd", "gauge": "dress", "gauge-every": 2}
     one = tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2})
     subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=ENV, capture_output=True)
     result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
