@@ -42,6 +42,7 @@ from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_
 from optim.registry import upgrade_saved_config
 from optim.distributed import all_reduce_sum, init_process_group
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
+from optim.gauge_updates import GAUGE_MODES, GaugeUpdates
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
@@ -134,6 +135,18 @@ class Hyperparameters:
     dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; SPEC §6)")
     gauge_diagnostic_every: int = flag(0, "log the gauge sensitivity of one fresh-optimizer step every N steps "
                                           "(0: off; docs/structure.md#gauge-sensitivity-diagnostic)")
+    gauge: str = flag("none", "post-process each step on the attention heads' factor gauge (docs/gauge.md): "
+                              "correct (opposite-Gram), project (orbit-transverse), dress (Gram-balanced "
+                              "representatives every --gauge-every steps) or hyperball", choices=GAUGE_MODES)
+    gauge_correction: str = flag("full", "--gauge correct: full, diagonal (Gram diagonals) or periodic (full every "
+                                         "--gauge-every steps, diagonal otherwise)",
+                                 choices=("full", "diagonal", "periodic"))
+    gauge_every: int = flag(10, "--gauge dress: dress every N steps; --gauge-correction periodic: full every N")
+    gauge_damping: float = flag(1e-3, "--gauge correct: damping λ added to the opposite Gram")
+    gauge_group: str = flag("gl", "--gauge project: remove motion along GL(d) (gl) or only O(d) rotations (o)",
+                            choices=("gl", "o"))
+    hyperball_lr: float = flag(0.01, "--gauge hyperball: step length η relative to each head factor's norm (times "
+                                     "the learning-rate schedule)")
     run_dir: str = flag("runs", "parent directory of run directories")
     run_name: str = flag("", "run directory name (default: timestamp-preset-optimizer); an existing run is "
                              "never overwritten")
@@ -404,6 +417,11 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if hp.gauge_diagnostic_every and hp.optimizer == "soap":
         return ("--gauge-diagnostic-every compares one step of a fresh optimizer, and SOAP's first step only builds "
                 "its preconditioner (no motion); set --gauge-diagnostic-every 0")
+    if hp.gauge_every < 1 or hp.gauge_damping < 0 or hp.hyperball_lr <= 0:
+        return "--gauge-every must be >= 1, --gauge-damping >= 0 and --hyperball-lr > 0"
+    if hp.gauge == "dress" and model.bias_mode == "learned" and not model.bias_per_head:
+        return ("--gauge dress moves each head by its own gauge, which a learned bias shared by the heads cannot "
+                "follow: add --bias-per-head")
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     if hp.wandb_project and not module_available("wandb"):
@@ -448,9 +466,9 @@ def variant_problem(model: GPTConfig, hp: Hyperparameters) -> str | None:
                 "--key-bias)")
     if model.init == "symmetric":
         return "--init symmetric sets W_K := W_Q, which --attention relational does not have: use --init normal"
-    if hp.dynamics_every:
-        return ("--dynamics-every measures the heads' W_Q, W_K, W_V, W_O, which --attention relational does not "
-                "have: set --dynamics-every 0")
+    if hp.dynamics_every or hp.gauge != "none" or hp.gauge_diagnostic_every:
+        return ("--dynamics-every, --gauge and --gauge-diagnostic-every act on the heads' W_Q, W_K, W_V, W_O, which "
+                "--attention relational does not have: leave them off")
     if model.relational_hidden <= 0:
         return f"--relational-hidden must be positive, got {model.relational_hidden}"
     needed = relational_activation_bytes(model, hp.micro_batch, hp.seq_len)
@@ -1255,6 +1273,7 @@ class TrainState:
     checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
     last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's forward pass
     grad_norm: torch.Tensor | None = None
+    gauge: GaugeUpdates | None = None  # --gauge post-processing (None: off)
 
     @property
     def spec(self):
@@ -1274,7 +1293,7 @@ class TrainState:
         return {"format": CHECKPOINT_FORMAT, "step": self.step, "config": {**self.cfg.to_dict(), "data": self.data},
                 "model": model_state, "tied": tied, "optimizers": optimizer_states, "loader": self.loader.state_dict(),
                 "sampler": self.sampler.state_dict(), "rng": {"torch": torch.get_rng_state()},
-                "metrics": self.metrics()}
+                "metrics": self.metrics(), "gauge": self.gauge.state_dict() if self.gauge else None}
 
     def restore(self, ckpt: dict) -> None:
         """Load a checkpoint; the optimizer settings of the current config (lr, weight decay, betas, ...) replace
@@ -1285,6 +1304,8 @@ class TrainState:
             for group, values in zip(opt.param_groups, settings, strict=True):
                 group.update(values)
         self.loader.load_state_dict(ckpt["loader"])
+        if self.gauge and ckpt.get("gauge"):
+            self.gauge.load_state_dict(ckpt["gauge"], self.rt.device)
         torch.set_rng_state(ckpt["rng"]["torch"])
         metrics = ckpt["metrics"]
         self.step = self.checkpoint_step = ckpt["step"]
@@ -1342,8 +1363,12 @@ def build(cfg: RunConfig, rt: Runtime, log: RunLog) -> TrainState:
                                     grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
                                     align_to_eot=hp.align_to_eot, device=rt.device)
     data = describe_data(hp, train_files, val_files, log) if rt.is_master else None
+    gauge = None if hp.gauge == "none" else GaugeUpdates(
+        hp.gauge, cfg.model.n_head, hp.gauge_correction, hp.gauge_every, hp.gauge_damping, hp.gauge_group,
+        hp.hyperball_lr)
     return TrainState(cfg, rt, log, model, optimizers, loader, BiasSampler(cfg.model, hp.seed), val_files, data,
-                      hyperparameters, masker=TokenMasker(cfg.model) if cfg.model.objective == "mlm" else None)
+                      hyperparameters, masker=TokenMasker(cfg.model) if cfg.model.objective == "mlm" else None,
+                      gauge=gauge)
 
 
 def restore(state: TrainState) -> dict:
@@ -1485,9 +1510,12 @@ def train_step(state: TrainState) -> torch.Tensor:
     loss = loss_sum / rt.grad_accum
     if hp.grad_clip and not state.spec.reduces_gradients:
         state.grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), hp.grad_clip, foreach=True)
+    before = state.gauge.snapshot(state.model) if state.gauge else None
     for opt in state.optimizers:
         opt.step(loss) if state.spec.needs_loss else opt.step()
         state.grad_norm = getattr(opt, "grad_norm", state.grad_norm)
+    if state.gauge:
+        state.gauge.after_step(state.model, state.optimizers, before, state.step + 1, factor)
     for opt in state.optimizers:
         opt.zero_grad(set_to_none=True)
     state.step += 1

@@ -1,0 +1,100 @@
+"""Gauge post-processing benchmark: time of one optimizer step with each `--gauge` mode against the bare step.
+
+    python -m bench.gauge                                           # the gpt2-124m shapes, AdamW, CUDA if available
+    python -m bench.gauge --optimizer muon --modes correct,project  # another optimizer, some modes
+    python -m bench.gauge --n-layer 2 --n-embd 256 --n-head 4       # a small model
+
+As bench/optim.py: builds `train_gpt.GPT(GPTConfig(...))` (default: 12 layers, 12 heads, C = 768, d = 64), fills its
+gradients with one real forward/backward on random tokens, builds the optimizer from the registry with its
+defaults, then times (median over --steps after --warmup, CUDA synchronised) the bare `step()` and, per mode,
+snapshot + `step()` + `GaugeUpdates.after_step` (docs/gauge.md). Modes: correct[:full|diagonal], project[:gl|o],
+dress, hyperball. `dress` is timed as one dressing per step (state_dict/load_state_dict included); the trainer
+dresses every --gauge-every steps, so its per-step overhead is that time divided by --gauge-every (printed too).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import train_gpt  # noqa: E402
+from optim import OPTIMIZERS  # noqa: E402
+from optim.gauge_updates import GaugeUpdates  # noqa: E402
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(model, optimizers, spec, grads, loss, gauge: GaugeUpdates | None, args, device) -> float:
+    """Median seconds of one step (gradients fixed) with the gauge's post-processing after it."""
+    times = []
+    for i in range(args.warmup + args.steps):
+        with torch.no_grad():
+            for p, g in grads.items():
+                p.grad.copy_(g)
+        synchronize(device)
+        start = time.perf_counter()
+        before = gauge.snapshot(model) if gauge else None
+        for opt in optimizers:
+            opt.step(loss) if spec.needs_loss else opt.step()
+        if gauge:
+            gauge.after_step(model, optimizers, before, step=i + 1)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[args.warmup:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
+    parser.add_argument("--modes", default="correct,correct:diagonal,project,project:o,dress,hyperball")
+    parser.add_argument("--gauge-every", type=int, default=10, help="dressing period used for the amortised figure")
+    parser.add_argument("--n-layer", type=int, default=12)
+    parser.add_argument("--n-head", type=int, default=12)
+    parser.add_argument("--n-embd", type=int, default=768)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = train_gpt.GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    model = train_gpt.GPT(cfg).to(device)
+    spec = OPTIMIZERS[args.optimizer]
+    optimizers = spec.build(model, spec.config())
+    idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=device)
+    _, loss = model(idx, idx)
+    loss.backward()
+    loss = loss.detach()
+    grads = {p: p.grad.clone() for p in model.parameters()}
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    print(f"device {where} | torch {torch.__version__} | L={args.n_layer} H={args.n_head} C={args.n_embd} "
+          f"d={cfg.head_dim} | {args.optimizer} | median of {args.steps} steps after {args.warmup} warm-up")
+    bare = time_steps(model, optimizers, spec, grads, loss, None, args, device)
+    print(f"{'bare step':>18}: {1e3 * bare:9.1f} ms")
+    for variant in args.modes.split(","):
+        mode, _, option = variant.partition(":")
+        kwargs = {"correction": option} if mode == "correct" and option else {}
+        kwargs.update({"group": option} if mode == "project" and option else {})
+        gauge = GaugeUpdates(mode, cfg.n_head, every=1, **kwargs)
+        total = time_steps(model, optimizers, spec, grads, loss, gauge, args, device)
+        overhead = total - bare
+        line = f"{variant:>18}: {1e3 * total:9.1f} ms | overhead {1e3 * overhead:8.1f} ms = {overhead / bare:6.2f}x bare"
+        if mode == "dress":
+            amortised = overhead / args.gauge_every
+            line += f" | every {args.gauge_every} steps: {1e3 * amortised:.1f} ms/step = {amortised / bare:.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Gauge-aware post-processing of optimizer updates on attention heads (docs/gauge.md).
+
+Any optimizer of the registry takes its step; `GaugeUpdates` then reads the per-head factor increments
+U = θ_after − θ_before of the attention parameters and rewrites them (docs/gauge.md#quotient-aware-updates):
+
+- correct: opposite-Gram correction ΔA = U_A (BᵀB + λI)⁻¹, ΔB = U_B (AᵀA + λI)⁻¹ (full, diagonal or periodic);
+- project: remove the update's component along the GL(d) or O(d) gauge orbit (docs/gauge.md#projection);
+- dress: every k steps move each head to its Gram-balanced representative, forward pass unchanged, and transport
+  the optimizer's first-moment state with it (docs/gauge.md#dressed-representatives);
+- hyperball: a step of fixed relative length on each factor's Frobenius sphere (docs/gauge.md#hyperball).
+
+Each head's sector is handled as one factor pair (A, B) with M = ABᵀ: QK: (Â_Q, Â_K); VO: (Â_V, B_Oᵀ), with the
+learned attention biases as augmented rows (optim.gauge.head_factors). The gauge acts as (A, B) → (AS, BS⁻ᵀ).
+All math is float64, batched over layers and heads (d×d work per head), without host synchronisation.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from optim.gauge import (
+    factor_tensors,
+    head_factors,
+    num_attention_layers,
+    plain_name,
+    solve_rotation_generator,
+)
+from optim.soap import SOAP
+
+GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
+SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
+# Optimizer states that move like the parameters' increments and are transported by dressing (docs/gauge.md).
+FIRST_MOMENTS = ("pi", "momentum_buffer", "exp_avg")
+
+
+def _eye(x: Tensor) -> Tensor:
+    return torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure tensor math on factor pairs: a (..., n, d), b (..., m, d), increments u_a, u_b of the same shapes.
+
+
+def opposite_gram_correction(a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, damping: float,
+                             diagonal: bool = False) -> tuple[Tensor, Tensor]:
+    """ΔA = U_A (BᵀB + λI)⁻¹, ΔB = U_B (AᵀA + λI)⁻¹ (docs/gauge.md#quotient-aware-updates); `diagonal` keeps
+    only the Grams' diagonals. The Grams are those of the factors before the step."""
+    h_a, h_b = a.mT @ a, b.mT @ b
+    if diagonal:
+        return (u_a / (h_b.diagonal(dim1=-2, dim2=-1) + damping).unsqueeze(-2),
+                u_b / (h_a.diagonal(dim1=-2, dim2=-1) + damping).unsqueeze(-2))
+    eye = damping * _eye(a)
+    # X (H + λI)⁻¹ = ((H + λI)⁻¹ Xᵀ)ᵀ for symmetric H; cholesky_solve would sync on failure, solve does not.
+    return (torch.linalg.solve(h_b + eye, u_a.mT).mT, torch.linalg.solve(h_a + eye, u_b.mT).mT)
+
+
+def solve_sylvester_spd(h_a: Tensor, h_b: Tensor, rhs: Tensor) -> Tensor:
+    """ξ with H_A ξ + ξ H_B = R for symmetric positive definite H_A, H_B (batched d×d), through the
+    eigendecompositions H_A = PΛPᵀ, H_B = QMQᵀ: ξ = P ((PᵀRQ) / (λ_i + μ_j)) Qᵀ."""
+    lam, p = torch.linalg.eigh(h_a)
+    mu, q = torch.linalg.eigh(h_b)
+    denominator = (lam.unsqueeze(-1) + mu.unsqueeze(-2)).clamp_min(torch.finfo(h_a.dtype).tiny)
+    return p @ ((p.mT @ rhs @ q) / denominator) @ q.mT
+
+
+def orbit_generator(a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, group: str) -> Tensor:
+    """The generator ξ (d×d) whose orbit motion (Aξ, −Bξᵀ) is the least-squares fit to (U_A, U_B)
+    (docs/gauge.md#projection). gl: H_A ξ + ξ H_B = AᵀU_A − U_BᵀB; o: ξ antisymmetric, solving
+    (H_A + H_B)ξ + ξ(H_A + H_B) = X − Xᵀ with X = AᵀU_A + BᵀU_B, as optim.gauge.rotational_fraction."""
+    if group == "gl":
+        return solve_sylvester_spd(a.mT @ a, b.mT @ b, a.mT @ u_a - u_b.mT @ b)
+    if group == "o":
+        charge = a.mT @ u_a + b.mT @ u_b  # the Noether charge (optim.gauge.noether_charges) of the pair
+        return solve_rotation_generator(a.mT @ a + b.mT @ b, charge - charge.mT)
+    raise ValueError(f"gauge group must be 'gl' or 'o', got {group!r}")
+
+
+def orbit_projection(a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, group: str) -> tuple[Tensor, Tensor]:
+    """(U_A − Aξ, U_B + Bξᵀ): the update with its component along the gauge orbit removed (ξ: orbit_generator)."""
+    xi = orbit_generator(a, b, u_a, u_b, group)
+    return u_a - a @ xi, u_b + b @ xi.mT
+
+
+def balancing_gauge(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(A', B', S, S⁻ᵀ): the Gram-balanced representative A' = AS, B' = BS⁻ᵀ of M = ABᵀ (A'ᵀA' = B'ᵀB' = Σ)
+    (docs/gauge.md#dressed-representatives).
+
+    Thin SVD of M through d×d work: A = Q_A R_A, B = Q_B R_B, R_A R_Bᵀ = UΣVᵀ, so A' = Q_A U Σ^½ O and
+    B' = Q_B V Σ^½ O for any orthogonal O; O is the Procrustes choice closest to (A, B) (the polar factor of
+    A'₀ᵀA + B'₀ᵀB), so dressing a balanced pair again changes nothing. Needs A and B of full column rank.
+    """
+    q_a, r_a = torch.linalg.qr(a)
+    q_b, r_b = torch.linalg.qr(b)
+    u, sigma, vt = torch.linalg.svd(r_a @ r_b.mT)
+    root = sigma.sqrt().unsqueeze(-2)
+    closest = (u * root).mT @ r_a + (vt.mT * root).mT @ r_b  # A'₀ᵀA + B'₀ᵀB in d×d form
+    x, _, yt = torch.linalg.svd(closest)
+    rotation = x @ yt
+    left, right = (u * root) @ rotation, (vt.mT * root) @ rotation  # R_A S and R_B S⁻ᵀ
+    s = torch.linalg.solve_triangular(r_a, left, upper=True)
+    s_inv_t = (u / root) @ rotation  # (U Σ^½ O)⁻ᵀ = U Σ^-½ O, so S⁻ᵀ = R_Aᵀ U Σ^-½ O
+    return q_a @ left, q_b @ right, s, r_a.mT @ s_inv_t
+
+
+def sphere_step(w: Tensor, u: Tensor, radius: Tensor, step: float) -> Tensor:
+    """Hyperball retraction (docs/gauge.md#hyperball): U = η R Ũ/‖Ũ‖_F, W ← R (W + U)/‖W + U‖_F per matrix (last
+    two dims); Ũ is the optimizer's increment (a descent direction already, hence no minus sign)."""
+    norm = torch.linalg.matrix_norm(u).clamp_min(torch.finfo(u.dtype).tiny)[..., None, None]
+    moved = w + (step * radius[..., None, None] / norm) * u
+    return radius[..., None, None] * moved / torch.linalg.matrix_norm(moved)[..., None, None]
+
+
+def gram_imbalance(a: Tensor, b: Tensor) -> Tensor:
+    """‖AᵀA − BᵀB‖_F / ‖AᵀA‖_F per head."""
+    h_a = a.mT @ a
+    return torch.linalg.matrix_norm(h_a - b.mT @ b) / torch.linalg.matrix_norm(h_a)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Named tensors ↔ stacked factor pairs.
+
+
+def factor_pairs(tensors: Mapping[str, Tensor], n_head: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """{"QK": (Â_Q, Â_K), "VO": (Â_V, B_Oᵀ)}, each (L, H, rows, d) float64, from named attention tensors."""
+    layers = [head_factors(tensors, layer, n_head) for layer in range(num_attention_layers(tensors))]
+    return {sector: (torch.stack([f[x] for f in layers]),
+                     torch.stack([f[y].mT if y == "O" else f[y] for f in layers]))
+            for sector, (x, y) in SECTORS.items()}
+
+
+def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str, Tensor],
+                  n_head: int) -> dict[str, Tensor]:
+    """The inverse of `factor_pairs` (dtype and device of `like`). A learned bias shared by all heads, shape (d,),
+    takes the mean over heads of its per-head rows."""
+    out = {}
+    for layer in range(pairs["QK"][0].shape[0]):
+        factors = {"Q": pairs["QK"][0][layer], "K": pairs["QK"][1][layer], "V": pairs["VO"][0][layer],
+                   "O": pairs["VO"][1][layer].mT}
+        for sector, name in (("Q", "b_q"), ("V", "b_v")):
+            learned = like.get(f"transformer.h.{layer}.attn.{name}")
+            if learned is not None and learned.dim() == 1:
+                rows = factors[sector].clone()
+                rows[:, -1] = rows[:, -1].mean(0)
+                factors[sector] = rows
+        out.update(factor_tensors(factors, like, layer, n_head))
+    return out
+
+
+def attention_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """The attention parameters (plain names), which the gauge acts on."""
+    return {plain_name(n): p for n, p in model.named_parameters() if ".attn." in n}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainer's object.
+
+
+class GaugeUpdates:
+    """Post-processing of every optimizer step on the attention heads (`--gauge`, docs/gauge.md#commands).
+
+    Call `snapshot(model)` before the optimizer step(s) and `after_step(model, optimizers, before, step, scale)`
+    after them. Parameters are rewritten in place (the sharded optimizers keep them as views into flat buffers);
+    every rank holds the full parameters after a step and does the same float64 work, so no collective is needed
+    except for dressing, which moves optimizer state through state_dict()/load_state_dict() (collectives).
+    """
+
+    def __init__(self, mode: str, n_head: int, correction: str = "full", every: int = 10, damping: float = 1e-3,
+                 group: str = "gl", hyperball_lr: float = 0.01) -> None:
+        if mode not in GAUGE_MODES:
+            raise ValueError(f"--gauge must be one of {', '.join(GAUGE_MODES)}, got {mode!r}")
+        self.mode, self.n_head, self.correction, self.every = mode, n_head, correction, every
+        self.damping, self.group, self.hyperball_lr = damping, group, hyperball_lr
+        self.radii: dict[str, Tensor] = {}  # hyperball: each head factor's Frobenius norm at the first step
+
+    @property
+    def acts_on_updates(self) -> bool:
+        return self.mode in ("correct", "project", "hyperball")
+
+    @torch.no_grad()
+    def snapshot(self, model: nn.Module) -> dict[str, Tensor] | None:
+        """Copies of the attention parameters before the step (None when the mode does not need them)."""
+        if not self.acts_on_updates:
+            return None
+        return {name: p.detach().clone() for name, p in attention_parameters(model).items()}
+
+    @torch.no_grad()
+    def after_step(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], before: dict[str, Tensor] | None,
+                   step: int, lr_scale: float = 1.0) -> None:
+        """Post-process the step that led to `step` (steps counted from 1); lr_scale: the schedule's factor."""
+        params = attention_parameters(model)
+        if self.mode == "dress":
+            if step % self.every == 0:
+                self.dress(params, optimizers)
+            return
+        if not self.acts_on_updates:
+            return
+        old, new = factor_pairs(before, self.n_head), factor_pairs(params, self.n_head)
+        result = {sector: self._processed(sector, a, b, new[sector][0] - a, new[sector][1] - b, step, lr_scale)
+                  for sector, (a, b) in old.items()}
+        for name, value in named_tensors(result, params, self.n_head).items():
+            params[name].copy_(value)
+
+    def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
+                   lr_scale: float) -> tuple[Tensor, Tensor]:
+        if self.mode == "correct":
+            diagonal = self.correction == "diagonal" or (self.correction == "periodic" and step % self.every != 0)
+            u_a, u_b = opposite_gram_correction(a, b, u_a, u_b, self.damping, diagonal)
+        elif self.mode == "project":
+            u_a, u_b = orbit_projection(a, b, u_a, u_b, self.group)
+        else:
+            for key, w in ((f"{sector}.A", a), (f"{sector}.B", b)):
+                if key not in self.radii:
+                    self.radii[key] = torch.linalg.matrix_norm(w)
+            return (sphere_step(a, u_a, self.radii[f"{sector}.A"], self.hyperball_lr * lr_scale),
+                    sphere_step(b, u_b, self.radii[f"{sector}.B"], self.hyperball_lr * lr_scale))
+        return a + u_a, b + u_b
+
+    @torch.no_grad()
+    def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer]) -> None:
+        """Move every head to its Gram-balanced representative and transport the optimizers' first moments
+        (FIRST_MOMENTS, except SOAP's, which live in its eigenbasis) like the factors' increments; second moments
+        and SOAP's state are kept (docs/gauge.md#dressed-representatives)."""
+        pairs, gauges = {}, {}
+        for sector, (a, b) in factor_pairs(params, self.n_head).items():
+            a, b, s, s_inv_t = balancing_gauge(a, b)
+            pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
+        for opt in optimizers:
+            saved = opt.state_dict()  # a collective for the sharded optimizers
+            if self._transport(saved, params, gauges, keep_all=isinstance(opt, SOAP)):
+                opt.load_state_dict(saved)
+        for name, value in named_tensors(pairs, params, self.n_head).items():
+            params[name].copy_(value)
+
+    def _transport(self, saved: dict, params: Mapping[str, Tensor], gauges: dict, keep_all: bool) -> bool:
+        """Transform the first-moment tensors of the attention parameters in a state dict in place (U_A → U_A S,
+        U_B → U_B S⁻ᵀ); returns whether anything changed."""
+        if keep_all:
+            return False
+        index = {plain_name(name): i for group in saved["param_groups"]
+                 for i, name in zip(group["params"], group["names"])}
+        changed = False
+        for key in FIRST_MOMENTS:
+            present = {name: saved["state"][index[name]][key] for name in params
+                       if name in index and torch.is_tensor(saved["state"].get(index[name], {}).get(key))}
+            if not present:
+                continue
+            full = {name: present.get(name, torch.zeros_like(p)) for name, p in params.items()}
+            moved = {sector: (u_a @ gauges[sector][0], u_b @ gauges[sector][1])
+                     for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
+            for name, value in named_tensors(moved, full, self.n_head).items():
+                if name in present:
+                    present[name].copy_(value)
+            changed = True
+        return changed
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "radii": {k: v.cpu() for k, v in self.radii.items()}}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.radii = {k: v.to(device) for k, v in state.get("radii", {}).items()} if state.get("mode") == self.mode \
+            else {}

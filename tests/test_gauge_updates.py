@@ -1,0 +1,311 @@
+"""optim.gauge_updates (docs/gauge.md): the worked examples, quotient compatibility of the corrected step, the
+projection's orthogonality to the orbit, dressing (forward pass, Gram balance, optimizer state), the trainer's
+--gauge modes with every optimizer, exact resume and 2 ranks = 1."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train import ENV, ROOT, corpus, read_log, tiny_args, torchrun, train_losses  # noqa: F401 (fixture)
+
+import train_gpt
+from optim import OPTIMIZERS
+from optim.gauge_updates import (
+    GaugeUpdates,
+    attention_parameters,
+    balancing_gauge,
+    factor_pairs,
+    gram_imbalance,
+    opposite_gram_correction,
+    orbit_projection,
+    solve_sylvester_spd,
+)
+
+F64 = torch.float64
+
+
+def random_pair(*batch: int, rows: int = 9, d: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*batch, rows, d, dtype=F64, generator=g), torch.randn(*batch, rows + 2, d, dtype=F64,
+                                                                              generator=g))
+
+
+def random_gauge(*batch: int, d: int = 4, seed: int = 1) -> torch.Tensor:
+    """A well-conditioned but far-from-orthogonal S: random rotation x diagonal scales over two decades x shear."""
+    g = torch.Generator().manual_seed(seed)
+    rotation = torch.linalg.qr(torch.randn(*batch, d, d, dtype=F64, generator=g))[0]
+    scales = torch.logspace(-1, 1, d, dtype=F64)
+    shear = torch.eye(d, dtype=F64) + 0.5 * torch.randn(*batch, d, d, dtype=F64, generator=g).triu(1)
+    return rotation @ torch.diag_embed(scales.expand(*batch, d)) @ shear
+
+
+def represented_motion(a, b, u_a, u_b):
+    """First-order motion of M = ABᵀ: ΔM = U_A Bᵀ + A U_Bᵀ."""
+    return u_a @ b.mT + a @ u_b.mT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The worked examples (docs/gauge.md#quotient-aware-updates).
+
+
+def scalar_step(a: float, b: float, eta: float, corrected: bool) -> float:
+    """One GD step on f = ½(ab − 1)² from (a, b) (1×1 factors), raw or opposite-Gram corrected; returns ab after."""
+    a_, b_ = torch.tensor([[a]], dtype=F64), torch.tensor([[b]], dtype=F64)
+    residual = a * b - 1
+    u_a, u_b = -eta * residual * b_, -eta * residual * a_  # −η∇_a f, −η∇_b f
+    if corrected:
+        u_a, u_b = opposite_gram_correction(a_, b_, u_a, u_b, damping=0.0)
+    return ((a_ + u_a) * (b_ + u_b)).item()
+
+
+def test_scalar_example_reproduces_the_posts_numbers_and_the_correction_removes_the_representative():
+    eps = eta = 1e-3
+    big = 1e6
+    balanced = ((1 - eps) ** 0.5, (1 - eps) ** 0.5)
+    skewed = (1 / big, (1 - eps) * big)
+    loss = lambda m: 0.5 * (m - 1) ** 2  # noqa: E731
+    for a, b in (balanced, skewed):
+        assert loss(a * b) == pytest.approx(5e-7, rel=1e-9)
+    assert loss(scalar_step(*balanced, eta, corrected=False)) < 5e-7  # the balanced step keeps the loss small
+    m_skewed = scalar_step(*skewed, eta, corrected=False)
+    a, b = skewed  # the post's m_after = ab + ηε(a² + b²) + η²ε²ab, a move of ≈ ηεK² = 1e6
+    assert m_skewed == pytest.approx(a * b + eta * eps * (a * a + b * b) + (eta * eps) ** 2 * a * b, rel=1e-12)
+    assert m_skewed - a * b == pytest.approx(eta * eps * big**2, rel=1e-2)
+    assert loss(m_skewed) == pytest.approx(5e11, rel=1e-2)
+    corrected = [scalar_step(*pair, eta, corrected=True) for pair in (balanced, skewed)]
+    assert corrected[0] == pytest.approx(corrected[1], rel=1e-10)  # the same step for every representative
+    assert loss(corrected[0]) < 5e-7
+
+
+def muon_example(big: float, eta: float = 1e-3, eps: float = 1e-3, shrink: float = 1.0, dressed: bool = False):
+    """Factorwise Muon on L = ½‖ABᵀ − I‖² from A = diag(K, 1/K), B = (1 − ε)diag(1/K, K); returns (m₁, m₂, loss)."""
+    a = torch.diag(torch.tensor([big, 1 / big], dtype=F64))
+    b = (1 - eps) * torch.diag(torch.tensor([1 / big, big], dtype=F64))
+    if dressed:
+        a, b = balancing_gauge(a, b)[:2]
+    residual = a @ b.mT - torch.eye(2, dtype=F64)
+    polar = lambda g: (lambda u, s, vt: u @ vt)(*torch.linalg.svd(g))  # noqa: E731  Muon's orthogonalised step
+    a_new = shrink * a - eta * polar(residual @ b)
+    b_new = shrink * b - eta * polar(residual.mT @ a)
+    m = (a_new @ b_new.mT).diagonal()
+    return m[0].item(), m[1].item(), 0.5 * ((a_new @ b_new.mT - torch.eye(2, dtype=F64)) ** 2).sum().item()
+
+
+@pytest.mark.parametrize("shrink", [1.0, 0.9])
+def test_factorwise_muon_example_reproduces_the_posts_formulas_and_loss_grows_like_k_squared(shrink):
+    eta, eps = 1e-3, 1e-3
+    for big in (1e5, 1e6, 1e7):
+        m1, m2, loss = muon_example(big, eta, eps, shrink)
+        both = shrink * shrink * (1 - eps) + eta**2
+        assert m1 == pytest.approx(both + shrink * eta * big + shrink * eta * (1 - eps) / big, rel=1e-12)
+        assert m2 == pytest.approx(both + shrink * eta / big + shrink * eta * (1 - eps) * big, rel=1e-12)
+        assert loss == pytest.approx(0.5 * ((m1 - 1) ** 2 + (m2 - 1) ** 2), rel=1e-12)
+        assert loss / (shrink * eta * big) ** 2 == pytest.approx(1.0, rel=3e-2)  # Θ(ρ²η²K²): ≈ ρ²η²K²
+    dressed = [muon_example(big, eta, eps, shrink, dressed=True)[2] for big in (1e4, 1e6)]
+    assert dressed[0] == pytest.approx(dressed[1], rel=1e-6)  # dressing first removes K
+    assert dressed[0] < (1e-5 if shrink == 1.0 else 0.5 * 2 * (1 - shrink**2) ** 2)  # what the shrink costs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opposite-Gram correction and projection.
+
+
+def test_corrected_gradient_step_gives_the_same_motion_for_every_gl_representative():
+    a, b = random_pair(2, 3)
+    grad_m = torch.randn(2, 3, a.shape[-2], b.shape[-2], dtype=F64, generator=torch.Generator().manual_seed(4))
+    gd = lambda a, b: (-1e-2 * grad_m @ b, -1e-2 * grad_m.mT @ a)  # noqa: E731  factor GD for ℓ = ⟨G, ABᵀ⟩
+    step = opposite_gram_correction(a, b, *gd(a, b), damping=0.0)
+    motion = represented_motion(a, b, *step)
+    for seed in range(3):
+        s = random_gauge(2, 3, seed=seed)
+        a2, b2 = a @ s, b @ torch.linalg.inv(s).mT
+        step2 = opposite_gram_correction(a2, b2, *gd(a2, b2), damping=0.0)
+        assert ((represented_motion(a2, b2, *step2) - motion).norm() / motion.norm()).item() < 1e-10
+        torch.testing.assert_close(step2[0], step[0] @ s, rtol=1e-10, atol=1e-12)  # U_A(AS, BS⁻ᵀ) = U_A(A, B)S
+        torch.testing.assert_close(step2[1], step[1] @ torch.linalg.inv(s).mT, rtol=1e-10, atol=1e-12)
+        raw = (represented_motion(a2, b2, *gd(a2, b2)) - represented_motion(a, b, *gd(a, b))).norm()
+        assert raw / motion.norm() > 1e-2  # plain GD does depend on the representative
+
+
+def test_diagonal_correction_divides_columns_by_the_opposite_gram_diagonal():
+    a, b = random_pair(3)
+    u_a, u_b = random_pair(3, seed=5)
+    da, db = opposite_gram_correction(a, b, u_a, u_b, damping=0.1, diagonal=True)
+    torch.testing.assert_close(da, u_a @ torch.diag_embed(1 / ((b * b).sum(-2) + 0.1)))
+    torch.testing.assert_close(db, u_b @ torch.diag_embed(1 / ((a * a).sum(-2) + 0.1)))
+
+
+def test_sylvester_solver_solves_the_general_equation():
+    a, b = random_pair(2, 5, seed=6)
+    h_a, h_b = a.mT @ a, b.mT @ b
+    rhs = torch.randn(2, 5, 4, 4, dtype=F64)
+    xi = solve_sylvester_spd(h_a, h_b, rhs)
+    torch.testing.assert_close(h_a @ xi + xi @ h_b, rhs, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("group", ["gl", "o"])
+def test_projected_update_is_orthogonal_to_every_generator_and_keeps_the_motion(group):
+    a, b = random_pair(2, 3, seed=7)
+    u_a, u_b = random_pair(2, 3, seed=8)
+    p_a, p_b = orbit_projection(a, b, u_a, u_b, group)
+    # ⟨(AE, −BEᵀ), (P_A, P_B)⟩ = ⟨E, AᵀP_A − P_BᵀB⟩ for every E (gl); for antisymmetric E only its skew part (o).
+    pairing = a.mT @ p_a - p_b.mT @ b
+    if group == "o":
+        pairing = pairing - pairing.mT
+    raw = a.mT @ u_a - u_b.mT @ b
+    assert pairing.norm() / raw.norm() < 1e-10
+    assert (raw - raw.mT).norm() / raw.norm() > 1e-2  # the raw update did move along the orbit
+    torch.testing.assert_close(represented_motion(a, b, p_a, p_b), represented_motion(a, b, u_a, u_b),
+                               rtol=1e-10, atol=1e-10)  # orbit motion has ΔM = 0 to first order
+    torch.testing.assert_close(orbit_projection(a, b, p_a, p_b, group), (p_a, p_b), rtol=1e-9, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dressed representatives.
+
+
+def test_balancing_gauge_balances_the_grams_keeps_m_and_is_near_identity_when_repeated():
+    a, b = random_pair(2, 3, seed=9)
+    a = a @ random_gauge(2, 3)  # strongly imbalanced
+    a2, b2, s, s_inv_t = balancing_gauge(a, b)
+    torch.testing.assert_close(a2 @ b2.mT, a @ b.mT, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(a2, a @ s, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(b2, b @ s_inv_t, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s.mT @ s_inv_t, torch.eye(4, dtype=F64).expand(2, 3, 4, 4), rtol=0, atol=1e-10)
+    assert gram_imbalance(a, b).min() > 0.1 and gram_imbalance(a2, b2).max() < 1e-12
+    a3, b3, s3, _ = balancing_gauge(a2, b2)
+    torch.testing.assert_close(s3, torch.eye(4, dtype=F64).expand(2, 3, 4, 4), rtol=0, atol=1e-9)
+    torch.testing.assert_close((a3, b3), (a2, b2), rtol=1e-9, atol=1e-10)
+
+
+def tiny_model(bias_mode: str = "none") -> train_gpt.GPT:
+    torch.manual_seed(0)
+    cfg = train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, bias_mode=bias_mode,
+                              bias_per_head=True)
+    model = train_gpt.GPT(cfg).double()
+    with torch.no_grad():  # imbalanced heads with non-zero linear biases, so dressing has work to do
+        for name, p in model.named_parameters():
+            if name.endswith("attn.c_attn.weight"):
+                p[:16].mul_(3.0)
+            if name.endswith("attn.c_attn.bias"):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def first_moment_motion(model: train_gpt.GPT, optimizer: torch.optim.Optimizer, key: str) -> dict[str, torch.Tensor]:
+    """ΔM = U_A Bᵀ + A U_Bᵀ of an optimizer state (per head and sector), through the state dict."""
+    saved = optimizer.state_dict()
+    names = {i: n for g in saved["param_groups"] for i, n in zip(g["params"], g["names"])}
+    params = attention_parameters(model)
+    state = {n: torch.zeros_like(p) for n, p in params.items()}
+    state.update({names[i]: s[key] for i, s in saved["state"].items() if names[i] in params and key in s})
+    pairs, moments = factor_pairs(params, 2), factor_pairs(state, 2)
+    return {sector: represented_motion(*pairs[sector], *moments[sector]) for sector in pairs}
+
+
+@pytest.mark.parametrize("optimizer,key", [("sgdm", "momentum_buffer"), ("adamw", "exp_avg"), ("ecd", "pi"),
+                                           ("muon", "momentum_buffer"), ("soap", "exp_avg")])
+def test_dressing_keeps_the_forward_pass_balances_the_grams_and_transports_the_first_moment(optimizer, key):
+    model = tiny_model("learned")
+    spec = OPTIMIZERS[optimizer]
+    opt = spec.build(model, spec.config())[0]
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        loss = model(idx, idx)[1]
+        loss.backward()
+        opt.step(loss.detach()) if spec.needs_loss else opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        logits = model(idx)[0]
+    motion = first_moment_motion(model, opt, key)
+    kept = {i: {n: v.clone() if torch.is_tensor(v) else v for n, v in state.items()}
+            for i, state in opt.state_dict()["state"].items()}
+    params = attention_parameters(model)
+    assert gram_imbalance(*factor_pairs(params, 2)["QK"]).min() > 0.1
+    GaugeUpdates("dress", n_head=2).dress(params, [opt])
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], logits, rtol=1e-9, atol=1e-9)
+    for sector, (a, b) in factor_pairs(params, 2).items():
+        assert gram_imbalance(a, b).max() < 1e-12, sector
+    after = first_moment_motion(model, opt, key)
+    if optimizer == "soap":  # its moments live in Shampoo's eigenbasis: kept as they were
+        for i, state in opt.state_dict()["state"].items():
+            for name, value in state.items():
+                assert torch.equal(value, kept[i][name]) if torch.is_tensor(value) else value == kept[i][name]
+        return
+    stored = torch.finfo(next(v for s in kept.values() for k, v in s.items() if k == key).dtype).eps  # fp32: sharded
+    for sector in motion:
+        assert (after[sector] - motion[sector]).norm() / motion[sector].norm() < 1e3 * stored, sector
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer.
+
+
+GAUGE_RUNS = [("correct", "ecd", {}), ("correct", "soap", {"gauge-correction": "periodic", "gauge-every": 2}),
+              ("project", "muon", {}), ("project", "adamw", {"gauge-group": "o"}), ("dress", "sgdm", {"gauge-every": 4}),
+              ("dress", "adamw", {"gauge-every": 2}), ("hyperball", "sgdm", {}), ("hyperball", "muon", {})]
+
+
+@pytest.mark.parametrize("mode,optimizer,extra", GAUGE_RUNS)
+def test_every_gauge_mode_trains_with_the_registry_optimizers(corpus, tmp_path, mode, optimizer, extra):
+    name = f"{mode}-{optimizer}"
+    train_gpt.main(tiny_args(corpus, tmp_path, name, steps=4, optimizer=optimizer, gauge=mode,
+                             **{"val-every": 0, "checkpoint-every": 0}, **extra))
+    losses = train_losses(tmp_path / name)
+    assert sorted(losses) == [1, 2, 3, 4] and all(loss < 6.0 for loss in losses.values()), losses
+    ckpt = train_gpt.load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
+    assert ckpt["gauge"]["mode"] == mode
+    if mode == "hyperball":  # every head factor stays on its sphere
+        model = train_gpt.model_from_checkpoint(ckpt)
+        for sector, (a, b) in factor_pairs(attention_parameters(model), 2).items():
+            for key, w in ((f"{sector}.A", a), (f"{sector}.B", b)):
+                torch.testing.assert_close(torch.linalg.matrix_norm(w), ckpt["gauge"]["radii"][key], rtol=1e-5,
+                                           atol=0)
+    if mode == "dress":  # dressed at the last step
+        model = train_gpt.model_from_checkpoint(ckpt)
+        for a, b in factor_pairs(attention_parameters(model), 2).values():
+            assert gram_imbalance(a, b).max() < 1e-5
+
+
+@pytest.mark.parametrize("mode,optimizer", [("hyperball", "adamw"), ("dress", "ecd")])
+def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, optimizer):
+    common = {"steps": 6, "optimizer": optimizer, "gauge": mode, "gauge-every": 2, "val-every": 0}
+    train_gpt.main(tiny_args(corpus, tmp_path, "straight", **common))
+    train_gpt.main(tiny_args(corpus, tmp_path, "halves", **common, **{"checkpoint-every": 3},
+                             **{"keep-checkpoints": True}))
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "latest.pt").write_bytes((tmp_path / "halves/checkpoints/step_000003.pt").read_bytes())
+    train_gpt.main(["--resume", str(resumed)])
+    straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
+    assert sorted(again) == [4, 5, 6]
+    assert all(again[step] == straight[step] for step in again), (again, straight)
+    final = [train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
+                                                                                              resumed)]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+def test_two_gloo_ranks_match_one_with_a_sharded_optimizer_and_dressing(corpus, tmp_path):
+    """ECD (sharded, Π transported by state_dict/load_state_dict); Muon's bf16 Newton-Schulz differs by ~2e-5
+    between 1 and 2 ranks even without a gauge, so it cannot show a 1e-5 match."""
+    common = {"steps": 4, "val-every": 0, "optimizer": "ecd", "gauge": "dress", "gauge-every": 2}
+    one = tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2})
+    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=ENV, capture_output=True)
+    result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, double = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(single) == sorted(double) == [1, 2, 3, 4]
+    for step in single:
+        assert double[step] == pytest.approx(single[step], rel=1e-5, abs=1e-6)
+
+
+def test_gauge_flags_are_checked(capsys):
+    for argv, message in ((["--gauge", "dress", "--bias-mode", "learned"], "--bias-per-head"),
+                          (["--gauge-every", "0"], "--gauge-every must be >= 1")):
+        with pytest.raises(SystemExit):
+            train_gpt.parse_config(["--preset", "smoke", *argv])
+        assert message in capsys.readouterr().err
