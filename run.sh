@@ -37,7 +37,7 @@ setup() {
         echo "[setup] installing requirements.txt"
         $pip -r requirements.txt
     fi
-    python -m data.tokenizer >/dev/null  # fetch + verify the GPT-2 BPE ranks once (SPEC §10)
+    python -m data.tokenizer >/dev/null  # fetch + verify the GPT-2 BPE ranks once (docs/data.md#shard-format)
 }
 
 setup

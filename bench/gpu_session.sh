@@ -2,7 +2,7 @@
 # One session on a GPU machine: correctness first, then every benchmark.
 # Results go to $OUT (if set) or runs/gpu. Record the tables in BENCHMARKS.md.
 #   bash bench/gpu_session.sh
-# The tokenizer tests need data/cache/tiktoken (carry it: the GPU machine has no package registry).
+# The tokenizer tests need data/cache/tiktoken (copy it along to a GPU machine without network access).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/gpu}"

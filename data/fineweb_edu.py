@@ -1,4 +1,4 @@
-"""Download the pre-tokenized FineWeb-Edu 10B shards (SPEC §10) from the Hugging Face Hub.
+"""Download the pre-tokenized FineWeb-Edu 10B shards (docs/data.md#shard-format) from the Hugging Face Hub.
 
 The dataset repo `kjj0/finewebedu10B-gpt2` holds `finewebedu_val_000000.bin` and `finewebedu_train_000001.bin` ..
 `finewebedu_train_000099.bin` (100M tokens each, the last one shorter; ~200 MB per file). Downloads are idempotent
@@ -143,7 +143,7 @@ def download_shards(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Download pre-tokenized FineWeb-Edu 10B shards (SPEC §10).")
+    parser = argparse.ArgumentParser(description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md#shard-format).")
     parser.add_argument("--chunks", type=int, default=FULL_TRAIN_CHUNKS,
                         help=f"train shards 1..N (100M tokens each; default all {FULL_TRAIN_CHUNKS})")
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)

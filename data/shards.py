@@ -1,4 +1,4 @@
-"""Token shard files (SPEC §10), compatible with llm.c and modded-nanogpt.
+"""Token shard files (docs/data.md#shard-format), compatible with llm.c and modded-nanogpt.
 
 A shard is a header of 256 little-endian int32 — [0] magic 20240520, [1] version 1, [2] token count N —
 followed by N little-endian uint16 token ids. Every reader here validates the header, the file length and
@@ -49,7 +49,7 @@ def read_shard_header(path: str | os.PathLike) -> int:
         raise ShardError(f"{path}: truncated header ({size} bytes, need {HEADER_BYTES}); re-download or re-tokenize it")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic {int(header[0])} (expected {SHARD_MAGIC}); not a token shard (SPEC §10)")
+        raise ShardError(f"{path}: bad magic {int(header[0])} (expected {SHARD_MAGIC}); not a token shard (docs/data.md#shard-format)")
     if header[1] != SHARD_VERSION:
         raise ShardError(f"{path}: unsupported version {int(header[1])} (expected {SHARD_VERSION})")
     num_tokens = int(header[2])
@@ -192,7 +192,7 @@ def describe_shards(pattern: str, cache_file: str | os.PathLike | None, progress
 
 
 def shard_name(prefix: str, split: str, index: int) -> str:
-    """`<prefix>_<split>_<index:06d>.bin` (SPEC §10)."""
+    """`<prefix>_<split>_<index:06d>.bin` (docs/data.md#shard-format)."""
     return f"{prefix}_{split}_{index:06d}.bin"
 
 

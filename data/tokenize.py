@@ -1,4 +1,4 @@
-"""Raw text corpora -> GPT-2 token shards (SPEC §10), on all cores.
+"""Raw text corpora -> GPT-2 token shards (docs/data.md#shard-format), on all cores.
 
 Sources: local `.txt` / `.jsonl` / `.parquet` files or globs, or the files of a Hugging Face Hub dataset repo (e.g.
 FineWeb-Edu's `sample/10BT/*.parquet`). Layout, as in llm.c's `fineweb.py` (so our shards mix with the published
@@ -418,7 +418,7 @@ def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, re
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Tokenize text corpora into GPT-2 token shards (SPEC §10).")
+    parser = argparse.ArgumentParser(description="Tokenize text corpora into GPT-2 token shards (docs/data.md#shard-format).")
     parser.add_argument("inputs", nargs="*", help="local .txt/.jsonl/.parquet files or globs (quote globs)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--prefix", default="corpus", help="shard name prefix: <prefix>_val_000000.bin, ...")

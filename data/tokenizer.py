@@ -1,4 +1,4 @@
-"""The GPT-2 tokenizer (tiktoken `r50k_base`, SPEC §10), working without internet access.
+"""The GPT-2 tokenizer (tiktoken `r50k_base`, docs/data.md#shard-format), working without internet access.
 
 tiktoken normally downloads the BPE rank file from a blob store. We keep a verified copy in our cache
 (`<repo>/data/cache/tiktoken/`, or `$SYMGPT_CACHE/tiktoken/`) and fill it from, in order:
@@ -6,7 +6,7 @@ tiktoken normally downloads the BPE rank file from a blob store. We keep a verif
   2. the `openai-whisper` source distribution on PyPI (fetched with `pip download`), which ships the same bytes as
      `whisper/assets/gpt2.tiktoken`;
   3. tiktoken's public URL (short timeout).
-Every copy is checked against the sha256 in SPEC §10 before use.
+Every copy is checked against the sha256 in docs/data.md#shard-format before use.
 
     python -m data.tokenizer            # fetch + verify, print the path
 """
@@ -78,7 +78,7 @@ def _from_url() -> bytes:
 def ensure_gpt2_ranks(cache_dir: Path | None = None) -> Path:
     """Path of a verified GPT-2 rank file in `cache_dir` (default `cache_root()/tiktoken`), fetching it if absent.
 
-    A cached file whose sha256 differs from SPEC §10 is rejected (never silently used or overwritten).
+    A cached file whose sha256 differs from docs/data.md#shard-format is rejected (never silently used or overwritten).
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else cache_root() / "tiktoken"
     path = cache_dir / RANKS_FILENAME

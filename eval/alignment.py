@@ -1,4 +1,4 @@
-"""b_Q alignment and semantic enrichment (SPEC §5; seed 000 §5.2, App. E, G).
+"""b_Q alignment and semantic enrichment (docs/evaluation.md#b_q-alignment-and-enrichment; arXiv 2601.22257 §5.2, App. E, G).
 
     python -m eval.alignment --run runs/NAME [--modes raw ln residual] [--residual-tokens 262144]
 
@@ -261,7 +261,7 @@ def analyze(scores: torch.Tensor, token_ids: torch.Tensor, strings: list[str], c
 
 def evaluate_alignment(model: train_gpt.GPT, mode: str, device: torch.device, files: str | None = None,
                        num_tokens: int = 262_144, seq_len: int = 512, micro_batch: int = 8) -> dict:
-    """The full SPEC §5 analysis of one model in one key mode."""
+    """The full docs/evaluation.md#b_q-alignment-and-enrichment analysis of one model in one key mode."""
     strings, categories = vocabulary()
     cfg = model.config
     direction = bias_direction(model).to(device)
@@ -315,7 +315,7 @@ def plot_alignment(result: dict, path: Path, title: str = "") -> None:
 
 def markdown_summary(results: list[dict], title: str, example_heads: int = 2) -> str:
     lines = [f"# b_Q alignment — {title}", "",
-             "cos(k(x), E[b_Q]) per head (SPEC §5). Null threshold: the 99% quantile of the maximum of V random "
+             "cos(k(x), E[b_Q]) per head (docs/evaluation.md#b_q-alignment-and-enrichment). Null threshold: the 99% quantile of the maximum of V random "
              "cosines in d dims.", ""]
     rows = [[r["mode"], r["vocab"], f"{r['mean_top']:.3f}", f"{r['max_top']:.3f}", f"{r['null_threshold']:.3f}",
              f"{100 * r['frac_above_null']:.1f}"] for r in results]

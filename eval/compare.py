@@ -1,4 +1,4 @@
-"""Compare runs (seed 000 Tables 5, 14): validation loss, logic top-1/top-5, alignment, punctuation enrichment,
+"""Compare runs (arXiv 2601.22257 Tables 5, 14): validation loss, logic top-1/top-5, alignment, punctuation enrichment,
 Δ top-5 against each run's symmetric baseline, and the Pearson r between enrichment and Δ top-5.
 
     python -m eval.compare runs/A runs/B runs/C ... [--out runs/compare] [--suite NAME] [--alignment-mode raw]

@@ -1,4 +1,4 @@
-"""Validation loss on a fixed token budget (SPEC §2 note): the same tokens for every model, mean biases (SPEC §1).
+"""Validation loss on a fixed token budget (docs/model.md#the-papers-model note): the same tokens for every model, mean biases (docs/model.md#symmetry-breaking-biases).
 
     python -m eval.val_loss --run runs/NAME [--val-tokens 10485760] [--val-files 'data/x_val_*.bin']
 

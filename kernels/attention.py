@@ -1,4 +1,4 @@
-"""Causal self-attention with the symmetry-breaking biases b_Q, b_V (SPEC §1).
+"""Causal self-attention with the symmetry-breaking biases b_Q, b_V (docs/model.md#symmetry-breaking-biases).
 
 `attention(q, k, v, b_q, b_v, causal)` is the single entry point the model calls. q, k, v are (B, H, T, d);
 b_q and b_v are None, (d,) shared across heads, or (H, d) per head. Semantics: scores = (q + b_Q)·kᵀ/√d,
@@ -10,7 +10,7 @@ Two implementations live here, kernel next to its oracle:
 - `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
   tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
   key blocks and a separate dQ pass over query blocks, so no atomics). b_Q enters only as a per-key logit bias,
-  (q + b_Q)·k = q·k + b_Q·k (SPEC §1): c_j = b_Q·k_j/√d is computed once per (batch, head) in fp32 (a small
+  (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases): c_j = b_Q·k_j/√d is computed once per (batch, head) in fp32 (a small
   kernel before the forward, fused into the backward's preprocess) and added to each score tile, so no q tile is
   ever modified; the dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is
   added to the output in the epilogue (and subtracted again where the backward needs softmax·v alone). It is
@@ -60,7 +60,7 @@ def attention_reference(
     b_v: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """SDPA with b_Q added to the queries and b_V added to the output (SPEC §1)."""
+    """SDPA with b_Q added to the queries and b_V added to the output (docs/model.md#symmetry-breaking-biases)."""
     _, num_heads, _, head_dim = q.shape
     if b_q is not None:
         q = q + _broadcast_bias(b_q, num_heads, head_dim).to(q.dtype)
@@ -133,7 +133,7 @@ def _key_bias(C, cols, T, BOUNDS: tl.constexpr):
 @triton.jit
 def _key_logit_bias_rows(K_head, BQ_head, stride_kt, offs_t, offs_d, T, qk_scale):
     """c_t = (b_Q · k_t) · log2(e)/√d in fp32 for the keys offs_t of one (batch, head): b_Q's whole effect on the
-    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (SPEC §1)."""
+    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases)."""
     k = tl.load(K_head + offs_t[:, None] * stride_kt + offs_d[None, :], mask=offs_t[:, None] < T, other=0.0)
     b_q = tl.load(BQ_head + offs_d).to(tl.float32)
     return tl.sum(k.to(tl.float32) * b_q[None, :], 1) * qk_scale

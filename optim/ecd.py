@@ -1,11 +1,11 @@
-"""ECD q=1, Energy Conserving Descent (seed 000 App. B; De Luca et al. 2025), exactly as SPEC §3.
+"""ECD q=1, Energy Conserving Descent (arXiv 2601.22257 App. B; De Luca et al. 2025), exactly as docs/optimizers.md#ecd.
 
 State: one vector Π over all parameters (memory 2N with the parameters). Elementwise work is sharded by
 element across ranks (`optim.distributed`); the scalars the update needs (loss, ‖θ‖², θ·g, ‖g‖², Π·g, Π·θ, ‖Π‖²,
 per weight-decay group or per tensor) are summed over ranks in ONE all-reduce per step, and everything derived
 from them stays on the device: the loss arrives as a device tensor and the host never waits.
 
-Π is stored up to a positive scale that is resolved lazily: after the noise step (SPEC §3 step 4) the state is
+Π is stored up to a positive scale that is resolved lazily: after the noise step (docs/optimizers.md#ecd step 4) the state is
 Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
 costs no second collective. state_dict() and unit_velocity() return the logical Π.
 
@@ -32,7 +32,7 @@ NOISE_BLOCK = 1 << 20
 
 @dataclass
 class ECDConfig(ShardedOptimizerConfig):
-    """ECD's hyperparameters with the paper's defaults (SPEC §2)."""
+    """ECD's hyperparameters with the paper's defaults (docs/model.md#the-papers-model)."""
 
     lr: float = flag(1.0, "ℓ; the position step is lr/sqrt(ecd_eta)")
     weight_decay: float = flag(0.0, "λ: F̃ = F + λ|θ|²/2 over the decayed parameters (--decay-groups)")
@@ -52,7 +52,7 @@ def ecd_noise(seed: int, call: int, stream: int, start: int, stop: int, dtype: t
     """z ~ N(0, I) for elements [start, stop) of a region's parameter vector at optimizer call `call`.
 
     Drawn in fixed blocks seeded by (seed, call, stream, block), so the noise for an element does not depend on
-    how the elements are sharded: a run on any number of ranks, or a resumed run, sees the same z (SPEC §3.4).
+    how the elements are sharded: a run on any number of ranks, or a resumed run, sees the same z (docs/optimizers.md#ecd).
     """
     out = torch.empty(stop - start, dtype=dtype, device=device)
     gen = torch.Generator(device=device)
@@ -86,7 +86,7 @@ class _DeferredFlag:
 
 
 class ECD(ShardedOptimizer):
-    """ECD q=1 (SPEC §3). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
+    """ECD q=1 (docs/optimizers.md#ecd). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
 
     lr is the user's ℓ (the position step is h = ℓ/√η); weight_decay λ enters the loss, F̃ = F + ½λ‖θ‖²;
     projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
@@ -191,7 +191,7 @@ class ECD(ShardedOptimizer):
 
     @torch.no_grad()
     def step(self, loss=None):
-        """One ECD step (SPEC §3). `loss` is this rank's mean loss (tensor or float) or a closure returning it."""
+        """One ECD step (docs/optimizers.md#ecd). `loss` is this rank's mean loss (tensor or float) or a closure returning it."""
         if callable(loss):
             with torch.enable_grad():
                 loss = loss()
@@ -271,7 +271,7 @@ class ECD(ShardedOptimizer):
         return float(self.param_groups[self.group_of_key[key]]["weight_decay"])
 
     def _coefficients(self, vec: Tensor, h: float, kappa: float) -> dict[str, Tensor]:
-        """SPEC §3 scalars from the all-reduced sums, all on device in float64 (no host sync)."""
+        """docs/optimizers.md#ecd scalars from the all-reduced sums, all on device in float64 (no host sync)."""
         loss = vec[0] / self.world_size
         tt, tg, gg, pg, pt, pp = vec[1:].view(self.num_keys, 6).unbind(1)
         lam = self._lam(vec.device)
@@ -366,5 +366,5 @@ ECD_SPEC = OptimizerSpec(
     build=build_ecd,
     needs_loss=True,
     reduces_gradients=True,
-    description="Energy Conserving Descent, q=1 (SPEC §3)",
+    description="Energy Conserving Descent, q=1 (docs/optimizers.md#ecd)",
 )

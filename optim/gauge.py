@@ -1,9 +1,9 @@
-"""Gauge diagnostics of attention heads (SPEC §0, §6): Noether charges, angular momentum |J̃|, rotational fraction
+"""Gauge diagnostics of attention heads (docs/model.md#conventions, docs/evaluation.md#angular-momentum-and-rotational-fraction): Noether charges, angular momentum |J̃|, rotational fraction
 f_rot (exact and the paper's eq. 24) and the weight drift ratio.
 
 Pure tensor functions over *named tensors* (plain nanoGPT names, e.g. `transformer.h.0.attn.c_attn.weight`), so the
 trainer's online diagnostics (`dynamics_summary`) and `eval.dynamics` (checkpoints) run the same code. Per head h of
-layer l (SPEC §0): Â_Q = [W_Q[h]ᵀ; c_Q[h]] ∈ R^{(C+1)×d} (likewise Â_K, Â_V; in `learned` mode the learned b_q / b_v
+layer l (docs/model.md#conventions): Â_Q = [W_Q[h]ᵀ; c_Q[h]] ∈ R^{(C+1)×d} (likewise Â_K, Â_V; in `learned` mode the learned b_q / b_v
 is one more row), B_O = W_O[:, h]ᵀ ∈ R^{d×C}. A velocity u has the same names and shapes as the parameters.
 Everything is computed in float64 on the tensors' device without host synchronisation.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel
-_LEARNED_BIASES = {"Q": "b_q", "V": "b_v"}  # `learned` mode parameters (SPEC §1), rotated with their sector
+_LEARNED_BIASES = {"Q": "b_q", "V": "b_v"}  # `learned` mode parameters (docs/model.md#symmetry-breaking-biases), rotated with their sector
 
 
 def plain_name(name: str) -> str:
@@ -36,7 +36,7 @@ def num_attention_layers(tensors: Mapping[str, Tensor]) -> int:
 
 
 def head_factors(tensors: Mapping[str, Tensor], layer: int, n_head: int) -> dict[str, Tensor]:
-    """{"Q", "K", "V": Â (H, C+1[+1], d), "O": B_O (H, d, C)} of one attention layer, in float64 (SPEC §0).
+    """{"Q", "K", "V": Â (H, C+1[+1], d), "O": B_O (H, d, C)} of one attention layer, in float64 (docs/model.md#conventions).
 
     `tensors` holds parameters, or a velocity with the same entries (see `complete_velocity`).
     """
@@ -59,7 +59,7 @@ def head_factors(tensors: Mapping[str, Tensor], layer: int, n_head: int) -> dict
 
 
 def noether_charges(a: Mapping[str, Tensor], u: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """X_QK = Â_Qᵀu_Q + Â_Kᵀu_K and X_VO = Â_Vᵀu_V − u_O B_Oᵀ, each (H, d, d) (SPEC §6), from `head_factors` of
+    """X_QK = Â_Qᵀu_Q + Â_Kᵀu_K and X_VO = Â_Vᵀu_V − u_O B_Oᵀ, each (H, d, d) (docs/evaluation.md#angular-momentum-and-rotational-fraction), from `head_factors` of
     the parameters (a) and of the velocity (u).
 
     ⟨X, Ω⟩ is the velocity's component along the O(d) generator Ω (δÂ_Q = Â_QΩ, δÂ_K = Â_KΩ; δÂ_V = Â_VΩ,
@@ -71,7 +71,7 @@ def noether_charges(a: Mapping[str, Tensor], u: Mapping[str, Tensor]) -> tuple[T
 
 
 def angular_momentum(charge: Tensor) -> Tensor:
-    """|J̃| = ‖X − Xᵀ‖_F / √2 over the last two dims (SPEC §6)."""
+    """|J̃| = ‖X − Xᵀ‖_F / √2 over the last two dims (docs/evaluation.md#angular-momentum-and-rotational-fraction)."""
     return torch.linalg.matrix_norm(charge - charge.mT) / math.sqrt(2.0)
 
 
@@ -98,7 +98,7 @@ def solve_rotation_generator(gram: Tensor, rhs: Tensor, iterations: int = 12) ->
 
 
 def rotational_fraction(charge: Tensor, gram: Tensor, velocity_sq: Tensor) -> Tensor:
-    """Exact f_rot = ‖tangent part of u‖ / ‖u_sector‖ (SPEC §6).
+    """Exact f_rot = ‖tangent part of u‖ / ‖u_sector‖ (docs/evaluation.md#angular-momentum-and-rotational-fraction).
 
     The least-squares projection of u onto the orbit's tangent space {(ÂΩ, ...) : Ωᵀ = −Ω} solves
     H Ω + Ω H = X − Xᵀ with H the sector's Gram sum (QK: Â_QᵀÂ_Q + Â_KᵀÂ_K; VO: Â_VᵀÂ_V + B_O B_Oᵀ); the
@@ -157,7 +157,7 @@ def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: i
     return dict(zip(per_head, means))
 
 
-VELOCITY_OPTIMIZERS = ("ecd", "sgdm", "adamw")  # the optimizers whose state defines a velocity (SPEC §6)
+VELOCITY_OPTIMIZERS = ("ecd", "sgdm", "adamw")  # the optimizers whose state defines a velocity (docs/evaluation.md#angular-momentum-and-rotational-fraction)
 
 
 def _direction_from_state(state: Mapping[str, object], group: Mapping[str, object], name: str) -> Tensor | None:
@@ -178,7 +178,7 @@ def _direction_from_state(state: Mapping[str, object], group: Mapping[str, objec
     if not state:
         return None
     raise ValueError(f"optimizer state of {name} has keys {sorted(state)}: velocity directions are defined for "
-                     "ECD ('pi'), SGDM ('momentum_buffer') and AdamW ('exp_avg', 'exp_avg_sq') only (SPEC §6)")
+                     "ECD ('pi'), SGDM ('momentum_buffer') and AdamW ('exp_avg', 'exp_avg_sq') only (docs/evaluation.md#angular-momentum-and-rotational-fraction)")
 
 
 def _unit(directions: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -228,7 +228,7 @@ def _product_distance_sq(a0: Tensor, b0: Tensor, a1: Tensor, b1: Tensor) -> Tens
 
 
 def weight_drift_ratio(params0: Mapping[str, Tensor], params1: Mapping[str, Tensor], n_head: int) -> dict[str, Tensor]:
-    """(‖ΔÂ_Q‖ + ‖ΔÂ_K‖)/‖Δ(Â_QÂ_Kᵀ)‖ per head (and the VO analogue with Â_V B_O), each (L, H) (SPEC §6)."""
+    """(‖ΔÂ_Q‖ + ‖ΔÂ_K‖)/‖Δ(Â_QÂ_Kᵀ)‖ per head (and the VO analogue with Â_V B_O), each (L, H) (docs/evaluation.md#angular-momentum-and-rotational-fraction)."""
     out: dict[str, list[Tensor]] = {"drift_QK": [], "drift_VO": []}
     for layer in range(num_attention_layers(params1)):
         f0, f1 = head_factors(params0, layer, n_head), head_factors(params1, layer, n_head)

@@ -1,4 +1,4 @@
-"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024), exactly as SPEC §4.
+"""SOAP: Adam in the eigenbasis of Shampoo's preconditioner (Vyas et al. 2024), exactly as docs/optimizers.md#soap.
 
 Behaviour of the published implementation: the first step only accumulates the Kronecker factors L = E[GGᵀ],
 R = E[GᵀG] and takes their eigenbases (no parameter update); later steps run Adam on G' = Q_Lᵀ G Q_R, map the
@@ -23,7 +23,7 @@ from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_grou
 
 @dataclass
 class SOAPConfig(ShardedOptimizerConfig):
-    """SOAP's hyperparameters with the paper's defaults (SPEC §2)."""
+    """SOAP's hyperparameters with the paper's defaults (docs/model.md#the-papers-model)."""
 
     lr: float = flag(3e-4, "peak learning rate")
     weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)")
@@ -87,7 +87,7 @@ def eigenbasis(factor: Tensor) -> Tensor:
 
 
 class SOAP(ShardedOptimizer):
-    """SOAP (SPEC §4). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are global."""
+    """SOAP (docs/optimizers.md#soap). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are global."""
 
     def __init__(
         self,
@@ -151,7 +151,7 @@ class SOAP(ShardedOptimizer):
                 factor.lerp_(gram(g, dim), 1 - self.shampoo_beta)
 
     def _refresh(self, i: int, m: Tensor, v: Tensor) -> None:
-        """Sorted power iteration + QR on each basis; m moves to the new basis, v is re-indexed (SPEC §4)."""
+        """Sorted power iteration + QR on each basis; m moves to the new basis, v is re-indexed (docs/optimizers.md#soap)."""
         m_original = project_back(m, self.bases[i])
         for dim, (factor, q) in enumerate(zip(self.factors[i], self.bases[i])):
             if factor is None:
@@ -279,5 +279,5 @@ SOAP_SPEC = OptimizerSpec(
     config=SOAPConfig,
     build=build_soap,
     reduces_gradients=True,
-    description="SOAP, Adam in Shampoo's eigenbasis (SPEC §4)",
+    description="SOAP, Adam in Shampoo's eigenbasis (docs/optimizers.md#soap)",
 )

@@ -1,4 +1,4 @@
-"""AdamW and SGD with Nesterov momentum from torch.optim, with the SPEC §2 (Table 9) defaults."""
+"""AdamW and SGD with Nesterov momentum from torch.optim, with the docs/model.md#the-papers-model (Table 9) defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""The Triton attention kernel against a float64 SDPA reference: forward and every gradient (SPEC §1).
+"""The Triton attention kernel against a float64 SDPA reference: forward and every gradient (docs/model.md#symmetry-breaking-biases).
 
 On CPU the kernel runs in Triton's interpreter. The interpreter is chosen when `@triton.jit` runs, i.e. when
 `kernels.attention` is imported with TRITON_INTERPRET=1, and it must not leak into other test modules (nor into
@@ -84,7 +84,7 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float) -> float
 
 
 def _bias(kind: str, case: Case, mean: float, std: torch.Tensor, gen: torch.Generator) -> torch.Tensor | None:
-    """A bias drawn as in SPEC §1 (float32, like the model's), or None."""
+    """A bias drawn as in docs/model.md#symmetry-breaking-biases (float32, like the model's), or None."""
     if kind == "none":
         return None
     shape = (case.H, case.D) if kind == "head" else (case.D,)

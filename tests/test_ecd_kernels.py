@@ -1,5 +1,5 @@
 """The fused ECD step kernels (kernels/ecd.py) against their PyTorch references, and the fused optimizer against the
-reference optimizer path over whole runs (SPEC §3).
+reference optimizer path over whole runs (docs/optimizers.md#ecd).
 
 On CPU the kernels run in Triton's interpreter: as in test_attention_kernel.py, this file runs itself once as a
 subprocess with TRITON_INTERPRET=1 (`python tests/test_ecd_kernels.py RESULT.json`) and each test asserts on its entry

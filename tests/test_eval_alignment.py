@@ -1,4 +1,4 @@
-"""eval.alignment (SPEC §5): category rules, the null threshold, and a planted alignment recovered with enrichment."""
+"""eval.alignment (docs/evaluation.md#b_q-alignment-and-enrichment): category rules, the null threshold, and a planted alignment recovered with enrichment."""
 from __future__ import annotations
 
 import numpy as np

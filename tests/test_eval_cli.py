@@ -141,7 +141,7 @@ def test_pearson_and_fisher_interval_reproduce_the_paper():
     g = np.random.default_rng(0)
     x, y = g.normal(size=11).tolist(), g.normal(size=11).tolist()
     assert compare.pearson(x, y)["r"] == pytest.approx(np.corrcoef(x, y)[0, 1])
-    # seed 000: r = 0.72 with n = 11 -> 95% CI [+0.21, +0.92]; r = 0.76, n = 8 -> [+0.12, +0.95]
+    # arXiv 2601.22257: r = 0.72 with n = 11 -> 95% CI [+0.21, +0.92]; r = 0.76, n = 8 -> [+0.12, +0.95]
     for r, n, lo, hi in ((0.72, 11, 0.21, 0.92), (0.76, 8, 0.12, 0.95)):
         t = np.linspace(-1, 1, n)
         noise = np.resize([1.0, -1.0], n) * 0.3

@@ -23,7 +23,7 @@ STEPS, SAVE_AT, WORLD = 10, 5, 2
 
 
 class Net(nn.Module):
-    """Three matrices whose rotated sides have full-rank Grams (SPEC §4 numerics) and three biases.
+    """Three matrices whose rotated sides have full-rank Grams (docs/optimizers.md#soap numerics) and three biases.
 
     Sizes are chosen so that on 2 ranks element regions split a tensor across the rank boundary (ECD: l2.weight;
     SOAP/Muon biases: l2.bias) and each rank owns a matrix in the tensor regions.

@@ -1,4 +1,4 @@
-"""ECD q=1 against SPEC §3: a float64 NumPy transcription, the first step, renormalisation, noise, F̃ <= F0."""
+"""ECD q=1 against docs/optimizers.md#ecd: a float64 NumPy transcription, the first step, renormalisation, noise, F̃ <= F0."""
 from __future__ import annotations
 
 import math
@@ -51,7 +51,7 @@ def flat(tensors) -> np.ndarray:
 
 
 def reference_ecd(model, order, steps, lr, eta, F0, nu, lam, per_tensor, seed, energy_conservation=True):
-    """SPEC §3 written out in float64 NumPy over one flat vector (the parameters in optimizer order)."""
+    """docs/optimizers.md#ecd written out in float64 NumPy over one flat vector (the parameters in optimizer order)."""
     params = [dict(model.named_parameters())[n] for n in order]
     sizes = [p.numel() for p in params]
     bounds = np.cumsum([0] + sizes)

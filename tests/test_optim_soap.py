@@ -1,4 +1,4 @@
-"""SOAP against SPEC §4: Adam when the basis is the identity, a float64 NumPy transcription, a rotated quadratic."""
+"""SOAP against docs/optimizers.md#soap: Adam when the basis is the identity, a float64 NumPy transcription, a rotated quadratic."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,7 @@ from optim.soap import SOAP, merged_shape
 class Net(nn.Module):
     """Matrices with one side above max_precond_dim=8, 1-D biases and a 3-D tensor (for merge_dims).
 
-    Every rotated side has a full-rank Gram after one batch (SPEC §4 numerics): otherwise the eigenbasis of the
+    Every rotated side has a full-rank Gram after one batch (docs/optimizers.md#soap numerics): otherwise the eigenbasis of the
     null space is arbitrary and two correct implementations legitimately disagree.
     """
 

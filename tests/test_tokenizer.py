@@ -1,4 +1,4 @@
-"""The offline GPT-2 tokenizer (data/tokenizer.py, SPEC §10)."""
+"""The offline GPT-2 tokenizer (data/tokenizer.py, docs/data.md#shard-format)."""
 from __future__ import annotations
 
 import hashlib
