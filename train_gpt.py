@@ -42,6 +42,7 @@ from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_
 from optim.registry import upgrade_saved_config
 from optim.distributed import all_reduce_sum, init_process_group
 from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
+from optim.gauge_sensitivity import training_summary
 from optim.gauge_updates import GAUGE_MODES, GaugeUpdates
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -1629,7 +1630,6 @@ def log_progress(state: TrainState, loss: torch.Tensor, stop: StopRequest, clock
     if hp.dynamics_every and state.step % hp.dynamics_every == 0:
         record.update(dynamics_summary(state.model, velocity_from_optimizers(state.optimizers), state.cfg.model.n_head))
     if hp.gauge_diagnostic_every and state.step % hp.gauge_diagnostic_every == 0:
-        from eval.gauge import training_summary  # eval builds on this module; imported only when asked for
 
         x, y, _ = state.last_batch
         record.update(training_summary(state.model, hp.optimizer, state.cfg.optim, x, y, state.step))

@@ -1,5 +1,7 @@
 """Gauge-sensitivity diagnostic: does one optimizer step depend on which representative of the weights it starts
 from? (docs/structure.md#gauge-sensitivity-diagnostic, docs/gauge.md#quotient-aware-updates)
+The computation lives in optim/gauge_sensitivity.py (shared with the trainer's --gauge-diagnostic-every); this module is
+its command line and report.
 
     python -m eval.gauge --run runs/NAME                      # the run's optimizer and hyperparameters
     python -m eval.gauge --checkpoint FILE --optimizer sgdm --gauge orthogonal --samples 8
@@ -27,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
 
 import train_gpt
 from data.loader import validation_batches
@@ -35,185 +36,9 @@ from data.shards import atomic_write, atomic_writer
 from eval.common import add_target_args, markdown_table, open_target, pyplot, write_json
 from eval.val_loss import run_hyperparameters, validation_files
 from optim import OPTIMIZERS
-from optim.gauge import gauge_transformed, head_factors, num_attention_layers, plain_name
+from optim.gauge_sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 
-GAUGE_KINDS = ("gl", "orthogonal")
-SECTORS = ("QK", "VO")
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
-
-def random_orthogonal(shape: tuple[int, ...], d: int, generator: torch.Generator) -> Tensor:
-    """Haar-distributed orthogonal matrices (*shape, d, d) in float64 (QR of a Gaussian, signs fixed by diag R)."""
-    q, r = torch.linalg.qr(torch.randn(*shape, d, d, generator=generator, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
-
-
-def random_gauges(shape: tuple[int, ...], d: int, kind: str, condition: float,
-                  generator: torch.Generator) -> Tensor:
-    """Random gauges (*shape, d, d) in float64: orthogonal, or GL(d) = U diag(σ) Vᵀ with U, V orthogonal and σ
-    geometric from condition^-½ to condition^½ (determinant 1, condition number exactly `condition`)."""
-    if kind not in GAUGE_KINDS:
-        raise ValueError(f"gauge kind must be one of {GAUGE_KINDS}, got {kind!r}")
-    if kind == "orthogonal":
-        return random_orthogonal(shape, d, generator)
-    if condition < 1:
-        raise ValueError(f"--condition must be >= 1, got {condition}")
-    sigma = torch.logspace(-0.5, 0.5, d, base=condition, dtype=torch.float64)
-    u, v = random_orthogonal(shape, d, generator), random_orthogonal(shape, d, generator)
-    return (u * sigma) @ v.mT
-
-
-def exact_sectors(config: train_gpt.GPTConfig) -> dict[str, bool]:
-    """Whether the gauge of each sector is an exact symmetry of the forward pass with the mean biases: not when a
-    sampled b_Q (b_V) of nonzero mean enters (μ_Q·S⁻¹k ≠ μ_Q·k; (vT + μ_V)T⁻¹ ≠ v + μ_V). b_K cancels in the softmax;
-    learned biases are factor rows and are transformed with them."""
-    uses_q, _, uses_v = config.sampled_biases
-    return {"QK": not (uses_q and config.mean_q != 0), "VO": not (uses_v and config.mean_v != 0)}
-
-
-def copy_model(model: train_gpt.GPT, dtype: torch.dtype) -> train_gpt.GPT:
-    """An independent copy of `model` in `dtype` on its device (the global RNG is left untouched)."""
-    with torch.random.fork_rng(devices=[]):
-        clone = type(model)(model.config)
-    clone.load_state_dict(model.state_dict())
-    return clone.to(device=next(model.parameters()).device, dtype=dtype)
-
-
-def attention_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The attention parameters by plain name, detached copies."""
-    return {plain_name(n): p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
-
-
-def load_attention(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if plain_name(name) in tensors:
-                param.copy_(tensors[plain_name(name)])
-
-
-def one_step(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-    """Attention parameters after one step of a fresh `optimizer` on (x, y) with the mean biases (model changed)."""
-    spec = OPTIMIZERS[optimizer]
-    optimizers = spec.build(model, optim_cfg)
-    loss = model(x, y)[1]
-    loss.backward()
-    for opt in optimizers:
-        opt.step(loss.detach()) if spec.needs_loss else opt.step()
-    return attention_tensors(model)
-
-
-def _inverse_gauge(factors: dict[str, Tensor], s_qk: Tensor, s_vo: Tensor) -> dict[str, Tensor]:
-    """Map one layer's factors of the gauged representative back: Â_Q S⁻¹, Â_K Sᵀ, Â_V T⁻¹, T B_O."""
-    return {"Q": torch.linalg.solve(s_qk.mT, factors["Q"].mT).mT, "K": factors["K"] @ s_qk.mT,
-            "V": torch.linalg.solve(s_vo.mT, factors["V"].mT).mT, "O": s_vo @ factors["O"]}
-
-
-def _products(f: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {"QK": f["Q"] @ f["K"].mT, "VO": f["V"] @ f["O"]}
-
-
-def _pairs(f: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
-    """(A, B) of each sector with M = A Bᵀ: QK (Â_Q, Â_K), VO (Â_V, B_Oᵀ)."""
-    return {"QK": (f["Q"], f["K"]), "VO": (f["V"], f["O"].mT)}
-
-
-def gram_imbalance(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """(‖AᵀA − BᵀB‖_F / ‖AᵀA‖_F, max_j max(ρ_j, 1/ρ_j) with ρ_j = RMS of A's column j / RMS of B's column j), per
-    head (docs/gauge.md#quotient-aware-updates)."""
-    h_a, h_b = a.mT @ a, b.mT @ b
-    imbalance = torch.linalg.matrix_norm(h_a - h_b) / torch.linalg.matrix_norm(h_a).clamp_min(1e-300)
-    ratio = a.square().mean(-2).sqrt() / b.square().mean(-2).sqrt().clamp_min(1e-300)
-    return imbalance, torch.maximum(ratio, 1 / ratio.clamp_min(1e-300)).amax(-1)
-
-
-def _norm(x: Tensor) -> Tensor:
-    return torch.linalg.matrix_norm(x)
-
-
-def gauge_diagnostic(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor, y: Tensor, kind: str = "gl",
-                     condition: float = 10.0, samples: int = 4, seed: int = 0, dtype: torch.dtype = torch.float64,
-                     tolerance: float = 1e-6, progress: bool = False) -> dict:
-    """The diagnostic on one batch (see the module docstring). Returns per-head (L×H lists) and summary (means over
-    heads) metrics per sector, the relative logit change of each sampled gauge and which sectors are exact.
-
-    Raises if the gauge is exact for the model but the logits change by more than `tolerance` (relative to max|logit|).
-    """
-    cfg = model.config
-    n_head, d = cfg.n_head, cfg.head_dim
-    base = copy_model(model, dtype)
-    params0 = attention_tensors(base)
-    n_layer = num_attention_layers(params0)
-    with torch.no_grad():
-        logits0 = base(x)[0].double()
-    after0 = one_step(copy_model(base, dtype), optimizer, optim_cfg, x, y)
-    shared = cfg.bias_mode == "learned" and not cfg.bias_per_head  # one S per layer: shared learned bias rows
-    generator = torch.Generator().manual_seed(seed)
-    exact = exact_sectors(cfg)
-    gauged, logit_change = [], []
-    for i in range(samples):
-        shape = (n_layer, 1) if shared else (n_layer, n_head)
-        s_qk, s_vo = (random_gauges(shape, d, kind, condition, generator).expand(n_layer, n_head, d, d).to(x.device)
-                      for _ in SECTORS)
-        before = gauge_transformed(params0, n_head, s_qk, s_vo)
-        clone = copy_model(base, dtype)
-        load_attention(clone, before)
-        with torch.no_grad():
-            change = ((clone(x)[0].double() - logits0).abs().max() / logits0.abs().max()).item()
-        logit_change.append(change)
-        if all(exact.values()) and not change <= tolerance:
-            raise AssertionError(f"gauge sample {i}: the logits changed by {change:.3g} (relative) under an exact "
-                                 f"gauge (tolerance {tolerance:g}); the gauge transform is broken")
-        gauged.append((before, one_step(clone, optimizer, optim_cfg, x, y), s_qk, s_vo))
-        if progress:
-            print(f"gauge sample {i + 1}/{samples}: logit change {change:.3g}")
-    keys = ("relative_difference", "relative_difference_var", "random_gauge_variance", "smoothed_difference",
-            "gram_imbalance", "gram_imbalance_gauged", "column_rms_ratio", "column_rms_ratio_gauged")
-    per_head: dict[str, list] = {f"{k}_{s}": [] for s in SECTORS for k in keys}
-    for layer in range(n_layer):
-        f0, f1 = head_factors(params0, layer, n_head), head_factors(after0, layer, n_head)
-        p0, p1 = _products(f0), _products(f1)
-        reference = {s: p1[s] - p0[s] for s in SECTORS}
-        moves, imbalances = {s: [] for s in SECTORS}, {s: [] for s in SECTORS}
-        for before, after, s_qk, s_vo in gauged:
-            g0, g1 = head_factors(before, layer, n_head), head_factors(after, layer, n_head)
-            for s, (a, b) in _pairs(g0).items():
-                imbalances[s].append(gram_imbalance(a, b))
-            q0, q1 = (_products(_inverse_gauge(g, s_qk[layer], s_vo[layer])) for g in (g0, g1))
-            for s in SECTORS:
-                moves[s].append(q1[s] - q0[s])
-        for s in SECTORS:
-            # No motion (e.g. SOAP's first step only builds its preconditioner): the relative metrics are undefined.
-            scale = torch.where(_norm(reference[s]) > 0, _norm(reference[s]), torch.nan)
-            stacked = torch.stack(moves[s])  # (samples, H, rows, cols)
-            mean_move = stacked.mean(0)
-            rel = _norm(stacked - reference[s]) / scale  # (samples, H)
-            imbalance, rms_ratio = gram_imbalance(*_pairs(f0)[s])
-            values = {
-                "relative_difference": rel.mean(0), "relative_difference_var": rel.var(0, correction=0),
-                "random_gauge_variance": _norm(stacked - mean_move).square().mean(0) / scale.square(),
-                "smoothed_difference": _norm(mean_move - reference[s]) / scale,
-                "gram_imbalance": imbalance,
-                "gram_imbalance_gauged": torch.stack([g[0] for g in imbalances[s]]).mean(0),
-                "column_rms_ratio": rms_ratio,
-                "column_rms_ratio_gauged": torch.stack([g[1] for g in imbalances[s]]).mean(0),
-            }
-            for k, v in values.items():
-                per_head[f"{k}_{s}"].append(v.tolist())
-    summary = {k: float(np.mean(v)) for k, v in per_head.items()}
-    return {"optimizer": optimizer, "gauge": kind, "condition": condition if kind == "gl" else 1.0,
-            "samples": samples, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "exact": exact,
-            "logit_change": logit_change, "summary": summary, "per_head": per_head}
-
-
-def training_summary(model: train_gpt.GPT, optimizer: str, optim_cfg, x: Tensor, y: Tensor, step: int) -> dict:
-    """The trainer's `--gauge-diagnostic-every N` record: one GL(d) gauge (condition 10, seeded by the step) in
-    float64, the mean over heads of the relative ΔM difference per sector (keys gauge_dM_QK, gauge_dM_VO) and the
-    relative logit change (gauge_logit_change), not asserted. Costs three float64 copies of the model (one at a
-    time besides the first), two forward passes and two forward/backward passes with fresh optimizer steps on (x, y)."""
-    result = gauge_diagnostic(model, optimizer, optim_cfg, x, y, samples=1, seed=step, tolerance=math.inf)
-    return {"gauge_dM_QK": result["summary"]["relative_difference_QK"],
-            "gauge_dM_VO": result["summary"]["relative_difference_VO"],
-            "gauge_logit_change": result["logit_change"][0]}
 
 
 def optimizer_config(checkpoint_config: dict, optimizer: str | None, lr: float | None):

@@ -11,6 +11,7 @@ import torch
 import train_gpt
 from data.shards import write_shard
 from eval import gauge
+from optim import gauge_sensitivity as sensitivity
 from optim.torch_optimizers import AdamWConfig, SGDMConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,19 +32,19 @@ def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_random_gauges_have_the_requested_condition_number():
     g = torch.Generator().manual_seed(0)
-    rotations = gauge.random_gauges((3, 2), 8, "orthogonal", 1.0, g)
+    rotations = sensitivity.random_gauges((3, 2), 8, "orthogonal", 1.0, g)
     torch.testing.assert_close(rotations.mT @ rotations, torch.eye(8, dtype=torch.float64).expand(3, 2, 8, 8))
-    general = gauge.random_gauges((3, 2), 8, "gl", 25.0, g)
+    general = sensitivity.random_gauges((3, 2), 8, "gl", 25.0, g)
     singular = torch.linalg.svdvals(general)
     torch.testing.assert_close(singular[..., 0] / singular[..., -1], torch.full((3, 2), 25.0, dtype=torch.float64))
     torch.testing.assert_close(torch.linalg.det(general).abs(), torch.ones(3, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match="gauge kind"):
-        gauge.random_gauges((1,), 4, "unitary", 1.0, g)
+        sensitivity.random_gauges((1,), 4, "unitary", 1.0, g)
 
 
 def test_plain_gd_is_rotation_equivariant():
     x, y = batch()
-    result = gauge.gauge_diagnostic(tiny_model(), "sgdm", PLAIN_GD, x, y, kind="orthogonal", samples=3)
+    result = sensitivity.gauge_diagnostic(tiny_model(), "sgdm", PLAIN_GD, x, y, kind="orthogonal", samples=3)
     assert max(result["logit_change"]) < 1e-12
     for sector in gauge.SECTORS:
         assert result["summary"][f"relative_difference_{sector}"] < 1e-9, sector
@@ -52,8 +53,8 @@ def test_plain_gd_is_rotation_equivariant():
 
 def test_adamw_and_gl_gauges_see_the_representative():
     x, y = batch()
-    adamw = gauge.gauge_diagnostic(tiny_model(), "adamw", ADAMW, x, y, kind="orthogonal", samples=3)
-    gd_gl = gauge.gauge_diagnostic(tiny_model(), "sgdm", PLAIN_GD, x, y, kind="gl", condition=10.0, samples=3)
+    adamw = sensitivity.gauge_diagnostic(tiny_model(), "adamw", ADAMW, x, y, kind="orthogonal", samples=3)
+    gd_gl = sensitivity.gauge_diagnostic(tiny_model(), "sgdm", PLAIN_GD, x, y, kind="gl", condition=10.0, samples=3)
     for result in (adamw, gd_gl):
         assert max(result["logit_change"]) < 1e-12  # still an exact symmetry of the forward pass
         for sector in gauge.SECTORS:
@@ -68,11 +69,11 @@ def test_adamw_and_gl_gauges_see_the_representative():
 def test_sampled_query_bias_breaks_the_gauge_and_is_reported():
     x, y = batch()
     model = tiny_model(bias_mode="bqbv", mean_q=0.5, mean_v=0.0)
-    assert gauge.exact_sectors(model.config) == {"QK": False, "VO": True}
-    result = gauge.gauge_diagnostic(model, "sgdm", PLAIN_GD, x, y, kind="gl", samples=1)
+    assert sensitivity.exact_sectors(model.config) == {"QK": False, "VO": True}
+    result = sensitivity.gauge_diagnostic(model, "sgdm", PLAIN_GD, x, y, kind="gl", samples=1)
     assert result["logit_change"][0] > 1e-6 and result["exact"]["QK"] is False
     # Shared learned biases are factor rows: one gauge per layer keeps the forward pass exact.
-    learned = gauge.gauge_diagnostic(tiny_model(bias_mode="learned"), "sgdm", PLAIN_GD, x, y, kind="gl", samples=1)
+    learned = sensitivity.gauge_diagnostic(tiny_model(bias_mode="learned"), "sgdm", PLAIN_GD, x, y, kind="gl", samples=1)
     assert learned["logit_change"][0] < 1e-12
 
 
@@ -85,10 +86,10 @@ def test_a_broken_gauge_transform_is_caught(monkeypatch):
                 out[name][: value.shape[1]] *= 2.0
         return out
 
-    monkeypatch.setattr(gauge, "gauge_transformed", only_queries)
+    monkeypatch.setattr(sensitivity, "gauge_transformed", only_queries)
     x, y = batch()
     with pytest.raises(AssertionError, match="logits changed"):
-        gauge.gauge_diagnostic(tiny_model(), "sgdm", PLAIN_GD, x, y, samples=1)
+        sensitivity.gauge_diagnostic(tiny_model(), "sgdm", PLAIN_GD, x, y, samples=1)
 
 
 def test_the_global_rng_is_left_alone():
@@ -97,7 +98,7 @@ def test_the_global_rng_is_left_alone():
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    gauge.training_summary(model, "adamw", ADAMW, x, y, step=3)
+    sensitivity.training_summary(model, "adamw", ADAMW, x, y, step=3)
     torch.testing.assert_close(torch.rand(3), expected)
 
 
@@ -143,7 +144,7 @@ def test_a_step_without_motion_gives_undefined_metrics_and_soap_is_refused_in_tr
     from optim import OPTIMIZERS
 
     x, y = batch()
-    result = gauge.gauge_diagnostic(tiny_model(), "soap", OPTIMIZERS["soap"].config(), x, y, samples=1)
+    result = sensitivity.gauge_diagnostic(tiny_model(), "soap", OPTIMIZERS["soap"].config(), x, y, samples=1)
     assert np.isnan(result["summary"]["relative_difference_QK"])  # SOAP's first step builds its preconditioner
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--optimizer", "soap", "--gauge-diagnostic-every", "5"])
