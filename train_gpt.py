@@ -5,8 +5,8 @@
 
 Reads top to bottom: configuration (dataclasses, presets, CLI) → model (GPT-2 with per-batch sampled b_Q, b_V)
 → bias sampler → checkpoints and run directories → training (setup, build, restore, loop, finish). Importing this
-module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer shape), arXiv 2601.22257
-(the symmetry-breaking protocol), docs/ (every formula and default used here).
+module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer shape), arXiv
+2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
 
 @dataclass
 class GPTConfig:
-    """GPT-2 architecture and symmetry-breaking biases; defaults are the paper's 124M model (docs/model.md#the-papers-model)."""
+    """GPT-2 architecture and symmetry-breaking biases; defaults are the paper's 124M model (docs/model.md)."""
 
     vocab_size: int = flag(50304, "vocabulary (50257 GPT-2 tokens padded to a multiple of 64)")
     block_size: int = flag(512, "context length (positional embeddings); the paper uses 512, GPT-2 1024")
@@ -64,7 +64,8 @@ class GPTConfig:
     n_embd: int = flag(768, "model width C; head dim d = C / n_head")
     activation: str = flag("prelu", "MLP activation: prelu (per-feature slope, init N(0.2, 1)) or gelu",
                            choices=("prelu", "gelu"))
-    bias_mode: str = flag("bqbv", "symmetry breaking: none, bq, bv, bqbv (sampled per batch) or learned (docs/model.md#symmetry-breaking-biases)",
+    bias_mode: str = flag("bqbv", "symmetry breaking: none, bq, bv, bqbv (sampled per batch) or learned "
+                                  "(docs/model.md)",
                           choices=("none", "bq", "bv", "bqbv", "learned"))
     mean_q: float = flag(0.5, "E[b_Q], every component")
     std_q_min: float = flag(0.05, "per-dimension std of b_Q = linspace(std_q_min, std_q_max, d)")
@@ -133,7 +134,8 @@ class Hyperparameters:
     target_val_loss: float = flag(0.0, "report the first step and training time reaching this validation loss "
                                        "(0: off)")
     stop_at_target: bool = flag(False, "stop the run once target_val_loss is reached")
-    dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; docs/evaluation.md#angular-momentum-and-rotational-fraction)")
+    dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; "
+                                  "docs/evaluation.md)")
     gauge_diagnostic_every: int = flag(0, "log the gauge sensitivity of one fresh-optimizer step every N steps "
                                           "(0: off; docs/structure.md#gauge-sensitivity-diagnostic)")
     gauge: str = flag("none", "post-process each step on the attention heads' factor gauge (docs/gauge.md): "
@@ -405,7 +407,7 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if not 0.0 <= hp.cooldown_frac <= 1.0 or not 0.0 <= hp.min_lr_frac <= 1.0:
         return "--cooldown-frac and --min-lr-frac must lie in [0, 1]"
     if hp.dynamics_every and hp.optimizer not in VELOCITY_OPTIMIZERS:
-        return (f"--dynamics-every needs a velocity, which docs/evaluation.md#angular-momentum-and-rotational-fraction defines for --optimizer "
+        return (f"--dynamics-every needs a velocity, which docs/evaluation.md defines for --optimizer "
                 f"{', '.join(VELOCITY_OPTIMIZERS)}; {hp.optimizer} has none (set --dynamics-every 0)")
     if hp.init_from and not hp.resume:
         try:
@@ -624,7 +626,7 @@ class GPT(nn.Module):
     """GPT-2 (pre-LN, learned positions, tied embeddings) whose attention takes per-batch biases b_Q, b_V.
 
     forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 3, d) or
-    (n_layer, 3, H, d) holding b_Q, b_K, b_V per layer; None means evaluation, which uses the means (docs/model.md#symmetry-breaking-biases).
+    (n_layer, 3, H, d) holding b_Q, b_K, b_V per layer; None means evaluation, which uses the means (docs/model.md).
     Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Variants
     (docs/variants.md): --init symmetric, --objective mlm (attention in both directions), --attention relational.
     """
@@ -646,7 +648,7 @@ class GPT(nn.Module):
             self._copy_queries_to_keys()
 
     def _init_weights(self, module: nn.Module) -> None:
-        """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1) (docs/model.md#the-papers-model).
+        """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1) (docs/model.md).
         Relational attention (docs/variants.md#relational-attention): the score MLP N(0, 1/fan_in), each mixing
         scalar α_h = 0.02 · 0.02/√(2L) · C / H, so Σ_h α_h is the gain 0.02√C · 0.02/√(2L)·√C that a
         standard layer's W_V W_O has at this initialisation."""
@@ -739,7 +741,7 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Symmetry-breaking bias sampler (docs/model.md#symmetry-breaking-biases): stateless, each draw a function of (seed, step, layer).
+# Symmetry-breaking bias sampler (docs/model.md): stateless, each draw a function of (seed, step, layer).
 
 
 def bias_distribution(config: GPTConfig) -> tuple[float, torch.Tensor, float, torch.Tensor]:
@@ -765,8 +767,8 @@ def mean_biases(config: GPTConfig) -> torch.Tensor:
 
 
 class BiasSampler:
-    """Draws b_Q, b_K, b_V for one optimizer step: one draw per layer per training batch (docs/model.md#symmetry-breaking-biases), shared by every
-    micro-batch and every rank of the step.
+    """Draws b_Q, b_K, b_V for one optimizer step: one draw per layer per training batch (docs/model.md), shared by
+    every micro-batch and every rank of the step.
 
     Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]). It holds no state, so a resumed run
     and a run on any number of GPUs, with any micro-batch split, see the same biases for the same data.
@@ -1200,7 +1202,7 @@ def format_duration(seconds: float) -> str:
 def evaluate(model: GPT, val_files: str, val_tokens: int, seq_len: int, micro_batch: int, rank: int, world: int,
              device: torch.device, autocast: contextlib.AbstractContextManager) -> float:
     """Mean loss over the fixed validation budget (val_tokens in micro-batches of micro_batch x seq_len, which weigh
-    equally), with the mean biases (docs/model.md#symmetry-breaking-biases), averaged over ranks; the trainer (micro_batch = --micro-batch, the
+    equally), with the mean biases (docs/model.md), averaged over ranks; the trainer (micro_batch = --micro-batch, the
     memory bound) and eval.val_loss. Under --objective mlm: the loss on the validation stream's fixed masks."""
     was_training = model.training
     model.eval()

@@ -7,7 +7,7 @@
 For each shape (B x H x T x d; causal; bf16) it times, forward and forward+backward (median of
 triton.testing.do_bench, CUDA events, after a warm-up that also runs autotuning and compilation):
 - `triton`: kernels.attention.attention_triton without biases; `triton+bias`: with sampled b_Q, b_V of shape (d,)
-  (docs/model.md#symmetry-breaking-biases defaults, no gradient); `triton+learned`: the same biases as trainable parameters;
+  (docs/model.md defaults, no gradient); `triton+learned`: the same biases as trainable parameters;
 - `sdpa-<backend>` for flash, efficient and cuDNN, plain and `+bias` with the biases applied outside
   (q + b_Q before, + b_V after);
 - `flex` (torch.compile'd FlexAttention, causal block mask) plain and `+bias` with b_Q as a key-bias score_mod

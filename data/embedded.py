@@ -1,4 +1,4 @@
-"""The embedded default corpus: docstrings and comments of the installed Python, tokenized into shards (docs/data.md#shard-format).
+"""The embedded default corpus: docstrings and comments of the installed Python, tokenized into shards (docs/data.md).
 
 It needs no network, so a fresh checkout can train (smoke runs, tests, CI) before any download. Sources, in order:
 every `.py` file of the standard library (`sysconfig` "stdlib", without site-packages/dist-packages), then of

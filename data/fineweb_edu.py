@@ -143,7 +143,7 @@ def download_shards(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md#shard-format).")
+    parser = argparse.ArgumentParser(description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md).")
     parser.add_argument("--chunks", type=int, default=FULL_TRAIN_CHUNKS,
                         help=f"train shards 1..N (100M tokens each; default all {FULL_TRAIN_CHUNKS})")
     parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)

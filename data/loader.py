@@ -90,7 +90,7 @@ class _Position:
 class DistributedTokenLoader:
     """This rank's training micro-batches, in order, as (x, y, chunk); see the module docstring.
 
-    Shards are memory-mapped and validated (docs/data.md#shard-format) when first visited; with vocab_size, every id of a shard is
+    Shards are memory-mapped and validated (docs/data.md) when first visited; with vocab_size, every id of a shard is
     checked once (one pass over the shard). With prefetch > 0 a background thread builds the next `prefetch`
     micro-batches (pinned when the device is CUDA) and prepares the next shard ahead, so shard switches don't stall
     the GPU. state_dict() describes the batches consumed by the caller, not those prefetched.

@@ -49,7 +49,8 @@ def read_shard_header(path: str | os.PathLike) -> int:
         raise ShardError(f"{path}: truncated header ({size} bytes, need {HEADER_BYTES}); re-download or re-tokenize it")
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if header[0] != SHARD_MAGIC:
-        raise ShardError(f"{path}: bad magic {int(header[0])} (expected {SHARD_MAGIC}); not a token shard (docs/data.md#shard-format)")
+        raise ShardError(f"{path}: bad magic {int(header[0])} (expected {SHARD_MAGIC}); not a token shard "
+                         "(docs/data.md#shard-format)")
     if header[1] != SHARD_VERSION:
         raise ShardError(f"{path}: unsupported version {int(header[1])} (expected {SHARD_VERSION})")
     num_tokens = int(header[2])

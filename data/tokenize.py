@@ -418,7 +418,7 @@ def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, re
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Tokenize text corpora into GPT-2 token shards (docs/data.md#shard-format).")
+    parser = argparse.ArgumentParser(description="Tokenize text corpora into GPT-2 token shards (docs/data.md).")
     parser.add_argument("inputs", nargs="*", help="local .txt/.jsonl/.parquet files or globs (quote globs)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--prefix", default="corpus", help="shard name prefix: <prefix>_val_000000.bin, ...")

@@ -1,4 +1,4 @@
-"""b_Q alignment and semantic enrichment (docs/evaluation.md#b_q-alignment-and-enrichment; arXiv 2601.22257 §5.2, App. E, G).
+"""b_Q alignment and semantic enrichment (docs/evaluation.md; arXiv 2601.22257 §5.2, App. E, G).
 
     python -m eval.alignment --run runs/NAME [--modes raw ln residual] [--residual-tokens 262144]
 
@@ -315,7 +315,8 @@ def plot_alignment(result: dict, path: Path, title: str = "") -> None:
 
 def markdown_summary(results: list[dict], title: str, example_heads: int = 2) -> str:
     lines = [f"# b_Q alignment — {title}", "",
-             "cos(k(x), E[b_Q]) per head (docs/evaluation.md#b_q-alignment-and-enrichment). Null threshold: the 99% quantile of the maximum of V random "
+             "cos(k(x), E[b_Q]) per head (docs/evaluation.md). Null threshold: the 99% quantile of the maximum of V "
+             "random "
              "cosines in d dims.", ""]
     rows = [[r["mode"], r["vocab"], f"{r['mean_top']:.3f}", f"{r['max_top']:.3f}", f"{r['null_threshold']:.3f}",
              f"{100 * r['frac_above_null']:.1f}"] for r in results]

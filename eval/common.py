@@ -141,7 +141,7 @@ def write_text(path: Path, text: str) -> None:
 
 
 def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:
-    """The checkpoint's model in eval mode on `device` (mean biases at inference, docs/model.md#symmetry-breaking-biases)."""
+    """The checkpoint's model in eval mode on `device` (mean biases at inference, docs/model.md)."""
     return train_gpt.model_from_checkpoint(checkpoint).to(device)
 
 

@@ -1,4 +1,4 @@
-"""Angular momentum and rotational fraction of attention heads (docs/evaluation.md#angular-momentum-and-rotational-fraction; arXiv 2601.22257 §3, App. C).
+"""Angular momentum and rotational fraction of attention heads (docs/evaluation.md; arXiv 2601.22257 §3, App. C).
 
     python -m eval.dynamics --run runs/NAME          # every checkpoint of the run + the online log
     python -m eval.dynamics --checkpoint FILE        # one checkpoint
@@ -62,7 +62,7 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
-    """Mean over heads of the weight drift ratio between two checkpoints (docs/evaluation.md#angular-momentum-and-rotational-fraction)."""
+    """Mean over heads of the weight drift ratio between two checkpoints (docs/evaluation.md)."""
     ratios = weight_drift_ratio(_params(ckpt0), _params(ckpt1), ckpt1["config"]["model"]["n_head"])
     return {key: float(value.mean()) for key, value in ratios.items()}
 

@@ -1,4 +1,4 @@
-"""Logic puzzles (arXiv 2601.22257 App. E.1; docs/evaluation.md#logic-puzzles): is the expected first token in the model's
+"""Logic puzzles (arXiv 2601.22257 App. E.1; docs/evaluation.md): is the expected first token in the model's
 top-1 / top-5, and its cross-entropy ("logic loss"), per category and overall, with 95% intervals.
 
     python -m eval.logic_puzzles --run runs/NAME [--suite my_suite.json ...] [--per-category 250] [--seed 0]
@@ -8,7 +8,7 @@ token (with its leading space). Default: our hand-written suite (eval/suites/log
 (`generate_suite`: templates with random names, items, sequences and distractor sentences, reproducible from the
 seed; it is also written to the output directory). Each prompt is preceded by <|endoftext|> (a document start, as
 in training); top-k and the loss use the 50257 real GPT-2 tokens only (padding ids excluded). Symmetry-broken models
-run with the mean biases (docs/model.md#symmetry-breaking-biases). Intervals: Wilson for accuracies, normal for the mean loss.
+run with the mean biases (docs/model.md). Intervals: Wilson for accuracies, normal for the mean loss.
 Writes `logic_puzzles.json`, `logic_puzzles.png`, `logic_puzzles.md`, recorded with the checkpoint in `manifest.json`.
 """
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Validation loss on a fixed token budget (docs/model.md#the-papers-model note): the same tokens for every model, mean biases (docs/model.md#symmetry-breaking-biases).
+"""Validation loss on a fixed token budget (docs/model.md note): the same tokens for every model, mean biases
+(docs/model.md).
 
     python -m eval.val_loss --run runs/NAME [--val-tokens 10485760] [--val-files 'data/x_val_*.bin']
 

@@ -10,7 +10,7 @@ Two implementations live here, kernel next to its oracle:
 - `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
   tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
   key blocks and a separate dQ pass over query blocks, so no atomics). b_Q enters only as a per-key logit bias,
-  (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases): c_j = b_Q·k_j/√d is computed once per (batch, head) in fp32 (a small
+  (q + b_Q)·k = q·k + b_Q·k (docs/model.md): c_j = b_Q·k_j/√d is computed once per (batch, head) in fp32 (a small
   kernel before the forward, fused into the backward's preprocess) and added to each score tile, so no q tile is
   ever modified; the dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is
   added to the output in the epilogue (and subtracted again where the backward needs softmax·v alone). It is

@@ -1,4 +1,4 @@
-"""Fused ECD (q = 1) step kernels (docs/optimizers.md#ecd): one pass for the step's dot products, one pass for the update.
+"""Fused ECD (q = 1) step kernels (docs/optimizers.md): one pass for the step's dot products, one pass for the update.
 
 The optimizer (optim.ecd.ECD) keeps parameters, gradients and Π in flat chunks; a chunk is cut into blocks of at
 most BLOCK elements that never straddle two keys (a key is a weight-decay group, or a tensor with
@@ -123,7 +123,7 @@ def _apply_update_kernel(THETA, GRAD, PI, Z, START, LEN, KEY, A, NEG_K, LAM, H, 
     key = tl.load(KEY + b)
     offs, mask, t, g, p = _load_block(THETA, GRAD, PI, START, LEN, b, PI_BF16, BLOCK)
     neg_k = tl.load(NEG_K).to(tl.float32)
-    p = p * tl.load(A + key).to(tl.float32) + g * neg_k  # docs/optimizers.md#ecd step 2, the renormalisation folded into A
+    p = p * tl.load(A + key).to(tl.float32) + g * neg_k  # docs/optimizers.md step 2, the renormalisation folded into A
     if HAS_LAM:
         p = p + t * (neg_k * tl.load(LAM + key).to(tl.float32))
     t = t + p * tl.load(H).to(tl.float32)  # step 3

@@ -5,8 +5,8 @@ element across ranks (`optim.distributed`); the scalars the update needs (loss, 
 per weight-decay group or per tensor) are summed over ranks in ONE all-reduce per step, and everything derived
 from them stays on the device: the loss arrives as a device tensor and the host never waits.
 
-Π is stored up to a positive scale that is resolved lazily: after the noise step (docs/optimizers.md#ecd step 4) the state is
-Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
+Π is stored up to a positive scale that is resolved lazily: after the noise step (docs/optimizers.md step 4) the state
+is Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
 costs no second collective. state_dict() and unit_velocity() return the logical Π.
 
 Two implementations of the elementwise work: per-tensor PyTorch ops (CPU, float64 tests, `fused=False`) and the
@@ -52,7 +52,7 @@ def ecd_noise(seed: int, call: int, stream: int, start: int, stop: int, dtype: t
     """z ~ N(0, I) for elements [start, stop) of a region's parameter vector at optimizer call `call`.
 
     Drawn in fixed blocks seeded by (seed, call, stream, block), so the noise for an element does not depend on
-    how the elements are sharded: a run on any number of ranks, or a resumed run, sees the same z (docs/optimizers.md#ecd).
+    how the elements are sharded: a run on any number of ranks, or a resumed run, sees the same z (docs/optimizers.md).
     """
     out = torch.empty(stop - start, dtype=dtype, device=device)
     gen = torch.Generator(device=device)
@@ -86,7 +86,7 @@ class _DeferredFlag:
 
 
 class ECD(ShardedOptimizer):
-    """ECD q=1 (docs/optimizers.md#ecd). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
+    """ECD q=1 (docs/optimizers.md). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
 
     lr is the user's ℓ (the position step is h = ℓ/√η); weight_decay λ enters the loss, F̃ = F + ½λ‖θ‖²;
     projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
@@ -191,7 +191,8 @@ class ECD(ShardedOptimizer):
 
     @torch.no_grad()
     def step(self, loss=None):
-        """One ECD step (docs/optimizers.md#ecd). `loss` is this rank's mean loss (tensor or float) or a closure returning it."""
+        """One ECD step (docs/optimizers.md). `loss` is this rank's mean loss (tensor or float) or a closure returning
+        it."""
         if callable(loss):
             with torch.enable_grad():
                 loss = loss()

@@ -1,10 +1,11 @@
-"""Gauge diagnostics of attention heads (docs/model.md#conventions, docs/evaluation.md#angular-momentum-and-rotational-fraction): Noether charges, angular momentum |J̃|, rotational fraction
+"""Gauge diagnostics of attention heads (docs/model.md, docs/evaluation.md): Noether charges, angular momentum |J̃|,
+rotational fraction
 f_rot (exact and the paper's eq. 24) and the weight drift ratio.
 
 Pure tensor functions over *named tensors* (plain nanoGPT names, e.g. `transformer.h.0.attn.c_attn.weight`), so the
 trainer's online diagnostics (`dynamics_summary`) and `eval.dynamics` (checkpoints) run the same code. Per head h of
-layer l (docs/model.md#conventions): Â_Q = [W_Q[h]ᵀ; c_Q[h]] ∈ R^{(C+1)×d} (likewise Â_K, Â_V; in `learned` mode the learned b_q / b_v
-is one more row), B_O = W_O[:, h]ᵀ ∈ R^{d×C}. A velocity u has the same names and shapes as the parameters.
+layer l (docs/model.md): Â_Q = [W_Q[h]ᵀ; c_Q[h]] ∈ R^{(C+1)×d} (likewise Â_K, Â_V; in `learned` mode the learned b_q /
+b_v is one more row), B_O = W_O[:, h]ᵀ ∈ R^{d×C}. A velocity u has the same names and shapes as the parameters.
 Everything is computed in float64 on the tensors' device without host synchronisation.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile and DistributedDataParallel
-_LEARNED_BIASES = {"Q": "b_q", "V": "b_v"}  # `learned` mode parameters (docs/model.md#symmetry-breaking-biases), rotated with their sector
+_LEARNED_BIASES = {"Q": "b_q", "V": "b_v"}  # `learned` mode parameters (docs/model.md), rotated with their sector
 
 
 def plain_name(name: str) -> str:
@@ -36,7 +37,7 @@ def num_attention_layers(tensors: Mapping[str, Tensor]) -> int:
 
 
 def head_factors(tensors: Mapping[str, Tensor], layer: int, n_head: int) -> dict[str, Tensor]:
-    """{"Q", "K", "V": Â (H, C+1[+1], d), "O": B_O (H, d, C)} of one attention layer, in float64 (docs/model.md#conventions).
+    """{"Q", "K", "V": Â (H, C+1[+1], d), "O": B_O (H, d, C)} of one attention layer, in float64 (docs/model.md).
 
     `tensors` holds parameters, or a velocity with the same entries (see `complete_velocity`).
     """
@@ -59,8 +60,8 @@ def head_factors(tensors: Mapping[str, Tensor], layer: int, n_head: int) -> dict
 
 
 def noether_charges(a: Mapping[str, Tensor], u: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """X_QK = Â_Qᵀu_Q + Â_Kᵀu_K and X_VO = Â_Vᵀu_V − u_O B_Oᵀ, each (H, d, d) (docs/evaluation.md#angular-momentum-and-rotational-fraction), from `head_factors` of
-    the parameters (a) and of the velocity (u).
+    """X_QK = Â_Qᵀu_Q + Â_Kᵀu_K and X_VO = Â_Vᵀu_V − u_O B_Oᵀ, each (H, d, d) (docs/evaluation.md), from `head_factors`
+    of the parameters (a) and of the velocity (u).
 
     ⟨X, Ω⟩ is the velocity's component along the O(d) generator Ω (δÂ_Q = Â_QΩ, δÂ_K = Â_KΩ; δÂ_V = Â_VΩ,
     δB_O = −ΩB_O). The paper's printed eq. (23) pairs u_Q with W_K instead; we implement the charge itself.
@@ -157,7 +158,7 @@ def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: i
     return dict(zip(per_head, means))
 
 
-VELOCITY_OPTIMIZERS = ("ecd", "sgdm", "adamw")  # the optimizers whose state defines a velocity (docs/evaluation.md#angular-momentum-and-rotational-fraction)
+VELOCITY_OPTIMIZERS = ("ecd", "sgdm", "adamw")  # the optimizers whose state defines a velocity (docs/evaluation.md)
 
 
 def _direction_from_state(state: Mapping[str, object], group: Mapping[str, object], name: str) -> Tensor | None:
@@ -178,7 +179,8 @@ def _direction_from_state(state: Mapping[str, object], group: Mapping[str, objec
     if not state:
         return None
     raise ValueError(f"optimizer state of {name} has keys {sorted(state)}: velocity directions are defined for "
-                     "ECD ('pi'), SGDM ('momentum_buffer') and AdamW ('exp_avg', 'exp_avg_sq') only (docs/evaluation.md#angular-momentum-and-rotational-fraction)")
+                     "ECD ('pi'), SGDM ('momentum_buffer') and AdamW ('exp_avg', 'exp_avg_sq') only "
+                     "(docs/evaluation.md)")
 
 
 def _unit(directions: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -228,7 +230,7 @@ def _product_distance_sq(a0: Tensor, b0: Tensor, a1: Tensor, b1: Tensor) -> Tens
 
 
 def weight_drift_ratio(params0: Mapping[str, Tensor], params1: Mapping[str, Tensor], n_head: int) -> dict[str, Tensor]:
-    """(‖ΔÂ_Q‖ + ‖ΔÂ_K‖)/‖Δ(Â_QÂ_Kᵀ)‖ per head (and the VO analogue with Â_V B_O), each (L, H) (docs/evaluation.md#angular-momentum-and-rotational-fraction)."""
+    """(‖ΔÂ_Q‖ + ‖ΔÂ_K‖)/‖Δ(Â_QÂ_Kᵀ)‖ per head (and the VO analogue with Â_V B_O), each (L, H) (docs/evaluation.md)."""
     out: dict[str, list[Tensor]] = {"drift_QK": [], "drift_VO": []}
     for layer in range(num_attention_layers(params1)):
         f0, f1 = head_factors(params0, layer, n_head), head_factors(params1, layer, n_head)

@@ -87,7 +87,8 @@ def eigenbasis(factor: Tensor) -> Tensor:
 
 
 class SOAP(ShardedOptimizer):
-    """SOAP (docs/optimizers.md#soap). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are global."""
+    """SOAP (docs/optimizers.md). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are
+    global."""
 
     def __init__(
         self,
@@ -151,7 +152,7 @@ class SOAP(ShardedOptimizer):
                 factor.lerp_(gram(g, dim), 1 - self.shampoo_beta)
 
     def _refresh(self, i: int, m: Tensor, v: Tensor) -> None:
-        """Sorted power iteration + QR on each basis; m moves to the new basis, v is re-indexed (docs/optimizers.md#soap)."""
+        """Sorted power iteration + QR on each basis; m moves to the new basis, v is re-indexed (docs/optimizers.md)."""
         m_original = project_back(m, self.bases[i])
         for dim, (factor, q) in enumerate(zip(self.factors[i], self.bases[i])):
             if factor is None:

@@ -1,4 +1,4 @@
-"""The Triton attention kernel against a float64 SDPA reference: forward and every gradient (docs/model.md#symmetry-breaking-biases).
+"""The Triton attention kernel against a float64 SDPA reference: forward and every gradient (docs/model.md).
 
 On CPU the kernel runs in Triton's interpreter. The interpreter is chosen when `@triton.jit` runs, i.e. when
 `kernels.attention` is imported with TRITON_INTERPRET=1, and it must not leak into other test modules (nor into

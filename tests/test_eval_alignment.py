@@ -1,4 +1,5 @@
-"""eval.alignment (docs/evaluation.md#b_q-alignment-and-enrichment): category rules, the null threshold, and a planted alignment recovered with enrichment."""
+"""eval.alignment (docs/evaluation.md): category rules, the null threshold, and a planted alignment recovered with
+enrichment."""
 from __future__ import annotations
 
 import numpy as np

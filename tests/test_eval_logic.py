@@ -1,4 +1,4 @@
-"""eval.logic_puzzles (docs/evaluation.md#b_q-alignment-and-enrichment, arXiv 2601.22257 App. E.1): suites, generators, scoring and intervals."""
+"""eval.logic_puzzles (docs/evaluation.md, arXiv 2601.22257 App. E.1): suites, generators, scoring and intervals."""
 from __future__ import annotations
 
 import json

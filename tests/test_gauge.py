@@ -1,4 +1,5 @@
-"""optim.gauge (docs/model.md#conventions, docs/evaluation.md#angular-momentum-and-rotational-fraction): factor layout, Noether charges, |J̃|, exact vs eq. 24 f_rot, velocities, drift."""
+"""optim.gauge (docs/model.md, docs/evaluation.md): factor layout, Noether charges, |J̃|, exact vs eq. 24 f_rot,
+velocities, drift."""
 from __future__ import annotations
 
 import math

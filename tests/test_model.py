@@ -109,7 +109,7 @@ def test_evaluation_uses_the_means(mode):
 
 
 def test_mean_biases_fold_into_a_standard_gpt2():
-    """At the means, q + μ_Q = x A_Q + (c_Q + μ_Q) and c_proj(y + μ_V) = c_proj(y) + W_O μ_V (docs/model.md#symmetry-breaking-biases)."""
+    """At the means, q + μ_Q = x A_Q + (c_Q + μ_Q) and c_proj(y + μ_V) = c_proj(y) + W_O μ_V (docs/model.md)."""
     torch.manual_seed(0)
     cfg = tiny_config(bias_mode="bqbv", mean_v=0.5)
     broken = GPT(cfg).double()

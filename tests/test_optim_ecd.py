@@ -1,4 +1,5 @@
-"""ECD q=1 against docs/optimizers.md#ecd: a float64 NumPy transcription, the first step, renormalisation, noise, F̃ <= F0."""
+"""ECD q=1 against docs/optimizers.md: a float64 NumPy transcription, the first step, renormalisation, noise, F̃ <=
+F0."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
-"""SOAP against docs/optimizers.md#soap: Adam when the basis is the identity, a float64 NumPy transcription, a rotated quadratic."""
+"""SOAP against docs/optimizers.md: Adam when the basis is the identity, a float64 NumPy transcription, a rotated
+quadratic."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,8 @@ from optim.soap import SOAP, merged_shape
 class Net(nn.Module):
     """Matrices with one side above max_precond_dim=8, 1-D biases and a 3-D tensor (for merge_dims).
 
-    Every rotated side has a full-rank Gram after one batch (docs/optimizers.md#soap numerics): otherwise the eigenbasis of the
-    null space is arbitrary and two correct implementations legitimately disagree.
+    Every rotated side has a full-rank Gram after one batch (docs/optimizers.md numerics): otherwise the eigenbasis of
+    the null space is arbitrary and two correct implementations legitimately disagree.
     """
 
     def __init__(self, seed: int) -> None:

@@ -1,4 +1,5 @@
-"""Optimizer state: bf16 storage against fp32, exact resume from a state dict, state bytes, and the docs/evaluation.md#angular-momentum-and-rotational-fraction toy."""
+"""Optimizer state: bf16 storage against fp32, exact resume from a state dict, state bytes, and the docs/evaluation.md
+toy."""
 from __future__ import annotations
 
 import copy
@@ -104,7 +105,7 @@ def test_state_bytes_per_parameter_count_flat_buffers_once(name):
 
 
 def circular_valley_angular_momentum(make_opt, velocity, steps: int = 60) -> list[float]:
-    """docs/evaluation.md#angular-momentum-and-rotational-fraction toy: f = (x² + y² − 1 + z)², z ~ N(0, 0.1²); returns L = x v_y − y v_x along the run."""
+    """docs/evaluation.md toy: f = (x² + y² − 1 + z)², z ~ N(0, 0.1²); returns L = x v_y − y v_x along the run."""
     theta = nn.Parameter(torch.tensor([1.3, 0.6], dtype=torch.float64))
     opt = make_opt(theta)
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""data/shards.py: the docs/data.md#shard-format byte layout, round trips, and errors that name the file and the problem."""
+"""data/shards.py: the docs/data.md byte layout, round trips, and errors that name the file and the problem."""
 from __future__ import annotations
 
 import struct

@@ -1,4 +1,4 @@
-"""Raw text -> shards (data/tokenize.py): round trip, docs/data.md#shard-format bytes, loader, determinism, bad input, Hub files."""
+"""Raw text -> shards (data/tokenize.py): round trip, docs/data.md bytes, loader, determinism, bad input, Hub files."""
 from __future__ import annotations
 
 import hashlib
@@ -29,7 +29,7 @@ def expected_stream(docs: list[str]) -> np.ndarray:
 
 
 def spec_bytes(tokens: np.ndarray) -> bytes:
-    """docs/data.md#shard-format written out independently of data.shards: 256 int32 header, then uint16 tokens, little-endian."""
+    """docs/data.md written out independently of data.shards: 256 int32 header, then uint16 tokens, little-endian."""
     header = np.zeros(256, dtype="<i4")
     header[:3] = [20240520, 1, tokens.size]
     return header.tobytes() + tokens.astype("<u2").tobytes()
