@@ -15,10 +15,11 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import train_gpt
-from data.shards import atomic_write, sha256_file
+from data.shards import atomic_write, atomic_writer, sha256_file
 
 EVAL_DIRNAME = "eval"
 MANIFEST = "manifest.json"
@@ -213,6 +214,27 @@ def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, f
         return mean, float("nan"), float("nan")
     sem = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
     return mean, mean - z * sem, mean + z * sem
+
+
+def plot_head_maps(result: dict, keys: list[str], path: Path, suptitle: str) -> None:
+    """One layer × head heat map per key of result["per_head"] (titled with result["summary"]'s mean), written
+    atomically as a PNG: the per-head figure of eval.dynamics and eval.gauge."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.8))
+    for ax, key in zip(axes, keys):
+        values = np.array(result["per_head"][key])
+        image = ax.imshow(values, cmap="magma", aspect="auto")
+        ax.set_xticks(range(values.shape[1]))
+        ax.set_yticks(range(values.shape[0]))
+        ax.set_title(f"{key} (mean {result['summary'][key]:.3g})", fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

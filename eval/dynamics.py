@@ -17,7 +17,6 @@ import argparse
 import re
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import train_gpt
@@ -26,6 +25,7 @@ from eval.common import (
     checkpoint_identity,
     markdown_table,
     output_dir,
+    plot_head_maps,
     pyplot,
     record_outputs,
     resolve_target,
@@ -68,22 +68,7 @@ def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
 
 
 def plot_heads(result: dict, path: Path, title: str) -> None:
-    plt = pyplot()
-    keys = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO")
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    for ax, key in zip(axes, keys):
-        values = np.array(result["per_head"][key])
-        image = ax.imshow(values, cmap="magma", aspect="auto")
-        ax.set_xticks(range(values.shape[1]))
-        ax.set_yticks(range(values.shape[0]))
-        ax.set_title(f"{key} (mean {result['summary'][key]:.3g})")
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax)
-    fig.suptitle(f"{title} — step {result['step']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_head_maps(result, ["J_QK", "J_VO", "f_rot_QK", "f_rot_VO"], path, f"{title} — step {result['step']}")
 
 
 def plot_training(log: list[dict], checkpoints: list[dict], path: Path, title: str) -> None:

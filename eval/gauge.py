@@ -27,13 +27,12 @@ import argparse
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import train_gpt
 from data.loader import validation_batches
-from data.shards import atomic_write, atomic_writer
-from eval.common import add_target_args, markdown_table, open_target, pyplot, write_json
+from data.shards import atomic_write
+from eval.common import add_target_args, markdown_table, open_target, plot_head_maps, write_json
 from eval.val_loss import run_hyperparameters, validation_files
 from optim import OPTIMIZERS
 from optim.gauge_sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
@@ -56,24 +55,10 @@ def optimizer_config(checkpoint_config: dict, optimizer: str | None, lr: float |
 
 
 def plot(result: dict, path: Path, title: str) -> None:
-    plt = pyplot()
     keys = [f"relative_difference_{s}" for s in SECTORS] + [f"gram_imbalance_gauged_{s}" for s in SECTORS]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
-    for ax, key in zip(axes, keys):
-        values = np.array(result["per_head"][key])
-        image = ax.imshow(values, cmap="magma", aspect="auto")
-        ax.set_xticks(range(values.shape[1]))
-        ax.set_yticks(range(values.shape[0]))
-        ax.set_title(f"{key} (mean {result['summary'][key]:.3g})", fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax)
     condition = f", condition {result['condition']:g}" if result["gauge"] == "gl" else ""
-    fig.suptitle(f"{title}: {result['optimizer']} step, {result['samples']} {result['gauge']} gauges{condition}")
-    fig.tight_layout()
-    with atomic_writer(path) as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    plot_head_maps(result, keys, path,
+                   f"{title}: {result['optimizer']} step, {result['samples']} {result['gauge']} gauges{condition}")
 
 
 def report(result: dict, run_name: str) -> str:
