@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
     step = target.identity["step"]
     model = load_model(ckpt, device)
+    if model.config.attention != "standard":
+        raise SystemExit(f"error: {target.checkpoint_path} has --attention {model.config.attention}: b_Q alignment "
+                         "needs the keys of standard attention")
     hp = run_hyperparameters(ckpt["config"])
     seq_len = min(hp.seq_len, model.config.block_size)
     files, residual_tokens = None, args.residual_tokens

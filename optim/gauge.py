@@ -32,7 +32,8 @@ def num_attention_layers(tensors: Mapping[str, Tensor]) -> int:
     layers = sorted(int(n.split(".")[2]) for n in tensors if n.startswith("transformer.h.")
                     and n.endswith(".attn.c_attn.weight"))
     if layers != list(range(len(layers))) or not layers:
-        raise ValueError(f"expected attention weights transformer.h.0..L-1.attn.c_attn.weight, found layers {layers}")
+        raise ValueError(f"expected attention weights transformer.h.0..L-1.attn.c_attn.weight, found layers {layers} "
+                         "(a model with --attention relational has no W_Q, W_K, W_V, W_O to analyse)")
     return len(layers)
 
 

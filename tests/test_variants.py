@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import train_gpt
 from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import write_shard
+from eval import alignment
 from kernels.attention import attention_reference
 from optim import OPTIMIZERS
 
@@ -267,6 +268,8 @@ def test_relational_model_trains(corpus, tmp_path):
     assert summary["step"] == 16
     model = train_gpt.model_from_checkpoint(tmp_path / "relational" / "checkpoints" / "latest.pt")
     assert isinstance(model.transformer.h[0].attn, train_gpt.RelationalAttention)
+    with pytest.raises(SystemExit, match="b_Q alignment needs the keys of standard attention"):
+        alignment.main(["--run", str(tmp_path / "relational"), "--modes", "raw"])
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
