@@ -47,3 +47,21 @@ def run_in_interpreter(test_file: str, out_dir: Path, timeout: int) -> dict:
                           timeout=timeout)
     assert proc.returncode == 0 and path.exists(), f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(path.read_text())
+
+
+def train_tiny_run(root: Path, *flags: str) -> Path:
+    """Train a tiny model (2 layers, width 32, vocabulary 64) for 4 CPU steps on a random shard written under `root`
+    and return its run directory `root/tiny`; `flags` add to or override the trainer's flags."""
+    import numpy as np
+
+    import train_gpt
+    from data.shards import write_shard
+
+    shard = root / "tiny_val_000000.bin"
+    write_shard(shard, np.random.default_rng(0).integers(0, 64, 2048))
+    train_gpt.main(["--train-files", str(shard), "--val-files", str(shard), "--vocab-size", "64",
+                    "--block-size", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
+                    "--batch-tokens", "64", "--micro-batch", "2", "--steps", "4", "--val-every", "0",
+                    "--val-tokens", "64", "--run-dir", str(root), "--run-name", "tiny", "--device", "cpu",
+                    "--no-compile", "--lr", "1e-2", *flags])
+    return root / "tiny"

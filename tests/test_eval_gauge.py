@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import train_gpt
-from data.shards import write_shard
 from eval import gauge
 from optim import gauge_sensitivity as sensitivity
 from optim.torch_optimizers import AdamWConfig, SGDMConfig
+from tests.conftest import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLAIN_GD = SGDMConfig(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, fused=False)
@@ -105,16 +105,8 @@ def test_the_global_rng_is_left_alone():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 4-step AdamW run of a tiny model logging the diagnostic every 2 steps, with its final checkpoint."""
-    root = tmp_path_factory.mktemp("gauge")
-    shard = root / "tiny_val_000000.bin"
-    write_shard(shard, np.random.default_rng(0).integers(0, 64, 2048))
-    train_gpt.main(["--train-files", str(shard), "--val-files", str(shard), "--vocab-size", "64",
-                    "--block-size", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
-                    "--batch-tokens", "64", "--micro-batch", "2", "--steps", "4", "--val-every", "0",
-                    "--val-tokens", "64", "--log-every", "1", "--gauge-diagnostic-every", "2",
-                    "--run-dir", str(root), "--run-name", "tiny", "--device", "cpu", "--no-compile",
-                    "--bias-mode", "none", "--lr", "1e-2"])
-    return root / "tiny"
+    return train_tiny_run(tmp_path_factory.mktemp("gauge"), "--log-every", "1", "--gauge-diagnostic-every", "2",
+                          "--bias-mode", "none")
 
 
 def test_training_logs_the_diagnostic_every_n_steps(tiny_run):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import train_gpt
-from data.shards import write_shard
 from eval import structure
 from eval.structure import directionality_score, query_key_matrices, symmetry_score
 from optim.gauge import plain_name
+from tests.conftest import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -83,16 +83,8 @@ def test_query_key_matrix_orientation_and_head_sum():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 4-step run of a tiny model with checkpoints at steps 2 and 4 (step_*.pt and latest.pt)."""
-    root = tmp_path_factory.mktemp("structure")
-    shard = root / "tiny_val_000000.bin"
-    write_shard(shard, np.random.default_rng(0).integers(0, 64, 2048))
-    train_gpt.main(["--train-files", str(shard), "--val-files", str(shard), "--vocab-size", "64",
-                    "--block-size", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
-                    "--batch-tokens", "64", "--micro-batch", "2", "--steps", "4", "--val-every", "0",
-                    "--val-tokens", "64", "--log-every", "2", "--checkpoint-every", "2", "--keep-checkpoints",
-                    "--run-dir", str(root), "--run-name", "tiny", "--device", "cpu", "--no-compile",
-                    "--lr", "1e-2"])
-    return root / "tiny"
+    return train_tiny_run(tmp_path_factory.mktemp("structure"), "--log-every", "2", "--checkpoint-every", "2",
+                          "--keep-checkpoints")
 
 
 def test_cli_over_a_runs_checkpoints(tiny_run, tmp_path):
