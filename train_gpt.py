@@ -195,7 +195,7 @@ PRESET_NOTES = {
     "gpt2-124m": "the paper's GPT-2 small (PReLU) run: model, 500M tokens, batch 8 x 512 without accumulation, "
                  "constant learning rate, and the optimizer's published update with its Table 9 hyperparameters",
     "gpt2-124m-gelu": "the paper's GPT-2 small run with GELU: as gpt2-124m but the activation",
-    "smoke": "a few minutes on a CPU to check the trainer; reproduces no published run",
+    "smoke": "no published run (a few minutes on a CPU to check the trainer)",
 }
 PAPER_OPTIMIZERS = ("adamw", "ecd", "sgdm", "soap")  # Table 9 of the paper
 VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
