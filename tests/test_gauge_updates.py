@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from test_train import ENV, ROOT, corpus, read_log, tiny_args, torchrun, train_losses  # noqa: F401 (fixture)
+from tests.test_train import (  # noqa: F401 (corpus is a fixture)
+    ENV, ROOT, corpus, resume_in_new_directory, tiny_args, torchrun, train_losses)
 
 import train_gpt
 from optim import OPTIMIZERS
@@ -277,10 +278,7 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
     train_gpt.main(tiny_args(corpus, tmp_path, "straight", **common))
     train_gpt.main(tiny_args(corpus, tmp_path, "halves", **common, **{"checkpoint-every": 3},
                              **{"keep-checkpoints": True}))
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / "latest.pt").write_bytes((tmp_path / "halves/checkpoints/step_000003.pt").read_bytes())
-    train_gpt.main(["--resume", str(resumed)])
+    resumed = resume_in_new_directory(tmp_path / "halves/checkpoints/step_000003.pt", tmp_path / "resumed")
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
     assert sorted(again) == [4, 5, 6]
     assert all(again[step] == straight[step] for step in again), (again, straight)

@@ -13,6 +13,7 @@ import pytest
 
 import train_gpt
 from data.shards import write_shard
+from tests.test_train import resume_in_new_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = {"ecd": {"lr": 0.5, "ecd-f0": 0.0}, "soap": {"lr": 3e-3}, "muon": {"lr": 3e-3, "muon-lr": 0.01}}
@@ -48,10 +49,7 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path, optimizer):
     train_gpt.main(args(corpus, tmp_path, "straight", optimizer, **{"lr-schedule": "cosine", "warmup-steps": 2}))
     train_gpt.main(args(corpus, tmp_path, "halves", optimizer, **{"lr-schedule": "cosine", "warmup-steps": 2,
                                                                    "checkpoint-every": 3, "keep-checkpoints": True}))
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / "latest.pt").write_bytes((tmp_path / "halves/checkpoints/step_000003.pt").read_bytes())
-    train_gpt.main(["--resume", str(resumed)])
+    resumed = resume_in_new_directory(tmp_path / "halves/checkpoints/step_000003.pt", tmp_path / "resumed")
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
     assert sorted(again) == [4, 5, 6]
     assert len(set(straight.values())) == 6  # the run moves

@@ -24,14 +24,23 @@ VOCAB = 128
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def synthetic_tokens(num_tokens: int, seed: int) -> np.ndarray:
-    """A learnable toy language: a Zipf-distributed stream of 40 fixed random 'words' of 2-5 tokens each."""
+def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarray:
+    """A learnable toy language: a Zipf-distributed stream of 40 fixed random 'words' of 2-5 tokens each, with ids in
+    [1, vocab)."""
     vocabulary = np.random.default_rng(1234)  # the same words in every shard
-    words = [vocabulary.integers(1, VOCAB, size=vocabulary.integers(2, 6)) for _ in range(40)]
+    words = [vocabulary.integers(1, vocab, size=vocabulary.integers(2, 6)) for _ in range(40)]
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, 41)
     picks = rng.choice(40, size=num_tokens // 2, p=weights / weights.sum())
     return np.concatenate([words[i] for i in picks])[:num_tokens].astype(np.uint16)
+
+
+def resume_in_new_directory(checkpoint: Path, resumed: Path) -> Path:
+    """Copy `checkpoint` to resumed/checkpoints/latest.pt and continue it there with `--resume` (no other flag)."""
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "latest.pt").write_bytes(checkpoint.read_bytes())
+    train_gpt.main(["--resume", str(resumed)])
+    return resumed
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from data.shards import write_shard
 from eval import alignment
 from kernels.attention import attention_reference
 from optim import OPTIMIZERS
+from tests.test_train import synthetic_tokens
 
 VOCAB, MASK = 136, 128  # the synthetic corpus uses ids 1..127, so 128 is free for [MASK]
 TINY = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32, mask_token=MASK)
@@ -134,19 +135,11 @@ def test_bv_rewrite_is_exact_without_the_causal_mask():
         torch.testing.assert_close(rewritten, direct, rtol=1e-12, atol=1e-12)
 
 
-def synthetic_tokens(num_tokens: int, seed: int) -> np.ndarray:
-    """A learnable toy language: a Zipf-distributed stream of 40 fixed random 'words' of 2-5 tokens each."""
-    vocabulary = np.random.default_rng(1234)
-    words = [vocabulary.integers(1, MASK, size=vocabulary.integers(2, 6)) for _ in range(40)]
-    picks = np.random.default_rng(seed).choice(40, size=num_tokens // 2, p=(w := 1.0 / np.arange(1, 41)) / w.sum())
-    return np.concatenate([words[i] for i in picks])[:num_tokens].astype(np.uint16)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("corpus")
-    write_shard(root / "syn_val_000000.bin", synthetic_tokens(8192, seed=0))
-    write_shard(root / "syn_train_000001.bin", synthetic_tokens(40000, seed=1))
+    write_shard(root / "syn_val_000000.bin", synthetic_tokens(8192, seed=0, vocab=MASK))
+    write_shard(root / "syn_train_000001.bin", synthetic_tokens(40000, seed=1, vocab=MASK))
     return root
 
 
