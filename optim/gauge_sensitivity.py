@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from optim import OPTIMIZERS
 from optim.gauge import gauge_transformed, head_factors, num_attention_layers, plain_name
+from optim.gauge_updates import gram_imbalance
 
 GAUGE_KINDS = ("gl", "orthogonal")
 SECTORS = ("QK", "VO")
@@ -97,11 +98,10 @@ def _pairs(f: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     return {"QK": (f["Q"], f["K"]), "VO": (f["V"], f["O"].mT)}
 
 
-def gram_imbalance(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """(‖AᵀA − BᵀB‖_F / ‖AᵀA‖_F, max_j max(ρ_j, 1/ρ_j) with ρ_j = RMS of A's column j / RMS of B's column j), per
-    head (docs/gauge.md#quotient-aware-updates)."""
-    h_a, h_b = a.mT @ a, b.mT @ b
-    imbalance = torch.linalg.matrix_norm(h_a - h_b) / torch.linalg.matrix_norm(h_a).clamp_min(1e-300)
+def gram_balance(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """(optim.gauge_updates.gram_imbalance, max_j max(ρ_j, 1/ρ_j) with ρ_j = RMS of A's column j / RMS of B's column
+    j), per head (docs/gauge.md#quotient-aware-updates)."""
+    imbalance = gram_imbalance(a, b)
     ratio = a.square().mean(-2).sqrt() / b.square().mean(-2).sqrt().clamp_min(1e-300)
     return imbalance, torch.maximum(ratio, 1 / ratio.clamp_min(1e-300)).amax(-1)
 
@@ -157,7 +157,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
         for before, after, s_qk, s_vo in gauged:
             g0, g1 = head_factors(before, layer, n_head), head_factors(after, layer, n_head)
             for s, (a, b) in _pairs(g0).items():
-                imbalances[s].append(gram_imbalance(a, b))
+                imbalances[s].append(gram_balance(a, b))
             q0, q1 = (_products(_inverse_gauge(g, s_qk[layer], s_vo[layer])) for g in (g0, g1))
             for s in SECTORS:
                 moves[s].append(q1[s] - q0[s])
@@ -167,7 +167,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
             stacked = torch.stack(moves[s])  # (samples, H, rows, cols)
             mean_move = stacked.mean(0)
             rel = _norm(stacked - reference[s]) / scale  # (samples, H)
-            imbalance, rms_ratio = gram_imbalance(*_pairs(f0)[s])
+            imbalance, rms_ratio = gram_balance(*_pairs(f0)[s])
             values = {
                 "relative_difference": rel.mean(0), "relative_difference_var": rel.var(0, correction=0),
                 "random_gauge_variance": _norm(stacked - mean_move).square().mean(0) / scale.square(),

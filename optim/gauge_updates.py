@@ -115,7 +115,7 @@ def sphere_step(w: Tensor, u: Tensor, radius: Tensor, step: float) -> Tensor:
 def gram_imbalance(a: Tensor, b: Tensor) -> Tensor:
     """‖AᵀA − BᵀB‖_F / ‖AᵀA‖_F per head."""
     h_a = a.mT @ a
-    return torch.linalg.matrix_norm(h_a - b.mT @ b) / torch.linalg.matrix_norm(h_a)
+    return torch.linalg.matrix_norm(h_a - b.mT @ b) / torch.linalg.matrix_norm(h_a).clamp_min(1e-300)
 
 
 # ----------------------------------------------------------------------------------------------------------------
