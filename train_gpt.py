@@ -41,9 +41,9 @@ from kernels.attention import attention
 from optim import OPTIMIZERS, OptimizerConfig, optimizer_state_bytes, optimizer_state_tensors
 from optim.registry import upgrade_saved_config
 from optim.distributed import all_reduce_sum, init_process_group
-from optim.gauge import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
-from optim.gauge_sensitivity import training_summary
-from optim.gauge_updates import GAUGE_MODES, GaugeUpdates
+from gauge.dynamics import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
+from gauge.sensitivity import training_summary
+from gauge.updates import GAUGE_MODES, GaugeUpdates
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"

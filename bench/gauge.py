@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_gpt  # noqa: E402
 from optim import OPTIMIZERS  # noqa: E402
-from optim.gauge_updates import GaugeUpdates  # noqa: E402
+from gauge.updates import GaugeUpdates  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:

@@ -4,7 +4,7 @@
     python -m eval.dynamics --checkpoint FILE        # one checkpoint
 
 From a checkpoint's optimizer state (the velocity u: ECD Π/‖Π‖; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε), each
-scaled to global norm 1 — see optim.gauge) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
+scaled to global norm 1 — see gauge.dynamics) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
 paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
 `--dynamics-every N` writes the same quantities (means over heads) into log.jsonl; they are plotted over training.
 Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`,
@@ -32,7 +32,7 @@ from eval.common import (
     write_json,
     write_text,
 )
-from optim.gauge import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
+from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 
 LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
 

@@ -1,6 +1,6 @@
 """Gauge-sensitivity diagnostic: does one optimizer step depend on which representative of the weights it starts
 from? (docs/structure.md#gauge-sensitivity-diagnostic, docs/gauge.md#quotient-aware-updates)
-The computation lives in optim/gauge_sensitivity.py (shared with the trainer's --gauge-diagnostic-every); this module is
+The computation lives in gauge/sensitivity.py (shared with the trainer's --gauge-diagnostic-every); this module is
 its command line and report.
 
     python -m eval.gauge --run runs/NAME                      # the run's optimizer and hyperparameters
@@ -35,7 +35,7 @@ from data.shards import atomic_write
 from eval.common import add_target_args, markdown_table, open_target, plot_head_maps, write_json
 from eval.val_loss import run_hyperparameters, validation_files
 from optim import OPTIMIZERS
-from optim.gauge_sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
+from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 

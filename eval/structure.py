@@ -26,7 +26,7 @@ import train_gpt
 from data.shards import atomic_write, atomic_writer
 from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_device, resolve_target, write_json
 from eval.dynamics import run_checkpoints
-from optim.gauge import head_factors, num_attention_layers, plain_name
+from gauge.dynamics import head_factors, num_attention_layers, plain_name
 
 CONVENTIONS = ("paper", "published")
 GAMMA = 2.0  # threshold = mean + GAMMA · std of the norms

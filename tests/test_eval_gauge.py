@@ -10,7 +10,7 @@ import torch
 
 import train_gpt
 from eval import gauge
-from optim import gauge_sensitivity as sensitivity
+from gauge import sensitivity
 from optim.torch_optimizers import AdamWConfig, SGDMConfig
 from tests.conftest import train_tiny_run
 

@@ -10,7 +10,7 @@ import torch
 import train_gpt
 from eval import structure
 from eval.structure import directionality_score, query_key_matrices, symmetry_score
-from optim.gauge import plain_name
+from gauge.dynamics import plain_name
 from tests.conftest import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""optim.gauge (docs/model.md, docs/evaluation.md): factor layout, Noether charges, |J̃|, exact vs eq. 24 f_rot,
+"""gauge.dynamics (docs/model.md, docs/evaluation.md): factor layout, Noether charges, |J̃|, exact vs eq. 24 f_rot,
 velocities, drift."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from optim.gauge import (
+from gauge.dynamics import (
     dynamics_summary,
     factor_tensors,
     gauge_transformed,

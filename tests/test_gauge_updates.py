@@ -1,4 +1,4 @@
-"""optim.gauge_updates (docs/gauge.md): the worked examples, quotient compatibility of the corrected step, the
+"""gauge.updates (docs/gauge.md): the worked examples, quotient compatibility of the corrected step, the
 projection's orthogonality to the orbit, dressing (forward pass, Gram balance, optimizer state), the trainer's
 --gauge modes with every optimizer, exact resume and 2 ranks = 1."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.test_train import (  # noqa: F401 (corpus is a fixture)
 
 import train_gpt
 from optim import OPTIMIZERS
-from optim.gauge_updates import (
+from gauge.updates import (
     GaugeUpdates,
     attention_parameters,
     balancing_gauge,

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from optim import OPTIMIZERS
-from optim.gauge import gauge_transformed, head_factors, num_attention_layers, plain_name
-from optim.gauge_updates import gram_imbalance
+from gauge.dynamics import gauge_transformed, head_factors, num_attention_layers, plain_name
+from gauge.updates import gram_imbalance
 
 GAUGE_KINDS = ("gl", "orthogonal")
 SECTORS = ("QK", "VO")
@@ -99,7 +99,7 @@ def _pairs(f: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
 
 
 def gram_balance(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """(optim.gauge_updates.gram_imbalance, max_j max(ρ_j, 1/ρ_j) with ρ_j = RMS of A's column j / RMS of B's column
+    """(gauge.updates.gram_imbalance, max_j max(ρ_j, 1/ρ_j) with ρ_j = RMS of A's column j / RMS of B's column
     j), per head (docs/gauge.md#quotient-aware-updates)."""
     imbalance = gram_imbalance(a, b)
     ratio = a.square().mean(-2).sqrt() / b.square().mean(-2).sqrt().clamp_min(1e-300)

@@ -10,7 +10,7 @@ U = θ_after − θ_before of the attention parameters and rewrites them (docs/g
 - hyperball: a step of fixed relative length on each factor's Frobenius sphere (docs/gauge.md#hyperball).
 
 Each head's sector is handled as one factor pair (A, B) with M = ABᵀ: QK: (Â_Q, Â_K); VO: (Â_V, B_Oᵀ), with the
-learned attention biases as augmented rows (optim.gauge.head_factors). The gauge acts as (A, B) → (AS, BS⁻ᵀ).
+learned attention biases as augmented rows (gauge.dynamics.head_factors). The gauge acts as (A, B) → (AS, BS⁻ᵀ).
 All math is float64, batched over layers and heads (d×d work per head), without host synchronisation.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 from torch import Tensor, nn
 
-from optim.gauge import (
+from gauge.dynamics import (
     factor_tensors,
     head_factors,
     num_attention_layers,
@@ -68,11 +68,11 @@ def solve_sylvester_spd(h_a: Tensor, h_b: Tensor, rhs: Tensor) -> Tensor:
 def orbit_generator(a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, group: str) -> Tensor:
     """The generator ξ (d×d) whose orbit motion (Aξ, −Bξᵀ) is the least-squares fit to (U_A, U_B)
     (docs/gauge.md#projection). gl: H_A ξ + ξ H_B = AᵀU_A − U_BᵀB; o: ξ antisymmetric, solving
-    (H_A + H_B)ξ + ξ(H_A + H_B) = X − Xᵀ with X = AᵀU_A + BᵀU_B, as optim.gauge.rotational_fraction."""
+    (H_A + H_B)ξ + ξ(H_A + H_B) = X − Xᵀ with X = AᵀU_A + BᵀU_B, as gauge.dynamics.rotational_fraction."""
     if group == "gl":
         return solve_sylvester_spd(a.mT @ a, b.mT @ b, a.mT @ u_a - u_b.mT @ b)
     if group == "o":
-        charge = a.mT @ u_a + b.mT @ u_b  # the Noether charge (optim.gauge.noether_charges) of the pair
+        charge = a.mT @ u_a + b.mT @ u_b  # the Noether charge (gauge.dynamics.noether_charges) of the pair
         return solve_rotation_generator(a.mT @ a + b.mT @ b, charge - charge.mT)
     raise ValueError(f"gauge group must be 'gl' or 'o', got {group!r}")
 
