@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import runs
 import train_gpt
+from config import config_from_dict
 from data.shards import GPT2_VOCAB, atomic_write
 from optim import OPTIMIZERS
 
@@ -144,7 +146,7 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> Path:
 def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
     """Our GPTConfig for a directory's config.json: our PReLU format, or a GPT-2 GPT2Config."""
     if meta.get("format") == PRELU_FORMAT:
-        return train_gpt.config_from_dict(meta["model"])
+        return config_from_dict(meta["model"], train_gpt.GPTConfig)
     if meta.get("model_type") != "gpt2":
         raise ExportError(f"{source / CONFIG_FILE}: neither a GPT-2 config (model_type 'gpt2') nor {PRELU_FORMAT}")
     n_embd = meta.get("n_embd", 768)
@@ -223,12 +225,11 @@ def load_exported(source: str | os.PathLike) -> train_gpt.GPT:
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
     """A checkpoint in our format holding only the model (step 0, default training config), for sample and eval."""
-    optimizer = train_gpt.Hyperparameters.optimizer
-    config = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.Hyperparameters()),
+    optimizer = train_gpt.TrainConfig.optimizer
+    config = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.TrainConfig()),
               "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config())}
-    return {"format": train_gpt.CHECKPOINT_FORMAT, "step": 0, "config": config, "imported_from": source,
-            "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-            "metrics": {"step": 0, "tokens": 0, "train_time_s": 0.0}}
+    return runs.model_checkpoint(model, config, 0, imported_from=source,
+                                 metrics={"step": 0, "tokens": 0, "train_time_s": 0.0})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,8 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "to-hf":
-            path = train_gpt.resolve_checkpoint_path(args.checkpoint, flag="--checkpoint")
-            model = train_gpt.model_from_checkpoint(train_gpt.load_checkpoint(path, mmap=True))
+            path = runs.resolve_checkpoint_path(args.checkpoint, flag="--checkpoint")
+            model = train_gpt.model_from_checkpoint(runs.load_checkpoint(path, mmap=True))
             export_model(model, args.out)
             kind = ("a GPT2LMHeadModel directory" if model.config.activation == "gelu" else
                     "a PReLU model (stock GPT-2 has no PReLU; load it with export.load_exported)")
@@ -256,9 +257,9 @@ def main(argv: list[str] | None = None) -> None:
                 raise ExportError(f"--out {args.out} exists; choose a new file")
             model = load_exported(args.source)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            train_gpt.save_checkpoint(args.out, checkpoint_of(model, args.source))
+            runs.save_checkpoint(args.out, checkpoint_of(model, args.source))
             print(f"wrote {args.out}: {model.get_num_params():,} parameters from {args.source}")
-    except (ExportError, train_gpt.CheckpointError) as exc:
+    except (ExportError, runs.CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import runs
 import train_gpt
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 
@@ -30,8 +31,8 @@ def load_model(source: str) -> train_gpt.GPT:
         except export.ExportError as exc:
             raise SystemExit(f"error: {exc}") from None
     try:
-        checkpoint = train_gpt.load_checkpoint(train_gpt.resolve_checkpoint_path(path, flag="--checkpoint"), mmap=True)
-    except train_gpt.CheckpointError as exc:
+        checkpoint = runs.load_checkpoint(runs.resolve_checkpoint_path(path, flag="--checkpoint"), mmap=True)
+    except runs.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
     return train_gpt.model_from_checkpoint(checkpoint)
 

@@ -20,13 +20,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import runs
 import train_gpt
+from config import PRESETS, world_size_from_env
 from data.shards import write_shard
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(train_gpt.PRESETS))
+    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
     parser.add_argument("--log-every", type=int, default=5, help="steps per timed interval")
@@ -44,13 +46,13 @@ def main() -> None:
         summary = train_gpt.main([
             "--preset", args.preset, "--optimizer", args.optimizer, "--steps", str(args.steps),
             "--train-files", str(Path(tmp) / "bench_train_*.bin"), "--val-every", "0",
-            "--val-tokens", str(hp.micro_batch * hp.seq_len * train_gpt.world_size_from_env()),
+            "--val-tokens", str(hp.micro_batch * hp.seq_len * world_size_from_env()),
             "--log-every", str(args.log_every), "--checkpoint-every", "0",
             "--run-dir", tmp, "--run-name", "bench", *passthrough,
         ])
         if summary["run_dir"] is None:  # not the master rank: it has nothing to report
             return
-        records = train_gpt.read_log(summary["run_dir"])
+        records = runs.read_log(summary["run_dir"])
     timed = [r for r in records if "tokens_per_s" in r and not r.get("summary")][args.warmup:]
     if not timed:
         raise SystemExit("no timed intervals left after warm-up: raise --steps or lower --warmup")
@@ -58,7 +60,7 @@ def main() -> None:
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
     result = {
         "preset": args.preset, "optimizer": args.optimizer, "device": summary_device(),
-        "world_size": train_gpt.world_size_from_env(), "parameters": count_parameters(cfg.model),
+        "world_size": world_size_from_env(), "parameters": count_parameters(cfg.model),
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
         "passthrough": passthrough, "final_val_loss": summary["val_loss"],

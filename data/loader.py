@@ -334,29 +334,30 @@ def validation_batches(
     seq_len: int,
     num_tokens: int,
     *,
+    first_sequence: int = 0,
     rank: int = 0,
     world_size: int = 1,
     vocab_size: int | None = None,
     device: str | torch.device = "cpu",
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's (x, y) of a fixed validation budget: the same tokens on every call.
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    """This rank's (x, y, first_row) of a fixed validation budget: the same tokens on every call, whatever the
+    number of ranks and the micro-batch (docs/evaluation.md#validation-loss).
 
     The val stream is every shard's contiguous sequences (starts 0, T, 2T, ... reading T + 1 tokens) in sorted shard
-    order. The budget is num_tokens rounded down to whole global batches of world_size * micro_batch sequences; global
-    batch b is sequences [b*W*mb, (b+1)*W*mb) of the stream and rank r gets its rows [r*mb, (r+1)*mb).
+    order. The budget is sequences [first_sequence, first_sequence + num_tokens // seq_len) of the stream, cut into
+    blocks of micro_batch consecutive rows (the last one may be shorter) dealt round robin: block j goes to rank
+    j % world_size. first_row is the stream index of the block's first row. Averaging per scored token over all
+    ranks' blocks gives the same number on any world size (up to summation order).
     """
-    if micro_batch < 1 or seq_len < 1 or not 0 <= rank < world_size:
+    if micro_batch < 1 or seq_len < 1 or not 0 <= rank < world_size or first_sequence < 0:
         raise ValueError(f"validation_batches: bad geometry micro_batch={micro_batch} seq_len={seq_len} "
-                         f"rank={rank} world_size={world_size}")
-    rows_per_batch = world_size * micro_batch
-    num_batches = num_tokens // (rows_per_batch * seq_len)
-    if num_batches == 0:
-        raise ValueError(
-            f"validation budget of {num_tokens} tokens is less than one global val batch of {rows_per_batch * seq_len} "
-            f"(world_size {world_size} x micro_batch {micro_batch} x seq_len {seq_len}); raise --val-tokens"
-        )
+                         f"rank={rank} world_size={world_size} first_sequence={first_sequence}")
+    count = num_tokens // seq_len
+    if count == 0:
+        raise ValueError(f"validation budget of {num_tokens} tokens is less than one sequence of --seq-len {seq_len}; "
+                         f"raise --val-tokens to at least {seq_len}")
     paths, device = _resolve_files(files), _resolve_device(device)
-    needed = num_batches * rows_per_batch
+    needed = first_sequence + count
     shards, shard_of_row, start_of_row = [], [], []
     for path in paths:
         if sum(map(len, start_of_row)) >= needed:
@@ -372,17 +373,17 @@ def validation_batches(
             f"val shards {[str(p) for p in paths]} hold {len(start_of_row)} sequences of {seq_len} + 1 tokens; "
             f"the validation budget needs {needed} ({needed * seq_len} tokens); lower --val-tokens"
         )
-    return _validation_iterator(shards, shard_of_row, start_of_row, num_batches, rank, micro_batch, world_size,
-                                seq_len, device)
+    blocks = range(first_sequence + rank * micro_batch, needed, world_size * micro_batch)
+    return _validation_iterator(shards, shard_of_row, start_of_row, blocks, micro_batch, needed, seq_len, device)
 
 
 def _validation_iterator(shards: list[np.ndarray], shard_of_row: np.ndarray, start_of_row: np.ndarray,
-                         num_batches: int, rank: int, micro_batch: int, world_size: int, seq_len: int,
-                         device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    rows_per_batch, pin = world_size * micro_batch, device.type == "cuda"
-    for batch in range(num_batches):
-        mine = slice(batch * rows_per_batch + rank * micro_batch, batch * rows_per_batch + (rank + 1) * micro_batch)
+                         blocks: range, micro_batch: int, end: int, seq_len: int, device: torch.device
+                         ) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
+    pin = device.type == "cuda"
+    for first in blocks:
+        mine = slice(first, min(first + micro_batch, end))
         parts = [_read_rows(shards[s], start_of_row[mine][shard_of_row[mine] == s], seq_len, pin)
-                 for s in np.unique(shard_of_row[mine])]  # a batch may straddle two shards
+                 for s in np.unique(shard_of_row[mine])]  # a block may straddle two shards
         xy = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(device, non_blocking=True)
-        yield xy[0], xy[1]
+        yield xy[0], xy[1], first

@@ -194,8 +194,8 @@ def residual_keys(model: train_gpt.GPT, files: str, num_tokens: int, seq_len: in
 
     handles = [blk.attn.c_attn.register_forward_hook(hook(i)) for i, blk in enumerate(model.transformer.h)]
     try:
-        for x, _ in validation_batches(files, micro_batch, seq_len, num_tokens, vocab_size=cfg.vocab_size,
-                                       device=device):
+        for x, _, _ in validation_batches(files, micro_batch, seq_len, num_tokens, vocab_size=cfg.vocab_size,
+                                          device=device):
             x = x.clamp_max(GPT2_VOCAB - 1)  # padding ids never occur in real text
             current["ids"] = x.reshape(-1)
             counts.index_add_(0, current["ids"], torch.ones_like(current["ids"], dtype=torch.float64))

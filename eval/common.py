@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import runs
 import train_gpt
 from data.shards import atomic_write, atomic_writer, sha256_file
 
@@ -39,11 +40,11 @@ def resolve_target(run: Path | None, checkpoint: Path | None) -> tuple[Path, Pat
     checkpoints/latest.pt; a checkpoint's run is the directory above checkpoints/, else its own folder)."""
     try:
         if run is not None:
-            return Path(run), train_gpt.resolve_checkpoint_path(Path(run) / "checkpoints" / "latest.pt", flag="--run")
-        checkpoint = train_gpt.resolve_checkpoint_path(checkpoint, flag="--checkpoint")
-    except train_gpt.CheckpointError as exc:
+            return Path(run), runs.resolve_checkpoint_path(Path(run) / "checkpoints" / "latest.pt", flag="--run")
+        checkpoint = runs.resolve_checkpoint_path(checkpoint, flag="--checkpoint")
+    except runs.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
-    return train_gpt.run_dir_of(checkpoint) or checkpoint.parent, checkpoint
+    return runs.run_dir_of(checkpoint) or checkpoint.parent, checkpoint
 
 
 def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
@@ -75,8 +76,8 @@ def open_target(args: argparse.Namespace) -> Target:
     optimizer state, which these evaluations never touch, is not read)."""
     run_dir, checkpoint_path = resolve_target(args.run, args.checkpoint)
     try:
-        checkpoint = train_gpt.load_checkpoint(checkpoint_path, mmap=True)
-    except train_gpt.CheckpointError as exc:
+        checkpoint = runs.load_checkpoint(checkpoint_path, mmap=True)
+    except runs.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
     return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device),
                   checkpoint_identity(checkpoint_path, checkpoint.get("step")))

@@ -17,7 +17,7 @@ import math
 from pathlib import Path
 
 from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, write_json, write_text
-from train_gpt import read_log
+from runs import read_log
 
 
 def pearson(x: list[float], y: list[float]) -> dict:

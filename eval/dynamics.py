@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import train_gpt
+import runs
 from eval.common import (
     add_target_args,
     checkpoint_identity,
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     paths = run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
-        ckpt = train_gpt.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)
+        ckpt = runs.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)
         if previous is not None and previous.get("step") == ckpt.get("step"):
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_dynamics(ckpt)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         if previous is not None:
             drifts.append({"from_step": previous.get("step"), "to_step": ckpt.get("step"), **drift(previous, ckpt)})
         previous = ckpt
-    log = train_gpt.read_log(run_dir)
+    log = runs.read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
     identity = checkpoint_identity(ckpt_path, results[-1]["step"])
     summary = {"checkpoint": identity, "step": identity["step"], "checkpoints": results, "weight_drift": drifts,

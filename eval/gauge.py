@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import train_gpt
+from config import config_from_dict
 from data.loader import validation_batches
 from data.shards import atomic_write
 from eval.common import add_target_args, markdown_table, open_target, plot_head_maps, write_json
@@ -48,7 +49,7 @@ def optimizer_config(checkpoint_config: dict, optimizer: str | None, lr: float |
     if name not in OPTIMIZERS:
         raise SystemExit(f"error: --optimizer {name!r} is not one of {sorted(OPTIMIZERS)}")
     saved = checkpoint_config.get("optim", {}) if name == run_optimizer else {}
-    cfg = train_gpt.config_from_dict(saved, OPTIMIZERS[name].config)
+    cfg = config_from_dict(saved, OPTIMIZERS[name].config)
     if lr is not None:
         cfg.lr = lr
     return name, cfg
@@ -109,8 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
     hp = run_hyperparameters(ckpt["config"])
     seq_len = args.seq_len or hp.seq_len
     files = args.val_files or validation_files(ckpt["config"])
-    x, y = next(validation_batches(files, args.batch_size, seq_len, args.batch_size * seq_len,
-                                   vocab_size=ckpt["config"]["model"]["vocab_size"], device=device))
+    x, y, _ = next(validation_batches(files, args.batch_size, seq_len, args.batch_size * seq_len,
+                                      vocab_size=ckpt["config"]["model"]["vocab_size"], device=device))
     name, optim_cfg = optimizer_config(ckpt["config"], args.optimizer, args.lr)
     model = train_gpt.model_from_checkpoint(ckpt).to(device)
     result = gauge_diagnostic(model, name, optim_cfg, x, y, args.gauge, args.condition, args.samples, args.seed,

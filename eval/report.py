@@ -20,7 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
-import train_gpt
+import runs
 from eval import alignment, dynamics, logic_puzzles, val_loss
 from eval.common import (
     add_target_args,
@@ -35,7 +35,7 @@ from eval.common import (
     write_text,
 )
 from eval.val_loss import plot_loss_curves
-from train_gpt import read_log
+from runs import read_log
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
                "dynamics": dynamics.main}
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
     eval_dir = output_dir(args, run_dir)
     try:
-        step = train_gpt.load_checkpoint(ckpt_path, mmap=True).get("step")
-    except train_gpt.CheckpointError as exc:
+        step = runs.load_checkpoint(ckpt_path, mmap=True).get("step")
+    except runs.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
     identity = checkpoint_identity(ckpt_path, step)
     target = ["--run", str(run_dir)] if args.run is not None else ["--checkpoint", str(ckpt_path)]

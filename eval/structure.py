@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import train_gpt
+import runs
 from data.shards import atomic_write, atomic_writer
 from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_device, resolve_target, write_json
 from eval.dynamics import run_checkpoints
@@ -173,8 +173,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for i, path in enumerate(paths):
         try:
-            ckpt = train_gpt.load_checkpoint(path, mmap=True)
-        except train_gpt.CheckpointError as exc:
+            ckpt = runs.load_checkpoint(path, mmap=True)
+        except runs.CheckpointError as exc:
             raise SystemExit(f"error: {exc}") from None
         if results and results[-1]["step"] == ckpt.get("step"):
             continue  # latest.pt duplicating the last step_XXXXXX.pt

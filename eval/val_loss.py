@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 
+import runs
 import train_gpt
+from config import config_from_dict
+from data.lookup import resolve_data_files
 from eval.common import (
     add_target_args,
     load_model,
@@ -35,19 +38,20 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
     """The trainer's validation loss (`train_gpt.evaluate`) on one process, with its perplexity and token count."""
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
-    loss = train_gpt.evaluate(model, files, num_tokens, seq_len, micro_batch, 0, 1, device, autocast)
-    return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens // (micro_batch * seq_len) *
-            micro_batch * seq_len, "seq_len": seq_len, "micro_batch": micro_batch}
+    loss = train_gpt.evaluate(model, files, num_tokens, seq_len, micro_batch, device=device, autocast=autocast)
+    return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens // seq_len * seq_len,
+            "seq_len": seq_len, "micro_batch": micro_batch}
 
 
 def validation_files(config: dict) -> str:
     """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
-    return train_gpt.resolve_data_files(run_hyperparameters(config), is_master=True)[1]
+    hp = run_hyperparameters(config)
+    return resolve_data_files(hp.train_files, hp.val_files)[1]
 
 
-def run_hyperparameters(config: dict) -> train_gpt.Hyperparameters:
-    """The run's Hyperparameters (config "train" section over the trainer's defaults)."""
-    return train_gpt.config_from_dict(config.get("train", {}), train_gpt.Hyperparameters)
+def run_hyperparameters(config: dict) -> train_gpt.TrainConfig:
+    """The run's TrainConfig (config "train" section over the trainer's defaults)."""
+    return config_from_dict(config.get("train", {}), train_gpt.TrainConfig)
 
 
 def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | None = None, title: str = "") -> None:
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     result.update(checkpoint=target.identity, step=target.identity["step"], val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
-    log = train_gpt.read_log(run_dir)
+    log = runs.read_log(run_dir)
     x = ckpt.get("metrics", {}).get("tokens") or (log[-1].get("tokens") if log else 0) or 0
     plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]),
                      title=f"{run_dir.name} — step {result['step']}")

@@ -28,7 +28,7 @@ class OptimizerConfig:
     weight_decay: float
     decay_groups: str = flag("all", "parameters that weight decay acts on: all (the paper's optimizers), matrices "
                              "(nanoGPT's convention), matrices+embeddings or all-but-embeddings "
-                             "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS)
+                             "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS, fixed_on_resume=True)
 
 
 def upgrade_saved_config(optim: dict) -> dict:

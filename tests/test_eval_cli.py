@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from config import RunConfig
+from variants import ResearchConfig
+from runs import CHECKPOINT_FORMAT, save_checkpoint
 import train_gpt
 from data.shards import write_shard
 from eval import alignment, compare, dynamics, logic_puzzles, report, val_loss
@@ -26,15 +29,15 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
     torch.manual_seed(0)
     model_cfg = train_gpt.GPTConfig(vocab_size=50304, block_size=64, n_layer=2, n_head=2, n_embd=64,
                                     bias_mode=bias_mode)
-    hp = train_gpt.Hyperparameters(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
+    hp = train_gpt.TrainConfig(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
                                    val_tokens=256, seed=7)
-    cfg = train_gpt.RunConfig(model_cfg, hp, AdamWConfig(lr=1e-3))
-    config = cfg.to_dict()
+    cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
+    saved = cfg.to_dict()
     model = train_gpt.GPT(model_cfg)
     opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps(config))
+    (run / "config.json").write_text(json.dumps(saved))
     tokens = torch.from_numpy(np.fromfile(val_file, dtype="<u2", offset=1024)[:33 * 4].astype(np.int64)).view(4, 33)
     log = []
     for step in (1, 2):
@@ -46,10 +49,10 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
             opt.step()
         log.append({"step": step, "train_loss": loss.item(), "val_loss": loss.item() + 0.1, "tokens": 128 * step,
                     "lr": 1e-3, "J_QK": 0.01 * step, "J_VO": 0.02 * step, "f_rot_QK": 0.1, "f_rot_VO": 0.2})
-        ckpt = {"format": train_gpt.CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
+        ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "config": saved, "model": model.state_dict(),
                 "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 128 * step}}
-        train_gpt.save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
-    train_gpt.save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
+        save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
+    save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     return run
 

@@ -12,6 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from config import RunConfig
+from variants import ResearchConfig
+import runs
 import train_gpt
 from data.shards import sha256_file, write_shard
 from eval import common, compare, logic_puzzles, report, val_loss
@@ -30,9 +33,9 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
     torch.manual_seed(0)
     model_cfg = train_gpt.GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32,
                                     bias_mode="bqbv")
-    hp = train_gpt.Hyperparameters(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
+    hp = train_gpt.TrainConfig(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
                                    val_tokens=128, seed=7)
-    cfg = train_gpt.RunConfig(model_cfg, hp, AdamWConfig(lr=1e-3))
+    cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     model = train_gpt.GPT(model_cfg)
     opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
@@ -54,10 +57,10 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
 
 def save_step(run: Path, model: train_gpt.GPT, opts: list, config: dict, step: int) -> None:
     """checkpoints/step_<step>.pt and latest.pt of `model` at `step`."""
-    ckpt = {"format": train_gpt.CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
+    ckpt = {"format": runs.CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
             "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 64 * step}}
-    train_gpt.save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
-    train_gpt.save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
+    runs.save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
+    runs.save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
 
 
 @pytest.fixture
@@ -117,7 +120,7 @@ def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_pat
     report.main(["--run", str(run)])
     assert calls == []  # everything is current
 
-    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     model = train_gpt.model_from_checkpoint(ckpt)
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight.mul_(1.5)

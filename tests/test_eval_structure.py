@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import runs
 import train_gpt
 from eval import structure
 from eval.structure import directionality_score, query_key_matrices, symmetry_score
@@ -98,7 +99,7 @@ def test_cli_over_a_runs_checkpoints(tiny_run, tmp_path):
         last = summary["checkpoints"][-1]
         assert len(last["layers"]["symmetry"]) == 2 and len(last["heads"]["directionality"][0]) == 2
         assert last["median"]["symmetry"] == pytest.approx(float(np.median(last["layers"]["symmetry"])))
-    ckpt = train_gpt.load_checkpoint(tiny_run / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(tiny_run / "checkpoints" / "latest.pt")
     tensors = {plain_name(n): t for n, t in ckpt["model"].items()}
     expected = symmetry_score(query_key_matrices(tensors, 1, 2)[0], "published").item()
     assert saved["checkpoints"][-1]["layers"]["symmetry"][1] == pytest.approx(expected)

@@ -13,6 +13,7 @@ pytest.importorskip("safetensors", reason="the export writes safetensors (pip in
 
 import export  # noqa: E402
 import sample  # noqa: E402
+import runs
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
 
@@ -134,7 +135,7 @@ def test_round_trip_keeps_every_tensor(tmp_path):
 def test_cli_exports_a_run_and_imports_it_back_as_a_checkpoint(tmp_path, capsys):
     model = random_model(activation="gelu", **BIAS_CASES["bqbv-shared"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    train_gpt.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     export.main(["from-hf", "--source", str(tmp_path / "hf"), "--out", str(tmp_path / "imported.pt")])
     assert "GPT2LMHeadModel" in capsys.readouterr().out
@@ -185,7 +186,7 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
     target = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, **{**TINY, "block_size": 16}, activation="gelu",
                                                bias_mode="learned"))
     fresh_rows = target.transformer.wte.weight[GPT2_VOCAB:].detach().clone()
-    note = train_gpt.load_initial_weights(target, path)
+    note = runs.load_initial_weights(target, path)
     assert "vocabulary 50257 -> 50304" in note and "positions 64 -> 16" in note and "bias mode none -> learned" in note
     wte = target.transformer.wte.weight.detach()
     assert torch.equal(wte[:GPT2_VOCAB], source.transformer.wte.weight.detach())
@@ -196,11 +197,11 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
         if "wte" not in name and "wpe" not in name and "lm_head" not in name:
             assert torch.equal(target.state_dict()[name], tensor), name
     wider = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "n_embd": 64}, activation="gelu"))
-    with pytest.raises(train_gpt.CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
-        train_gpt.load_initial_weights(wider, path)
+    with pytest.raises(runs.CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
+        runs.load_initial_weights(wider, path)
     longer = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "block_size": 128}, activation="gelu"))
-    with pytest.raises(train_gpt.CheckpointError, match="--block-size 64, this run 128"):
-        train_gpt.load_initial_weights(longer, path)
+    with pytest.raises(runs.CheckpointError, match="--block-size 64, this run 128"):
+        runs.load_initial_weights(longer, path)
 
 
 def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):

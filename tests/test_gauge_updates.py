@@ -11,6 +11,7 @@ import torch
 from tests.test_train import (  # noqa: F401 (corpus is a fixture)
     ENV, ROOT, corpus, resume_in_new_directory, tiny_args, torchrun, train_losses)
 
+import runs
 import train_gpt
 from optim import OPTIMIZERS
 from gauge.updates import (
@@ -258,13 +259,13 @@ def test_every_gauge_mode_trains_with_the_registry_optimizers(corpus, tmp_path, 
                              **{"val-every": 0, "checkpoint-every": 0}, **extra))
     losses = train_losses(tmp_path / name)
     assert sorted(losses) == [1, 2, 3, 4] and all(loss < 6.0 for loss in losses.values()), losses
-    ckpt = train_gpt.load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
-    assert ckpt["gauge"]["mode"] == mode
+    ckpt = runs.load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
+    assert ckpt["hooks"]["gauge"]["mode"] == mode
     if mode == "hyperball":  # every head factor stays on its sphere
         model = train_gpt.model_from_checkpoint(ckpt)
         for sector, (a, b) in factor_pairs(attention_parameters(model), 2).items():
             for key, w in ((f"{sector}.A", a), (f"{sector}.B", b)):
-                torch.testing.assert_close(torch.linalg.matrix_norm(w), ckpt["gauge"]["radii"][key], rtol=1e-5,
+                torch.testing.assert_close(torch.linalg.matrix_norm(w), ckpt["hooks"]["gauge"]["radii"][key], rtol=1e-5,
                                            atol=0)
     if mode == "dress":  # dressed at the last step
         model = train_gpt.model_from_checkpoint(ckpt)
@@ -282,7 +283,7 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
     assert sorted(again) == [4, 5, 6]
     assert all(again[step] == straight[step] for step in again), (again, straight)
-    final = [train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
+    final = [runs.load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
                                                                                               resumed)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 

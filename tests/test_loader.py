@@ -305,37 +305,53 @@ def oracle_val_rows(arrays, seq_len):
     return np.stack(rows)
 
 
+def gathered_rows(pattern, micro_batch, budget, world, first_sequence=0):
+    """Every rank's validation rows, put back in stream order by their first_row."""
+    blocks = [(first, x.numpy(), y.numpy()) for r in range(world)
+              for x, y, first in validation_batches(pattern, micro_batch, T, budget, rank=r, world_size=world,
+                                                    first_sequence=first_sequence)]
+    blocks.sort(key=lambda block: block[0])
+    starts = [first for first, _, _ in blocks]
+    assert starts == sorted(set(starts))  # no row served twice
+    return np.concatenate([x for _, x, _ in blocks]), np.concatenate([y for _, _, y in blocks]), starts
+
+
 def test_validation_batches(tmp_path):
     pattern, arrays = make_shards(tmp_path, [50, 90, 60], seed=17, split="val")  # 6 + 11 + 7 rows of T + 1
-    budget = 20 * T + 5  # rounds down to 5 global batches of 2 ranks x 2 rows
-    first = [(x.numpy(), y.numpy()) for x, y in validation_batches(pattern, 2, T, budget, rank=1, world_size=2)]
-    second = [(x.numpy(), y.numpy()) for x, y in validation_batches(pattern, 2, T, budget, rank=1, world_size=2)]
+    budget = 21 * T + 5  # 21 sequences: not a whole number of blocks on any of the geometries below
+    first = [(x.numpy(), y.numpy()) for x, y, _ in validation_batches(pattern, 2, T, budget, rank=1, world_size=2)]
+    second = [(x.numpy(), y.numpy()) for x, y, _ in validation_batches(pattern, 2, T, budget, rank=1, world_size=2)]
     assert len(first) == 5 and all(np.array_equal(a[0], b[0]) for a, b in zip(first, second))
-    by_rank = [list(validation_batches(pattern, 2, T, budget, rank=r, world_size=2)) for r in range(2)]
-    union_x = torch.cat([torch.cat([by_rank[0][b][0], by_rank[1][b][0]]) for b in range(5)])
-    single = list(validation_batches(pattern, 2, T, budget))
-    assert len(single) == 10
-    single_x = torch.cat([x for x, _ in single])
-    single_y = torch.cat([y for _, y in single])
-    np.testing.assert_array_equal(union_x.numpy(), single_x.numpy())
-    rows = oracle_val_rows(arrays, T)[:20]  # crosses both shard boundaries; one micro-batch straddles two
-    np.testing.assert_array_equal(single_x.numpy(), rows[:, :-1])
-    np.testing.assert_array_equal(single_y.numpy(), rows[:, 1:])
+    rows = oracle_val_rows(arrays, T)[:21]  # crosses both shard boundaries; one block straddles two shards
+    for world, micro_batch in [(1, 2), (2, 2), (3, 2), (3, 4), (4, 1), (8, 3)]:
+        x, y, starts = gathered_rows(pattern, micro_batch, budget, world)
+        np.testing.assert_array_equal(x, rows[:, :-1])
+        np.testing.assert_array_equal(y, rows[:, 1:])
+        assert starts == list(range(0, 21, micro_batch))
+
+
+def test_validation_window_starts_at_first_sequence(tmp_path):
+    pattern, arrays = make_shards(tmp_path, [50, 90, 60], seed=21, split="val")
+    x, _, starts = gathered_rows(pattern, 2, 5 * T, 3, first_sequence=7)
+    np.testing.assert_array_equal(x, oracle_val_rows(arrays, T)[7:12, :-1])
+    assert starts == [7, 9, 11]
 
 
 def test_validation_budget_errors(tmp_path):
     pattern, _ = make_shards(tmp_path, [50, 90], seed=18, split="val")
-    with pytest.raises(ValueError, match="less than one global val batch"):
-        validation_batches(pattern, 2, T, 2 * 2 * T - 1, world_size=2)
+    with pytest.raises(ValueError, match="less than one sequence"):
+        validation_batches(pattern, 2, T, T - 1, world_size=2)
     with pytest.raises(ShardError, match="hold 17 sequences"):
         validation_batches(pattern, 2, T, 40 * T)
+    with pytest.raises(ShardError, match="hold 17 sequences"):
+        validation_batches(pattern, 2, T, 10 * T, first_sequence=8)
 
 
 def test_validation_capacity_is_what_validation_batches_can_serve(tmp_path):
     pattern, arrays = make_shards(tmp_path, [50, 90, 60], seed=20, split="val")
     capacity = validation_capacity(pattern, T)
     assert capacity == len(oracle_val_rows(arrays, T)) * T == 24 * T
-    assert sum(x.numel() for x, _ in validation_batches(pattern, 1, T, capacity)) == capacity
+    assert sum(x.numel() for x, _, _ in validation_batches(pattern, 1, T, capacity)) == capacity
     with pytest.raises(ShardError):
         validation_batches(pattern, 1, T, capacity + T)
 
@@ -351,6 +367,6 @@ def test_cuda_batches_match_cpu(tmp_path):
             assert cx.is_cuda and cchunk == chunk
             np.testing.assert_array_equal(cx.cpu().numpy(), x)
             np.testing.assert_array_equal(cy.cpu().numpy(), y)
-    for (x, _), (cx, _) in zip(validation_batches(pattern, 2, T, 64 * T),
-                               validation_batches(pattern, 2, T, 64 * T, device="cuda")):
+    for (x, _, _), (cx, _, _) in zip(validation_batches(pattern, 2, T, 64 * T),
+                                     validation_batches(pattern, 2, T, 64 * T, device="cuda")):
         np.testing.assert_array_equal(cx.cpu().numpy(), x.numpy())

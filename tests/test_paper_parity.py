@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+import config
+import runs
 import train_gpt
 from optim import OPTIMIZERS
 from tests.test_optim_soap import reference_soap
@@ -65,13 +67,13 @@ def test_paper_presets_build_the_published_run(preset, optimizer):
                                                                                             0, 0.0)
     assert hp.steps * hp.batch_tokens == pytest.approx(500e6, rel=1e-4)  # 500M tokens
     for world in (1, 2, 4, 8):
-        assert train_gpt.batch_layout(hp, world)[1] == 1  # no gradient accumulation
+        assert config.batch_layout(hp, world)[1] == 1  # no gradient accumulation
     model = cfg.model
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 512, 50304)
     assert model.activation == ("gelu" if preset.endswith("gelu") else "prelu")
-    report = train_gpt.preset_report(cfg)
+    report = config.preset_report(cfg)
     assert report["name"] == preset
-    assert report["differs"] == [train_gpt.PRECISION_NOTES["bf16"], train_gpt.VALIDATION_PROTOCOL_NOTE]
+    assert report["differs"] == [config.PRECISION_NOTES["bf16"], config.VALIDATION_PROTOCOL_NOTE]
 
 
 def test_the_defaults_are_the_paper_run():
@@ -79,22 +81,22 @@ def test_the_defaults_are_the_paper_run():
         plain = train_gpt.parse_config(["--optimizer", optimizer])
         paper = train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", optimizer])
         assert plain.to_dict() == paper.to_dict()
-        assert train_gpt.preset_report(plain)["differs"] == [train_gpt.PRECISION_NOTES["bf16"],
-                                                              train_gpt.VALIDATION_PROTOCOL_NOTE]
+        assert config.preset_report(plain)["differs"] == [config.PRECISION_NOTES["bf16"],
+                                                              config.VALIDATION_PROTOCOL_NOTE]
 
 
 def test_report_names_every_departure_from_the_published_run():
     cfg = train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "ecd", "--ecd-projection", "global",
                                   "--decay-groups", "matrices", "--micro-batch", "4", "--lr-schedule", "cosine",
                                   "--ecd-nu", "0.1", "--val-every", "50", "--dtype", "fp32"])
-    differs = train_gpt.preset_report(cfg)["differs"]
+    differs = config.preset_report(cfg)["differs"]
     assert differs[:-2] == ["--micro-batch 4 (gpt2-124m: 8)", "--lr-schedule cosine (gpt2-124m: constant)",
                             "--decay-groups matrices (gpt2-124m: all)", "--ecd-nu 0.1 (gpt2-124m: 0.0)",
                             "--ecd-projection global (gpt2-124m: per_tensor)"]
-    assert differs[-2:] == [train_gpt.PRECISION_NOTES["fp32"], train_gpt.VALIDATION_PROTOCOL_NOTE]
-    muon = train_gpt.preset_report(train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "muon"]))
+    assert differs[-2:] == [config.PRECISION_NOTES["fp32"], config.VALIDATION_PROTOCOL_NOTE]
+    muon = config.preset_report(train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "muon"]))
     assert "not one of the paper's optimizers" in muon["differs"][0]
-    assert train_gpt.preset_report(train_gpt.parse_config(["--preset", "smoke"]))["differs"] == []
+    assert config.preset_report(train_gpt.parse_config(["--preset", "smoke"]))["differs"] == []
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -255,15 +257,15 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
 
     summary = train_gpt.main(tiny_args(corpus, tmp_path, "parity", steps=8, **{"val-every": 4}))
     run = tmp_path / "parity"
-    records = [r for r in train_gpt.read_log(run) if "val_loss_batch" in r]
+    records = [r for r in runs.read_log(run) if "val_loss_batch" in r]
     estimates = {r["step"]: r["val_loss_batch"] for r in records if r["val_loss_batch"] is not None}
     assert set(estimates) == {4, 8}  # the multiples of --val-every; not step 0
-    model = train_gpt.model_from_checkpoint(train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    model = train_gpt.model_from_checkpoint(runs.load_checkpoint(run / "checkpoints" / "latest.pt"))
     config = json.loads((run / "config.json").read_text())
     hp = config["train"]
     # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens validation tokens
     rows = hp["batch_tokens"] // hp["seq_len"]
-    (_, (x, y)) = validation_batches(hp["val_files"], rows, hp["seq_len"], 2 * hp["batch_tokens"])
+    (_, (x, y, _)) = validation_batches(hp["val_files"], rows, hp["seq_len"], 2 * hp["batch_tokens"])
     with torch.no_grad():
         expected = model(x, y)[1].item()
     assert estimates[8] == pytest.approx(expected, rel=1e-6)
@@ -279,7 +281,7 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run), "--decay-groups", "matrices"])
     assert "--decay-groups cannot change when resuming" in capsys.readouterr().err
-    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     ckpt["config"]["optim"] = {k: v for k, v in ckpt["config"]["optim"].items() if k != "decay_groups"}
     ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
     old = tmp_path / "old" / "checkpoints" / "latest.pt"

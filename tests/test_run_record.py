@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+import runs
+from data import lookup
 import train_gpt
 from data import shards
 from data.shards import describe_shards, sha256_shards, write_shard
@@ -87,7 +89,7 @@ def test_config_checkpoint_and_log_record_the_data(corpus, tmp_path):
         ("r_train_000001.bin", 6000, 1024 + 12000), ("r_train_000002.bin", 5000, 1024 + 10000)]
     assert [f["sha256"] for f in train["files"]] == [sha256(corpus / f"r_train_00000{i}.bin") for i in (1, 2)]
     assert train["tokens"] == 11000 and data["val"]["tokens"] == 2048
-    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["config"]["data"] == data
     assert (f"train data {corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
             f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens") in (run / "log.txt").read_text()
@@ -97,9 +99,9 @@ def test_default_data_records_the_empty_glob_as_given(monkeypatch, tmp_path):
     monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))
     write_shard(tmp_path / "e_train_000000.bin", tokens(300, 0))
     write_shard(tmp_path / "e_val_000000.bin", tokens(200, 1))
-    log = train_gpt.RunLog(is_master=False)
-    hp = train_gpt.Hyperparameters()  # no --train-files: the resolved default glob is recorded next to ""
-    data = train_gpt.describe_data(hp, str(tmp_path / "e_train_*.bin"), str(tmp_path / "e_val_*.bin"), log)
+    # no --train-files: the resolved default glob is recorded next to ""
+    data = lookup.describe_data({"train": "", "val": ""}, {"train": str(tmp_path / "e_train_*.bin"),
+                                                          "val": str(tmp_path / "e_val_*.bin")})
     assert data["train"]["given"] == "" and data["train"]["pattern"].endswith("e_train_*.bin")
     assert data["val"]["tokens"] == 200
 
@@ -111,16 +113,16 @@ def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(c
     train_gpt.main(["--resume", str(run), "--steps", "4"])
     assert "WARNING: the val data" in (run / "log.txt").read_text()
     write_shard(corpus / "r_train_000002.bin", tokens(5000, 9))
-    with pytest.raises(train_gpt.DataChangedError, match=r"train data .* first difference at file 1: .*"
+    with pytest.raises(lookup.DataChangedError, match=r"train data .* first difference at file 1: .*"
                                                          r"r_train_000002\.bin.*restore the recorded shards"):
         train_gpt.main(["--resume", str(run), "--steps", "6"])
     write_shard(corpus / "r_train_000003.bin", tokens(100, 3))
     write_shard(corpus / "r_train_000002.bin", tokens(5000, 2))  # the recorded contents again, plus one more file
-    with pytest.raises(train_gpt.DataChangedError, match="3 files / 11,100 tokens now, 2 files / 11,000 tokens"):
+    with pytest.raises(lookup.DataChangedError, match="3 files / 11,100 tokens now, 2 files / 11,000 tokens"):
         train_gpt.main(["--resume", str(run), "--steps", "6"])
     (corpus / "r_train_000003.bin").unlink()
     train_gpt.main(["--resume", str(run), "--steps", "6"])
-    assert train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
+    assert runs.load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
 
 
 def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
@@ -131,7 +133,7 @@ def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
     model = train_gpt.model_from_checkpoint(path)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(model.transformer.wte.weight, raw["model"]["transformer.wte.weight"])
-    assert set(train_gpt.load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
+    assert set(runs.load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
     # The layout of earlier versions, with both copies and no "tied" entry, is one embedding larger and still loads.
     raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
     del raw["tied"]
@@ -152,12 +154,12 @@ def test_resume_from_a_checkpoint_of_an_earlier_version(corpus, tmp_path):
     run = tmp_path / "old"
     raw = torch.load(run / "checkpoints" / "step_000002.pt", weights_only=False)
     raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
-    del raw["tied"], raw["config"]["data"]
+    del raw["tied"], raw["config"]["data"], raw["checksum"]
     torch.save(raw, run / "checkpoints" / "latest.pt")
     (run / "log.jsonl").write_text("")
     train_gpt.main(["--resume", str(run)])
     assert "the checkpoint records no data" in (run / "log.txt").read_text()
-    losses = lambda r: {x["step"]: x["train_loss"] for x in train_gpt.read_log(r) if "train_loss" in x}  # noqa: E731
+    losses = lambda r: {x["step"]: x["train_loss"] for x in runs.read_log(r) if "train_loss" in x}  # noqa: E731
     resumed, straight = losses(run), losses(tmp_path / "straight")
     assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in resumed)
 

@@ -7,6 +7,7 @@ import torch
 
 import export
 import sample
+import runs
 import train_gpt
 from data.shards import GPT2_VOCAB
 
@@ -30,7 +31,7 @@ def model() -> train_gpt.GPT:
 def run_dir(tmp_path_factory, model) -> str:
     run = tmp_path_factory.mktemp("run")
     (run / "checkpoints").mkdir()
-    train_gpt.save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    runs.save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     return str(run)
 
 
@@ -95,7 +96,7 @@ def test_cli_samples_from_an_exported_directory(tmp_path, model):
     exported = sample.main(["--checkpoint", str(tmp_path / "hf"), *args])
     run = tmp_path / "run" / "checkpoints"
     run.mkdir(parents=True)
-    train_gpt.save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
+    runs.save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
     assert exported == sample.main(["--checkpoint", str(tmp_path / "run"), *args])
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import runs
 import train_gpt
 from data.shards import write_shard
 
@@ -62,7 +63,7 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
     assert init["project"] == "symgpt-tests" and init["name"] == "tracked" and init["dir"] == str(run)
     assert init["config"] == json.loads((run / "config.json").read_text())  # the config, data record included
     assert init["config"]["data"]["train"]["tokens"] == 4000
-    records = train_gpt.read_log(run)
+    records = runs.read_log(run)
     numbers = lambda r: {k: v for k, v in r.items()  # noqa: E731
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
     assert [c for c in rest if c[0] == "log"] == [("log", r["step"], numbers(r)) for r in records
@@ -79,7 +80,7 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
 def test_a_failed_run_ends_its_wandb_run_as_failed(args, monkeypatch):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
-    monkeypatch.setattr(train_gpt, "finish", lambda state: 1 / 0)
+    monkeypatch.setattr(train_gpt.Trainer, "finish", lambda trainer: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train_gpt.main([*args, "--wandb-project", "p", "--steps", "1", "--val-every", "0"])
     assert calls[-1] == ("finish", 1) and [c[0] for c in calls].count("finish") == 1
@@ -105,11 +106,11 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     cfg = train_gpt.parse_config([*args, "--wandb-project", "p"])
-    log = train_gpt.RunLog(is_master=False)
+    log = runs.RunLog(is_master=False)
     rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2)
-    state = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
-                                  data=None, run_dir=None)
-    train_gpt.open_run(state)
+    trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
+                                    data_record=None, run_dir=None)
+    train_gpt.Trainer.open_run(trainer)
     log.record({"step": 1, "train_loss": 1.0})
     log.close()
     assert calls == [] and log.tracker is None and not (tmp_path / "runs").exists()

@@ -2,6 +2,7 @@
 exact resume, 2 ranks = 1 rank, the batch split, and how runs are protected (bad input, NaN, signals, full disk)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+import config
+import runs
 import train_gpt
+from cli import option
+from data.lookup import resolve_data_files
 from data.shards import ShardError, write_shard
 from eval import report, val_loss
 
@@ -93,7 +98,7 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     assert config["layout"] == {"world_size": 1, "micro_batch": 4, "grad_accum": 2}
     assert (run / "log.txt").read_text().startswith(Path(train_gpt.__file__).read_text()[:200])
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
-    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizers", "loader", "sampler", "rng", "config"}
     model = train_gpt.model_from_checkpoint(ckpt)
     assert not model.training and model.config.n_embd == 32
@@ -161,15 +166,15 @@ def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus,
     (12, 5, 1, (4, 3)), (128, 8, 8, (8, 2)), (7, 8, 1, (7, 1)), (7, 4, 1, (1, 7)),
 ])
 def test_batch_layout_picks_the_largest_micro_batch_that_splits(sequences, bound, world, layout):
-    hp = train_gpt.Hyperparameters(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
-    assert train_gpt.batch_layout(hp, world) == layout
+    hp = train_gpt.TrainConfig(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
+    assert config.batch_layout(hp, world) == layout
 
 
 def test_default_batch_splits_over_eight_ranks_and_a_bad_split_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     hp = train_gpt.parse_config(["--device", "cpu"]).train  # the paper's 8 x 512 batch: one sequence per rank
-    assert train_gpt.batch_layout(hp, 8) == (1, 1)
+    assert config.batch_layout(hp, 8) == (1, 1)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--device", "cpu"])
@@ -193,7 +198,7 @@ def test_an_evaluation_error_at_the_end_loses_no_checkpoint(corpus, tmp_path, mo
     monkeypatch.setattr(train_gpt, "evaluate", failing_evaluate)
     with pytest.raises(RuntimeError, match="validation exploded"):
         train_gpt.main(tiny_args(corpus, tmp_path, "evalfail", steps=3, **{"val-every": 0}))
-    assert train_gpt.load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
+    assert runs.load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
     assert "RuntimeError: validation exploded" in (tmp_path / "evalfail" / "log.txt").read_text()
 
 
@@ -203,7 +208,7 @@ def test_target_val_loss_is_reported_and_can_stop_the_run(corpus, tmp_path):
     reached = summary["reached_target"]
     assert reached is not None and reached["val_loss"] <= 4.5
     assert summary["step"] == reached["step"] < 40
-    assert train_gpt.load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
+    assert runs.load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
 
 
 def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, tmp_path, monkeypatch):
@@ -221,8 +226,9 @@ def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, t
         train_gpt.main(args)
     assert excinfo.value.code == 2
     run = tmp_path / "nan"
-    assert "is not finite; stopping (the checkpoint of step 6" in (run / "log.txt").read_text()
-    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert (f"is not finite; stopping: the finite checkpoint of step 6 is kept in {run / 'checkpoints'}; continue "
+            f"with --resume {run} and a lower --lr (now 0.003)") in (run / "log.txt").read_text()
+    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 6 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
     monkeypatch.setattr(train_gpt.BiasSampler, "sample", sample)
     summary = train_gpt.main(["--resume", str(run), "--lr", "1e-3"])
@@ -239,7 +245,7 @@ def test_flags_given_on_resume_take_effect(corpus, tmp_path):
     assert [r["lr"] for r in records if "lr" in r and r["step"] <= 4] == [3e-3] * 4
     changed = next(r for r in records if "resumed_from" in r)["changed"]
     assert changed["optim.lr"] == [3e-3, 5e-4] and changed["optim.weight_decay"] == [0.0, 0.05]
-    ckpt = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["optimizers"][0]["param_groups"][0]["weight_decay"] == 0.05
     config = json.loads((run / "config.json").read_text())
     assert config["optim"]["lr"] == 5e-4 and config["train"]["steps"] == 6
@@ -280,9 +286,9 @@ def test_resuming_a_loose_checkpoint_starts_a_new_run_directory(corpus, tmp_path
     summary = train_gpt.main(["--resume", str(loose), "--steps", "3", "--run-dir", str(tmp_path / "new")])
     assert Path(summary["run_dir"]).parent == tmp_path / "new" and summary["step"] == 3
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["deep"]  # nothing written beside it
-    assert train_gpt.run_dir_of(loose) is None
+    assert runs.run_dir_of(loose) is None
     origin = tmp_path / "runs" / "origin"
-    assert train_gpt.run_dir_of(origin / "checkpoints" / "latest.pt") == origin
+    assert runs.run_dir_of(origin / "checkpoints" / "latest.pt") == origin
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
@@ -298,7 +304,7 @@ def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
     output = proc.stdout.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, output
     run = tmp_path / "stopped"
-    stopped_at = train_gpt.load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
+    stopped_at = runs.load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
     assert 3 <= stopped_at < 30 and f"SIGTERM at step {stopped_at}: checkpoint written" in output
     subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--resume", str(run)], check=True, env=ENV,
                    capture_output=True)  # one thread, as the runs above: bit-exact on the CPU
@@ -318,14 +324,14 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
             break
     output = proc.stdout.read()
     proc.wait(timeout=120)
-    ckpt = train_gpt.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
     assert 4 <= ckpt["step"] < 400 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
 
 
 def test_presets_compose_with_flags():
     cfg = train_gpt.parse_config(["--preset", "smoke", "--n-layer", "3", "--optimizer", "sgdm"])
     assert cfg.preset == "smoke" and cfg.model.n_layer == 3 and cfg.model.n_embd == 128
-    assert cfg.train.optimizer == "sgdm" and cfg.train.steps == train_gpt.PRESETS["smoke"]["steps"]
+    assert cfg.train.optimizer == "sgdm" and cfg.train.steps == config.PRESETS["smoke"]["steps"]
     assert cfg.optim.lr == 0.03  # the preset's lr belongs to its own optimizer (adamw)
     assert train_gpt.parse_config(["--preset", "smoke"]).optim.lr == 2e-3
     assert train_gpt.parse_config(["--preset", "gpt2-124m"]).train.checkpoint_every > 0  # long runs checkpoint
@@ -368,11 +374,11 @@ def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
 def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_path):
     """A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC)."""
     script = (
-        "import resource, signal, sys, torch, train_gpt\n"
+        "import resource, signal, sys, torch, runs\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
         "try:\n"
-        f"    train_gpt.save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'w': torch.zeros(1 << 16)}})\n"
+        f"    runs.save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'w': torch.zeros(1 << 16)}})\n"
         "except OSError as exc:\n"
         "    print(exc)\n"
         "    sys.exit(3)\n")
@@ -384,12 +390,12 @@ def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_
 
 
 def test_errors_and_notes_reach_log_txt(corpus, tmp_path, monkeypatch):
-    real = train_gpt.default_data_files
+    real = train_gpt.resolve_data_files
 
-    def noted(hp, is_master):
-        return (*real(hp, is_master)[:2], "a note about the data")
+    def noted(train_files, val_files, is_master):
+        return (*real(train_files, val_files, is_master)[:2], "a note about the data")
 
-    monkeypatch.setattr(train_gpt, "default_data_files", noted)
+    monkeypatch.setattr(train_gpt, "resolve_data_files", noted)
     train_gpt.main(tiny_args(corpus, tmp_path, "noted", steps=1, **{"val-every": 0}))
     text = (tmp_path / "noted" / "log.txt").read_text()
     assert "a note about the data" in text.split("=" * 100)[-1]  # after the code, with the printed lines
@@ -407,10 +413,9 @@ def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(co
 def test_sharded_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings", optimizer="soap",
                                            **{"grad-clip": 0.5, "overlap-reduce": False}))
-    rt = train_gpt.setup(cfg)
-    state = train_gpt.build(cfg, rt, train_gpt.RunLog(rt.is_master))
-    state.loader.close()
-    assert [(opt.max_grad_norm, opt.overlap) for opt in state.optimizers] == [(0.5, False)]
+    trainer = train_gpt.Trainer(cfg, train_gpt.setup(cfg), runs.RunLog(True))
+    trainer.close()
+    assert [(opt.max_grad_norm, opt.overlap) for opt in trainer.optimizers] == [(0.5, False)]
 
 
 def test_help_shows_real_defaults_and_every_optimizer(capsys):
@@ -419,9 +424,9 @@ def test_help_shows_real_defaults_and_every_optimizer(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "None" not in text
     assert "--lr FLOAT ℓ; the position step is lr/sqrt(ecd_eta) (default: 1.0)" in text
-    for cls in train_gpt.config_classes("ecd").values():
-        for field in train_gpt.dataclasses.fields(cls):
-            assert train_gpt.option(field.name) in text and field.metadata["help"], field.name
+    for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, "ecd").values():
+        for field in dataclasses.fields(cls):
+            assert option(field.name) in text and field.metadata["help"], field.name
     for name, spec in train_gpt.OPTIMIZERS.items():
         assert f"{name} {spec.description}" in text
 
@@ -430,8 +435,8 @@ def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(m
     from data import fineweb_edu
 
     monkeypatch.setattr(fineweb_edu, "fineweb_shards_present", lambda: True)
-    hp = train_gpt.Hyperparameters
-    files = lambda h: train_gpt.resolve_data_files(h, True)[:2]  # noqa: E731
+    hp = train_gpt.TrainConfig
+    files = lambda h: resolve_data_files(h.train_files, h.val_files)[:2]  # noqa: E731
     assert files(hp(val_files="v_*.bin")) == (fineweb_edu.DEFAULT_TRAIN_PATTERN, "v_*.bin")
     assert files(hp()) == (fineweb_edu.DEFAULT_TRAIN_PATTERN, fineweb_edu.DEFAULT_VAL_PATTERN)
     assert files(hp(train_files="t_*.bin")) == ("t_*.bin", "t_*.bin")
@@ -439,15 +444,15 @@ def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(m
 
 
 def test_lr_schedules():
-    hp = train_gpt.Hyperparameters(steps=100, warmup_steps=10, lr_schedule="cosine", min_lr_frac=0.1)
+    hp = train_gpt.TrainConfig(steps=100, warmup_steps=10, lr_schedule="cosine", min_lr_frac=0.1)
     assert train_gpt.lr_factor(0, hp) == pytest.approx(0.1)
     assert train_gpt.lr_factor(10, hp) == pytest.approx(1.0)
     assert train_gpt.lr_factor(55, hp) == pytest.approx(0.55)
     assert train_gpt.lr_factor(100, hp) == pytest.approx(0.1)
-    linear = train_gpt.Hyperparameters(steps=100, lr_schedule="linear", cooldown_frac=0.2)
+    linear = train_gpt.TrainConfig(steps=100, lr_schedule="linear", cooldown_frac=0.2)
     assert train_gpt.lr_factor(79, linear) == 1.0
     assert train_gpt.lr_factor(90, linear) == pytest.approx(0.5)
-    assert train_gpt.lr_factor(50, train_gpt.Hyperparameters()) == 1.0
+    assert train_gpt.lr_factor(50, train_gpt.TrainConfig()) == 1.0
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgdm"])
@@ -464,7 +469,7 @@ def test_online_dynamics_are_logged(corpus, tmp_path, optimizer):
 
 def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_path):
     train_gpt.main(tiny_args(corpus, tmp_path, "ecd", steps=2, optimizer="ecd", lr=0.5, **{"val-every": 0}))
-    ckpt = train_gpt.load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
+    ckpt = runs.load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
     for name, tensor in ckpt["model"].items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
     assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
@@ -488,5 +493,5 @@ def test_sigint_stops_a_single_process_promptly(corpus, tmp_path):
             break
     output = proc.stdout.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGINT, output  # long before the next log step at 1000
-    step = train_gpt.load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
+    step = runs.load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
     assert 1 <= step < 1000 and f"SIGINT at step {step}" in output

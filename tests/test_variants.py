@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import runs
+import variants
 import train_gpt
 from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import write_shard
@@ -74,9 +76,9 @@ def test_symmetric_init_only_copies_the_queries_into_the_keys():
 
 def test_masking_rate_and_targets():
     cfg = train_gpt.GPTConfig(**TINY, objective="mlm")
-    masker = train_gpt.TokenMasker(cfg)
+    masker = variants.MaskedLM(cfg)
     x = torch.randint(1, MASK, (16, 100))
-    inputs, targets = masker.apply(x, first_row=0, step_key=(1337, 5))
+    inputs, targets = masker.batch(x, x, first_row=0, step_key=(1337, 5))
     masked = targets != -1
     assert (masked.sum(dim=1) == 15).all()  # round(0.15 · 100) positions in every row
     assert torch.equal(targets[masked], x[masked]) and (inputs[masked] == MASK).all()
@@ -90,7 +92,7 @@ def test_masking_rate_and_targets():
 
 
 def test_masks_depend_on_seed_step_and_row_only():
-    masker = train_gpt.TokenMasker(train_gpt.GPTConfig(**TINY, objective="mlm"))
+    masker = variants.MaskedLM(train_gpt.GPTConfig(**TINY, objective="mlm"))
     whole = masker.positions(0, 8, 64, step_key=(7, 3))
     split = np.concatenate([masker.positions(0, 3, 64, step_key=(7, 3)), masker.positions(3, 5, 64, step_key=(7, 3))])
     assert np.array_equal(whole, split)  # a row's mask does not depend on the micro-batch it is in
@@ -103,7 +105,7 @@ def test_masks_depend_on_seed_step_and_row_only():
 def test_mlm_loss_scores_only_the_masked_positions():
     model = tiny_model(objective="mlm")
     x = torch.randint(1, MASK, (4, 32))
-    inputs, targets = train_gpt.TokenMasker(model.config).apply(x, 0, (0, 0))
+    inputs, targets = variants.MaskedLM(model.config).batch(x, x, 0, (0, 0))
     logits, loss = model(inputs, targets)
     masked = targets != -1
     assert loss.item() == pytest.approx(F.cross_entropy(logits[masked], x[masked]).item(), rel=1e-6)
@@ -156,7 +158,7 @@ def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
 
 
 def logged(run_dir: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in train_gpt.read_log(run_dir) if r.get(key) is not None and "summary" not in r}
+    return {r["step"]: r[key] for r in runs.read_log(run_dir) if r.get(key) is not None and "summary" not in r}
 
 
 def test_mlm_resume_reproduces_the_trajectory(corpus, tmp_path):
@@ -192,7 +194,7 @@ def test_mlm_losses_do_not_depend_on_the_micro_batch_split(corpus, tmp_path):
 def test_training_masks_follow_the_rows_whatever_the_ranks(corpus):
     """The trainer keys a micro-batch's masks by its first row in the step's batch, chunk x micro_batch: two ranks
     with micro-batches of 2 mask every row of a step as one process with one micro-batch of 8 does."""
-    masker, files = train_gpt.TokenMasker(train_gpt.GPTConfig(**TINY, objective="mlm")), corpus / "syn_train_*.bin"
+    masker, files = variants.MaskedLM(train_gpt.GPTConfig(**TINY, objective="mlm")), corpus / "syn_train_*.bin"
 
     def masked_rows(rank: int, world: int, micro_batch: int) -> dict[tuple[int, int], torch.Tensor]:
         rows = {}
@@ -201,7 +203,7 @@ def test_training_masks_follow_the_rows_whatever_the_ranks(corpus):
             for step in range(2):
                 for _ in range(8 // (world * micro_batch)):
                     x, _, chunk = loader.next_batch()
-                    inputs, _ = masker.apply(x, chunk * micro_batch, (1337, step))
+                    inputs, _ = masker.batch(x, x, chunk * micro_batch, (1337, step))
                     rows.update({(step, chunk * micro_batch + i): row for i, row in enumerate(inputs)})
         return rows
 
@@ -216,16 +218,16 @@ def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
     val, cpu = str(corpus / "syn_val_*.bin"), torch.device("cpu")
 
     def loss(model: train_gpt.GPT, micro_batch: int, rank: int = 0, world: int = 1) -> float:
-        return train_gpt.evaluate(model, val, 1024, 32, micro_batch, rank, world, cpu, contextlib.nullcontext())
+        return train_gpt.evaluate(model, val, 1024, 32, micro_batch, rank=rank, world=world)
 
     mlm = tiny_model(objective="mlm")
     losses = [loss(mlm, micro_batch) for micro_batch in (4, 4, 8)]
     assert losses[0] == losses[1] and losses[2] == pytest.approx(losses[0], rel=1e-6)
     two_ranks = [loss(mlm, 4, rank, 2) for rank in (0, 1)]  # each rank's share (no process group: no averaging)
     assert sum(two_ranks) / 2 == pytest.approx(losses[0], rel=1e-6) and two_ranks[0] != two_ranks[1]
-    masker, by_hand = train_gpt.TokenMasker(mlm.config), []
-    for batch, (x, _) in enumerate(validation_batches(val, 8, 32, 1024)):
-        inputs, targets = masker.apply(x, first_row=8 * batch)  # the validation stream's rows 8b .. 8b + 7
+    masker, by_hand = variants.MaskedLM(mlm.config), []
+    for x, _, first in validation_batches(val, 8, 32, 1024):
+        inputs, targets = masker.batch(x, x, first_row=first)  # the validation stream's rows first .. first + 7
         with torch.no_grad():
             by_hand.append(mlm(inputs, targets)[1].item())
     assert losses[2] == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-6)
@@ -260,7 +262,7 @@ def test_relational_model_trains(corpus, tmp_path):
     assert vals[16] < vals[0] - 0.5, vals
     assert summary["step"] == 16
     model = train_gpt.model_from_checkpoint(tmp_path / "relational" / "checkpoints" / "latest.pt")
-    assert isinstance(model.transformer.h[0].attn, train_gpt.RelationalAttention)
+    assert isinstance(model.transformer.h[0].attn, variants.RelationalAttention)
     with pytest.raises(SystemExit, match="b_Q alignment needs the keys of standard attention"):
         alignment.main(["--run", str(tmp_path / "relational"), "--modes", "raw"])
 
@@ -293,7 +295,7 @@ def test_every_optimizer_steps_a_relational_model(name):
     (["--attention", "relational", "--bias-mode", "none", "--micro-batch", "64", "--seq-len", "512"],
      "lower --micro-batch"),
     (["--objective", "mlm", "--vocab-size", "50257"], "--mask-token 50257 is not an id of the vocabulary"),
-    (["--mask-prob", "0"], "--mask-prob must lie in (0, 1]"),
+    (["--mask-prob", "0"], "--mask-prob must be (0, 1], got 0.0"),
 ])
 def test_combinations_that_cannot_work_are_refused(flags, error, capsys):
     with pytest.raises(SystemExit):

@@ -1,0 +1,337 @@
+"""A run's configuration: presets, the command line, the checks, and what a run reproduces of the published runs.
+
+The trainer's flag dataclasses (train_gpt.GPTConfig and TrainConfig), `variants.ResearchConfig` and the chosen
+optimizer's config are the sections of a `RunConfig`; every field is a flag whose metadata (cli.flag) says its
+range, whether it changes a run's numbers and whether a resumed run may change it. Values come from defaults <-
+preset <- the resumed checkpoint's config <- command-line flags (docs/runs.md#configuration).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from cli import add_flags, field_problem, option
+from optim import OPTIMIZERS, OptimizerConfig
+from optim.registry import upgrade_saved_config
+from runs import CheckpointError, existing_run_problem, load_checkpoint, module_available, resolve_checkpoint_path, \
+    resolve_resume, run_dir_of
+from variants import ModelVariants, ResearchConfig, variant_problem
+
+# The paper's training run (docs/model.md#the-papers-model): 8 x 512 tokens per step in one pass (no gradient
+# accumulation on up to 8 ranks), 500M tokens, constant learning rate. Pinned here, though they are the defaults, so
+# that the presets keep reproducing the published runs if a default changes. The optimizers' defaults are their
+# published updates with the Table 9 hyperparameters (docs/optimizers.md#paper-parity).
+PAPER_RUN: dict[str, object] = {
+    "activation": "prelu", "seq_len": 512, "batch_tokens": 4096, "micro_batch": 8, "steps": 122070,
+    "lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0,
+}
+PRESETS: dict[str, dict[str, object]] = {
+    "gpt2-124m": PAPER_RUN,
+    "gpt2-124m-gelu": {**PAPER_RUN, "activation": "gelu"},
+    # A few minutes on a 2-core CPU: a narrow model on the embedded corpus, AdamW with warmup and cosine decay.
+    "smoke": {
+        "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 128,
+        "seq_len": 128, "micro_batch": 16, "batch_tokens": 2048, "steps": 100,
+        "lr_schedule": "cosine", "warmup_steps": 10, "min_lr_frac": 0.1,
+        "val_every": 50, "val_tokens": 16384, "log_every": 10, "device": "cpu", "compile": False,
+        "optimizer": "adamw", "lr": 2e-3,  # a preset's optimizer settings apply to its own optimizer only
+    },
+}
+PRESET_NOTES = {
+    "gpt2-124m": "the paper's GPT-2 small (PReLU) run: model, 500M tokens, batch 8 x 512 without accumulation, "
+                 "constant learning rate, and the optimizer's published update with its Table 9 hyperparameters",
+    "gpt2-124m-gelu": "the paper's GPT-2 small run with GELU: as gpt2-124m but the activation",
+    "smoke": "no published run (a few minutes on a CPU to check the trainer)",
+}
+PAPER_OPTIMIZERS = ("adamw", "ecd", "sgdm", "soap")  # Table 9 of the paper
+VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
+                            "over single-batch estimates (logged here as val_loss_batch and best_val_loss_batch "
+                            "with --val-batch-estimate); val_loss is the mean loss over the same fixed "
+                            "--val-tokens budget each time (docs/evaluation.md#validation-loss)")
+PRECISION_NOTES = {
+    "bf16": "precision: bf16 autocast on CUDA; the published trainer computes in fp32 with TF32 matmuls (bf16 only "
+            "with its --use_bf16)",
+    "fp32": "precision: fp32 with fp32 matmuls; the published trainer uses TF32 matmuls",
+}
+
+
+@dataclass
+class RunConfig:
+    """A run's whole configuration: one dataclass per section, every field a flag."""
+
+    model: object  # train_gpt.GPTConfig (with the ModelVariants fields)
+    train: object  # train_gpt.TrainConfig
+    research: ResearchConfig
+    optim: OptimizerConfig
+    preset: str | None = None
+    continue_in: Path | None = None  # a resumed run's own directory, when the run goes on there (see resume_home)
+    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see runs.resolve_resume)
+    notes: list[str] = field(default_factory=list)  # what resolving --resume passed over, for the log
+
+    def sections(self) -> dict[str, object]:
+        return {"model": self.model, "train": self.train, "research": self.research, "optim": self.optim}
+
+    def to_dict(self) -> dict:
+        return {name: asdict(section) for name, section in self.sections().items()}
+
+
+def saved_fields(saved: dict, cls: type) -> dict:
+    """The fields of config dataclass `cls` present in a saved config section, or in a whole saved config (then
+    every section is searched, so a field that moved between sections is still found)."""
+    values = dict(saved)
+    for section in saved.values():
+        if isinstance(section, dict):
+            values = {**section, **values}
+    return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
+
+
+def saved_section(saved: dict, section: str, cls: type) -> dict:
+    """The fields of section `section` (config dataclass `cls`) that a whole saved config holds: the optimizer's
+    from its own section, the others from any section but the optimizer's."""
+    return saved_fields(saved["optim"] if section == "optim" else {k: v for k, v in saved.items() if k != "optim"},
+                        cls)
+
+
+def changed_settings(cfg: RunConfig, saved: dict) -> dict[str, list]:
+    """{"section.field": [the checkpoint's value, this run's]} for every flag a resumed run changes."""
+    changed = {}
+    for name, section in cfg.sections().items():
+        old = saved_section(saved, name, type(section))
+        for key, value in asdict(section).items():
+            if key != "resume" and key in old and old[key] != value:
+                changed[f"{name}.{key}"] = [old[key], value]
+    return changed
+
+
+def config_from_dict(saved: dict, cls: type):
+    """A config dataclass from a saved config (see saved_fields): missing keys take the defaults, unknown keys are
+    ignored (checkpoints of older or newer code)."""
+    return cls(**saved_fields(saved, cls))
+
+
+def section_classes(model: type, train: type, optimizer: str) -> dict[str, type]:
+    return {"model": model, "train": train, "research": ResearchConfig, "optim": OPTIMIZERS[optimizer].config}
+
+
+def preset_values(classes: dict[str, type], preset: str | None, optimizer: str) -> dict[str, dict]:
+    """Each section's values under `preset` for `optimizer`: the defaults, then the preset's entries (those of the
+    optimizer section only when the preset names no other optimizer)."""
+    entries = PRESETS[preset] if preset else {}
+    base = {section: asdict(cls()) for section, cls in classes.items()}
+    for section, values in base.items():
+        if section != "optim" or entries.get("optimizer", optimizer) == optimizer:
+            values.update({k: v for k, v in entries.items() if k in values})
+    base["train"]["optimizer"] = optimizer
+    return base
+
+
+def fields_where(section: object, key: str) -> list[str]:
+    """The names of the fields of a config section whose flag metadata `key` is true."""
+    return [f.name for f in dataclasses.fields(section) if f.metadata.get(key)]
+
+
+def preset_report(cfg: RunConfig) -> dict:
+    """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
+    start of log.txt; docs/optimizers.md#paper-parity): every flag that affects results and differs from the paper
+    preset. A run without --preset is compared with gpt2-124m, whose values are the defaults."""
+    name = cfg.preset
+    if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
+        return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
+    reference = name or "gpt2-124m"
+    optimizer = cfg.train.optimizer
+    differs = [] if optimizer in PAPER_OPTIMIZERS else [
+        f"--optimizer {optimizer} is not one of the paper's optimizers ({', '.join(PAPER_OPTIMIZERS)})"]
+    classes = {section: type(values) for section, values in cfg.sections().items()}
+    paper = preset_values(classes, reference, optimizer)
+    for section, values in cfg.sections().items():
+        for field_name in fields_where(values, "affects_results"):
+            value, published = getattr(values, field_name), paper[section][field_name]
+            if value != published:
+                differs.append(f"{option(field_name)} {value} ({reference}: {published})")
+    return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
+            "differs": differs + [PRECISION_NOTES[cfg.train.dtype], VALIDATION_PROTOCOL_NOTE]}
+
+
+def preset_lines(report: dict) -> str:
+    compared = report.get("compared_with")
+    return (f"preset {report['name'] or 'none'}"
+            + (f" (compared with {compared})" if compared and compared != report["name"] else "")
+            + f": reproduces {report['reproduces']}" + "".join(f"\n  differs: {d}" for d in report["differs"]))
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, dict]) -> argparse.ArgumentParser:
+    """A parser with one flag per field of every section, defaulting to `base` (defaults <- preset <- resumed
+    config); the epilog lists every optimizer and the others' flags."""
+    lines = ["optimizers (--optimizer NAME; its flags replace the optimizer group above):"]
+    shared = {f.name for f in dataclasses.fields(OptimizerConfig)} - {"lr", "weight_decay"}
+    for name, spec in sorted(OPTIMIZERS.items()):
+        lines.append(f"  {name:6} {spec.description}")
+        if name != optimizer:
+            own = [f for f in dataclasses.fields(spec.config) if f.name not in shared]
+            lines.append("         " + ", ".join(f"{option(f.name)} {f.default}" for f in own))
+    parser = argparse.ArgumentParser(
+        description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
+        formatter_class=_HelpFormatter, epilog="\n".join(lines))
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
+                        help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, "
+                             "whose values are also the defaults (docs/optimizers.md#paper-parity)")
+    variant_fields = {f.name for f in dataclasses.fields(ModelVariants)}
+    groups = [("model", f"model ({classes['model'].__name__})", lambda name: name not in variant_fields),
+              ("model", "model variants (docs/variants.md)", lambda name: name in variant_fields),
+              ("train", f"training ({classes['train'].__name__})", None),
+              ("research", "research tools (docs/gauge.md, docs/evaluation.md)", None),
+              ("optim", f"optimizer {optimizer} ({classes['optim'].__name__})", None)]
+    for section, title, keep in groups:
+        add_flags(parser.add_argument_group(title), classes[section], base[section], keep)
+    return parser
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
+    """Defaults <- preset <- resumed checkpoint's config <- command-line flags, then checked; model and train are the
+    trainer's flag dataclasses."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(PRESETS))
+    pre.add_argument("--resume", default="")
+    pre.add_argument("--optimizer", choices=sorted(OPTIMIZERS))
+    known, _ = pre.parse_known_args(argv)
+    saved, resume_from, notes = None, None, []
+    if known.resume:
+        try:
+            resume_from, notes = resolve_resume(known.resume)
+            checkpoint = load_checkpoint(resume_from, mmap=True)  # reads no tensor
+            if "optimizers" not in checkpoint:
+                raise CheckpointError(f"--resume {known.resume}: the checkpoint holds only model weights (no "
+                                      f"training state); start a new run from them with --init-from {known.resume}")
+        except CheckpointError as exc:
+            pre.error(str(exc))
+        saved = {**checkpoint["config"], "optim": upgrade_saved_config(checkpoint["config"].get("optim", {}))}
+    optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
+                 or PRESETS.get(known.preset, {}).get("optimizer") or train.optimizer)
+    classes = section_classes(model, train, optimizer)
+    base = preset_values(classes, known.preset, optimizer)
+    if saved:
+        same_optimizer = saved["train"].get("optimizer") == optimizer
+        for section, cls in classes.items():
+            if section != "optim" or same_optimizer:
+                base[section].update(saved_section(saved, section, cls))
+    base["train"]["optimizer"] = optimizer
+    parser = build_arg_parser(classes, optimizer, base)
+    foreign = _foreign_optimizer_flag(argv, classes, optimizer)
+    if foreign:
+        parser.error(foreign)
+    args = vars(parser.parse_args(argv))
+    cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), known.preset,
+                    resume_from=resume_from, notes=notes)
+    if saved:
+        given = {arg.split("=")[0].removeprefix("--").replace("-", "_") for arg in argv if arg.startswith("--")}
+        cfg.continue_in = resume_home(cfg.train, resume_from, given)
+        if cfg.continue_in is None and "run_name" not in given:
+            cfg.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
+    problem = config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None)
+    if problem:
+        parser.error(problem)
+    return cfg
+
+
+def _foreign_optimizer_flag(argv: list[str], classes: dict[str, type], optimizer: str) -> str | None:
+    """An error for a flag that belongs to another optimizer's config than the chosen one, or None."""
+    own = {f.name for cls in classes.values() for f in dataclasses.fields(cls)}
+    for arg in argv:
+        name = arg.split("=")[0].removeprefix("--no-").removeprefix("--").replace("-", "_")
+        if not arg.startswith("--") or name in own:
+            continue
+        owners = [n for n, spec in sorted(OPTIMIZERS.items())
+                  if name in {f.name for f in dataclasses.fields(spec.config)}]
+        if owners:
+            return f"{arg.split('=')[0]} is a flag of --optimizer {' / '.join(owners)}; this run uses {optimizer}"
+    return None
+
+
+def batch_layout(hp, world: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) of each rank: the largest micro-batch <= --micro-batch that splits the rank's
+    share of the global batch evenly, and the number of micro-steps it takes. Raises ValueError (naming the flags
+    and a fix) when the batch does not split over the ranks."""
+    if hp.batch_tokens % hp.seq_len:
+        raise ValueError(f"--batch-tokens {hp.batch_tokens} must be a multiple of --seq-len {hp.seq_len}")
+    sequences = hp.batch_tokens // hp.seq_len
+    if sequences % world:
+        raise ValueError(
+            f"--batch-tokens {hp.batch_tokens} is {sequences} sequences of --seq-len {hp.seq_len}, which do not split "
+            f"over {world} processes: set --batch-tokens to a multiple of {hp.seq_len} x {world} = "
+            f"{hp.seq_len * world}, e.g. {hp.seq_len * world * max(1, round(sequences / world))}")
+    per_rank = sequences // world
+    micro = max(m for m in range(1, min(hp.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
+    """The first value outside its flag's range or inconsistency between flags, phrased as what to change; None
+    when the config is valid."""
+    for section in cfg.sections().values():
+        problem = field_problem(section)
+        if problem:
+            return problem
+    model, hp = cfg.model, cfg.train
+    if model.n_embd % model.n_head:
+        return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
+    if hp.seq_len > model.block_size:
+        return f"--seq-len {hp.seq_len} exceeds --block-size {model.block_size}"
+    if hp.init_from and not hp.resume:
+        try:
+            resolve_checkpoint_path(hp.init_from, flag="--init-from")
+        except CheckpointError as exc:
+            return str(exc)
+    problem = variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len)
+    if problem:
+        return problem
+    if hp.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device is available (use --device cpu)"
+    if hp.wandb_project and not module_available("wandb"):
+        return (f"--wandb-project {hp.wandb_project}: the wandb package is not installed; `pip install wandb` "
+                "(then `wandb login`), or leave --wandb-project empty")
+    try:
+        batch_layout(hp, world)
+    except ValueError as exc:
+        return str(exc)
+    if hp.run_name and cfg.continue_in is None:
+        return existing_run_problem(Path(hp.run_dir) / hp.run_name)
+    return None
+
+
+def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
+    """A flag given on --resume that cannot take effect (fixed_on_resume: the model, the data order, the biases,
+    the optimizer's parameter groups), phrased as what to do; None when every flag can."""
+    for name, section in cfg.sections().items():
+        old_values = saved_section(saved, name, type(section))
+        for field_name in fields_where(section, "fixed_on_resume"):
+            old, new = old_values.get(field_name), getattr(section, field_name)
+            if field_name in old_values and old != new:
+                return (f"{option(field_name)} cannot change when resuming (the checkpoint has {old!r}, the flags "
+                        f"give {new!r}): it fixes the model, the data order, the biases or the optimizer state; "
+                        "start a new run instead")
+    return None
+
+
+def resume_home(hp, checkpoint: Path, given: set[str]) -> Path | None:
+    """The directory a resumed run goes on in: the checkpoint's run directory (run_dir_of), unless the flags given
+    (`given`) name another with --run-name/--run-dir; None means a new run directory."""
+    home = run_dir_of(checkpoint)
+    if home is None or not given & {"run_name", "run_dir"}:
+        return home
+    return home if hp.run_name and (Path(hp.run_dir) / hp.run_name).absolute() == home else None

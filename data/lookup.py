@@ -1,0 +1,73 @@
+"""Which shards a run trains and validates on, and the record of them that config.json and checkpoints keep
+(docs/data.md#what-a-run-records)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from data.shards import DIGEST_CACHE, cache_root, describe_shards
+
+
+class DataChangedError(RuntimeError):
+    """--resume found other training shards than the checkpoint trained on."""
+
+
+def resolve_data_files(train_files: str, val_files: str, is_master: bool = True) -> tuple[str, str, str | None]:
+    """(training glob, validation glob, note): --train-files, else downloaded FineWeb-Edu, else the embedded corpus
+    (the note says so); validation on --val-files, else on the same source's validation shards (the training
+    shards themselves with --train-files). Under torchrun the master prepares the embedded corpus, the others
+    find it in the cache."""
+    if train_files:
+        return train_files, val_files or train_files, None
+    from data import fineweb_edu
+
+    if fineweb_edu.fineweb_shards_present():
+        return fineweb_edu.DEFAULT_TRAIN_PATTERN, val_files or fineweb_edu.DEFAULT_VAL_PATTERN, None
+    from data.embedded import prepare_embedded_corpus
+
+    if is_master:
+        files = prepare_embedded_corpus()
+    if dist.is_initialized():
+        dist.barrier()
+    train, val = files if is_master else prepare_embedded_corpus()
+    return train, val_files or val, ("no --train-files and no FineWeb-Edu shards: using the embedded corpus "
+                                     "(Python docstrings)")
+
+
+def describe_data(given: dict[str, str], resolved: dict[str, str]) -> dict:
+    """Per split ("train", "val"): the glob as given (empty: the default data), the resolved glob, each file with
+    its token count and sha256, and the total tokens. Digests are cached by (path, size, mtime_ns) in the cache
+    root (data.shards.sha256_shards), so only new or changed shards are read."""
+    cache = cache_root() / DIGEST_CACHE
+    return {split: {"given": given[split], **describe_shards(resolved[split], cache)} for split in ("train", "val")}
+
+
+def data_summary(data: dict) -> str:
+    return " | ".join(f"{split} data {d['pattern']}: {len(d['files'])} files, {d['tokens']:,} tokens"
+                      for split, d in data.items())
+
+
+def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
+    """(problem, warnings) from comparing a checkpoint's data record with the data found now, by contents (token
+    counts and sha256 of the files in order), not paths. Other training data is a problem: the loader's position
+    and the data order would mean nothing. Other validation data is a warning: losses before and after the resume
+    are not comparable. Moved files with the same contents are fine."""
+    if not saved:
+        return None, ["the checkpoint records no data (written by an older version): the data is not checked"]
+    problem, warnings = None, []
+    for split in ("train", "val"):
+        old, new = saved[split]["files"], now[split]["files"]
+        if [(f["tokens"], f["sha256"]) for f in old] == [(f["tokens"], f["sha256"]) for f in new]:
+            continue
+        what = (f"the {split} data {now[split]['pattern']} is not what the checkpoint recorded: {len(new)} files / "
+                f"{now[split]['tokens']:,} tokens now, {len(old)} files / {saved[split]['tokens']:,} tokens then")
+        i = next((i for i, (a, b) in enumerate(zip(old, new)) if a["sha256"] != b["sha256"]), None)
+        if i is not None:
+            what += (f"; first difference at file {i}: recorded {old[i]['path']} (sha256 {old[i]['sha256'][:12]}..), "
+                     f"now {new[i]['path']} (sha256 {new[i]['sha256'][:12]}..)")
+        if split == "train":
+            problem = (f"--resume: {what}. The data order and the loader's position would mean nothing on other "
+                       "data: restore the recorded shards (the run's config.json lists them with their sha256), or "
+                       "start a new run")
+        else:
+            warnings.append(f"WARNING: {what}. Validation losses before and after this resume are not comparable.")
+    return problem, warnings

@@ -1,0 +1,484 @@
+"""Run directories and checkpoints: one API for the trainer, eval/, export, sample and bench/ (docs/runs.md).
+
+    <run>/config.json   what ran: flags, batch layout, data record, preset report
+    <run>/log.txt       the trainer's code, then every printed line;   <run>/log.jsonl   one record per log step
+    <run>/code/         the source as it ran;   <run>/checkpoints/latest.pt (and step_XXXXXX.pt)
+    <run>/.lock         held by the trainer that owns the run while it runs
+
+A checkpoint is a torch.save'd dict in format CHECKPOINT_FORMAT with a sha256 of its tensors; writes are atomic
+(data.shards.atomic_writer). Importing this module has no side effects.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cli import option
+from data.shards import atomic_writer
+
+REPO_ROOT = Path(__file__).resolve().parent
+CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
+CODE_PACKAGES = ("", "kernels", "optim", "gauge", "data")  # what <run>/code keeps
+
+
+class CheckpointError(ValueError):
+    """A checkpoint path that is missing, unreadable or damaged."""
+
+
+class RunInUseError(RuntimeError):
+    """Another live trainer owns the run directory."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoint files
+
+
+def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
+    """The run directory a checkpoint belongs to (<run>/checkpoints/FILE -> <run>); None for a file elsewhere."""
+    parent = Path(checkpoint).absolute().parent
+    return parent.parent if parent.name == "checkpoints" else None
+
+
+def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> Path:
+    """A checkpoint file, or a run directory (-> its checkpoints/latest.pt); an error naming the flag and file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoints" / "latest.pt"
+    if not path.is_file():
+        raise CheckpointError(f"{flag}: no checkpoint at {path}; a run writes one at its end, every "
+                              "--checkpoint-every steps and when it is interrupted (SIGINT/SIGTERM)")
+    return path
+
+
+def tensor_checksum(checkpoint: dict) -> str:
+    """sha256 over every tensor of a checkpoint (dicts in key order, lists in order; each tensor's place, dtype,
+    shape and bytes), so a flipped bit anywhere in weights or optimizer state changes it. The names a tied weight is
+    filled in under on load (see link_tied) do not count, so a loaded checkpoint saved again keeps its checksum."""
+    digest = hashlib.sha256()
+    aliases = {f"/model/{alias}" for alias in checkpoint.get("tied", {})}
+
+    def walk(node: object, where: str) -> None:
+        if where in aliases:
+            return
+        if isinstance(node, dict):
+            for key in sorted(node, key=str):
+                walk(node[key], f"{where}/{key}")
+        elif isinstance(node, (list, tuple)):
+            for i, item in enumerate(node):
+                walk(item, f"{where}/{i}")
+        elif torch.is_tensor(node):
+            flat = node.detach().to("cpu").contiguous().reshape(-1)
+            digest.update(f"{where}:{flat.dtype}:{tuple(node.shape)};".encode())
+            digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+
+    walk({k: v for k, v in checkpoint.items() if k != "checksum"}, "")
+    return digest.hexdigest()
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False,
+                    verify: bool = False) -> dict:
+    """Load and check a checkpoint written by `save_checkpoint` (mmap: tensors are read only when touched; verify:
+    recompute the tensors' sha256 and compare it with the stored one). A tied weight stored once (see
+    checkpoint_model_state) is filled in under each of its names."""
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
+    except Exception as exc:  # torch reports a foreign or truncated file through several types, none naming it
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); give a file written by train_gpt.py "
+                              "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory") from exc
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint")
+    if verify and "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:
+        raise CheckpointError(f"{path}: its tensors do not match the checksum written with them (the file was "
+                              "damaged after it was written)")
+    return link_tied(ckpt)
+
+
+def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
+    """The checkpoint `--resume SOURCE` continues from, verified, and notes on what was passed over. A file is
+    used as given; a run directory uses checkpoints/latest.pt, or when that is damaged the newest intact
+    step_XXXXXX.pt. Raises CheckpointError when nothing intact is found."""
+    source = Path(source)
+    if not source.is_dir():
+        path = resolve_checkpoint_path(source)
+        load_checkpoint(path, mmap=True, verify=True)
+        return path, []
+    first = resolve_checkpoint_path(source)
+    candidates = [first, *sorted(first.parent.glob("step_*.pt"), reverse=True)]
+    notes = []
+    for path in candidates:
+        try:
+            load_checkpoint(path, mmap=True, verify=True)
+        except CheckpointError as exc:
+            notes.append(str(exc))
+            continue
+        if notes:
+            notes.append(f"resuming from {path} instead, the newest intact checkpoint of {source}")
+        return path, notes
+    raise CheckpointError("--resume: no intact checkpoint in " + str(source) + ": " + "; ".join(notes))
+
+
+def link_tied(ckpt: dict) -> dict:
+    """The checkpoint with each tied name of its model (ckpt["tied"], see checkpoint_model_state) pointing at the
+    stored tensor; checkpoints that stored every name have no "tied" entry."""
+    for alias, name in ckpt.get("tied", {}).items():
+        ckpt["model"].setdefault(alias, ckpt["model"][name])
+    return ckpt
+
+
+def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state, tied): CPU copies of the model's tensors, each parameter once, and {alias: stored name} for the
+    names of a parameter stored under an earlier one (the tied lm_head.weight is transformer.wte.weight: one copy,
+    154 MB at 124M parameters, instead of two). Copies, because sharded optimizers make parameters views into
+    padded flat buffers that torch.save would write whole."""
+    state, tied, first_name = {}, {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first_name:
+            tied[name] = first_name[id(tensor)]
+            continue
+        first_name[id(tensor)] = name
+        state[name] = tensor.detach().to("cpu", copy=True)
+    return state, tied
+
+
+def model_checkpoint(model: nn.Module, config: dict, step: int, **training_state) -> dict:
+    """A checkpoint of `model` at `step` with its run config (sections of config.RunConfig.to_dict); the trainer adds
+    its training state (optimizers, loader, sampler, rng, metrics, hooks); a checkpoint without "optimizers" holds
+    model weights only (--init-from takes it, --resume does not)."""
+    state, tied = checkpoint_model_state(model)
+    return {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": state, "tied": tied,
+            **training_state}
+
+
+def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
+    """Write atomically with the tensors' checksum: a failure leaves the previous checkpoint intact and no
+    temporary file; the error names the file and the free space."""
+    path = Path(path)
+    checkpoint["checksum"] = tensor_checksum(checkpoint)
+    try:
+        with atomic_writer(path) as f:
+            torch.save(checkpoint, f)
+    except (OSError, RuntimeError) as exc:
+        free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+        os_error = exc if isinstance(exc, OSError) else exc.__context__  # torch wraps the file's own error
+        reason = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else str(exc).strip()
+        raise OSError(f"could not write checkpoint {path}: {reason} ({free / 2**20:,.0f} MiB free there); the "
+                      "previous checkpoint, if any, is intact") from exc
+
+
+def load_initial_weights(model: nn.Module, source: str | os.PathLike) -> str:
+    """Copy the model weights of a checkpoint (file or run directory) into `model` for --init-from; returns a line
+    saying what was adapted: a larger vocabulary keeps its initialisation in the extra rows, positions beyond
+    block_size are dropped, and parameters of another bias mode (learned b_q, b_v) are skipped or keep theirs."""
+    path = resolve_checkpoint_path(source, flag="--init-from")
+    ckpt = load_checkpoint(path, mmap=True)
+    saved, cfg = ckpt["config"]["model"], model.config
+    for name in ("n_layer", "n_head", "n_embd", "activation"):
+        if saved.get(name, getattr(cfg, name)) != getattr(cfg, name):
+            raise CheckpointError(f"--init-from {path}: its model has {option(name)} {saved[name]}, this run "
+                                  f"{getattr(cfg, name)}; set {option(name)} {saved[name]}")
+    if saved["block_size"] < cfg.block_size:
+        raise CheckpointError(f"--init-from {path}: its model has --block-size {saved['block_size']}, this run "
+                              f"{cfg.block_size}; set --block-size {saved['block_size']} or less")
+    notes = [f"initial weights from {path}"]
+    if saved["vocab_size"] != cfg.vocab_size:
+        notes.append(f"vocabulary {saved['vocab_size']} -> {cfg.vocab_size}"
+                     + (" (the extra rows keep their initialisation)" if cfg.vocab_size > saved["vocab_size"] else ""))
+    if saved["block_size"] != cfg.block_size:
+        notes.append(f"positions {saved['block_size']} -> {cfg.block_size}")
+    if saved.get("bias_mode", cfg.bias_mode) != cfg.bias_mode:
+        notes.append(f"bias mode {saved['bias_mode']} -> {cfg.bias_mode}")
+    state = model.state_dict()  # shares storage with the parameters
+    skipped = []
+    with torch.no_grad():
+        for name, tensor in ckpt["model"].items():
+            if name not in state or tensor.shape[1:] != state[name].shape[1:]:
+                skipped.append(name)
+                continue
+            rows = min(tensor.size(0), state[name].size(0))
+            state[name][:rows].copy_(tensor[:rows])
+    if skipped:
+        notes.append(f"not used: {', '.join(skipped)}")
+    return " | ".join(notes)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Run directories
+
+
+def read_log(run_dir: str | os.PathLike) -> list[dict]:
+    """A run's log.jsonl records (empty if there is none). A torn last line (what a crash or a full disk leaves) is
+    skipped with a warning naming the file; a damaged line elsewhere is an error naming the file and line."""
+    path = Path(run_dir) / "log.jsonl"
+    if not path.is_file():
+        return []
+    lines = path.read_text(errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                warnings.warn(f"{path}: skipping its last line {number}, which is incomplete (the run was cut off "
+                              "while writing it)", stacklevel=2)
+                break
+            raise ValueError(f"{path}: line {number} is not a JSON record ({exc.msg}); the log is damaged") from exc
+    return records
+
+
+def run_holds_checkpoint(run_dir: Path) -> bool:
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.glob("*.pt"))
+
+
+def existing_run_problem(run_dir: Path) -> str | None:
+    """An error when a new run named --run-name would write into an earlier run's directory: one that holds a
+    checkpoint (a directory an earlier run left without any is reused; see RunDirectory.claim)."""
+    if run_holds_checkpoint(run_dir):
+        return (f"--run-name {run_dir.name}: {run_dir} already holds a run; continue it with --resume {run_dir}, or "
+                "choose another --run-name")
+    return None
+
+
+def default_run_dir(parent: Path, stem: str) -> tuple[Path, str | None]:
+    """A fresh directory parent/stem, or stem-2, stem-3, ... when taken (claimed with an atomic mkdir)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        run_dir = parent / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        return run_dir, None if n == 1 else f"run directory {parent / stem} exists: using {run_dir.name} instead"
+    raise RuntimeError(f"no free run directory name {stem}-N under {parent}")
+
+
+class RunDirectory:
+    """The directory of the run this process owns (rank 0 only): created or reopened, locked for as long as the
+    run lasts (an advisory lock on <run>/.lock that the operating system releases when the process ends, however
+    it ends, so a dead owner leaves no stale lock), with the leftovers of earlier crashes cleared."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = None
+
+    def claim(self, new_run: bool) -> list[str]:
+        """Take the lock (RunInUseError naming the owner when another live process holds it), remove temporary
+        files dead writers left, and for a new run in a directory an earlier run left without a checkpoint, move
+        that run's files aside. Returns what was done, for the log."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path / ".lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read().strip() or "another process"
+            handle.close()
+            raise RunInUseError(f"{self.path} is in use by {owner}: wait for it to finish or stop it, or choose "
+                                "another --run-name") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+        handle.flush()
+        self._lock = handle
+        notes = []
+        for stale in sorted(self.path.rglob("*.tmp")):  # the lock is ours: no live writer owns these
+            size = stale.stat().st_size
+            stale.unlink()
+            notes.append(f"removed {stale} ({size / 2**20:,.1f} MiB), left by an interrupted write")
+        if new_run and existing_run_problem(self.path):
+            self.release()
+            raise RunInUseError(existing_run_problem(self.path))
+        leftovers = [p for p in self.path.iterdir() if p.name != ".lock"] if new_run else []
+        if leftovers:
+            aside = self.path / f"failed-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir()
+            for item in leftovers:
+                item.rename(aside / item.name)
+            notes.append(f"{self.path} held an earlier run that wrote no checkpoint: its files are kept in "
+                         f"{aside.name}/ and this run starts in the directory")
+        return notes
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor releases the lock
+            self._lock = None
+
+    def copy_code(self) -> None:
+        """<run>/code: the trainer and its modules as they run (a resumed run refreshes it)."""
+        for package in CODE_PACKAGES:
+            for source in sorted((REPO_ROOT / package).glob("*.py")):
+                target = self.path / "code" / package / source.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, target)
+
+    def write_json(self, name: str, obj: object) -> None:
+        with atomic_writer(self.path / name) as f:
+            f.write(json.dumps(obj, indent=2).encode())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What a run reports
+
+
+def module_available(name: str) -> bool:
+    """Whether `import name` can succeed, without importing it."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
+class WandbTracker:
+    """Weights & Biases for a run (--wandb-project; master rank only): the config once, at the start, then the
+    numbers of every log.jsonl record at its step, and the final summary. wandb is imported only here. The W&B run
+    id is kept in <run>/wandb_run_id.txt, so a run resumed in its directory goes on in the same W&B run."""
+
+    def __init__(self, project: str, run_name: str, run_dir: Path, config: dict) -> None:
+        import wandb  # the config check made sure it is installed
+
+        id_file = run_dir / "wandb_run_id.txt"
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
+        self.run = wandb.init(project=project, name=run_name or run_dir.name, id=run_id, resume="allow",
+                              dir=str(run_dir), config=config)
+        id_file.write_text(run_id + "\n")
+
+    def record(self, record: dict) -> None:
+        numbers = {k: v for k, v in record.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if record.get("summary"):
+            self.run.summary.update(numbers)
+        elif numbers and "step" in record:
+            self.run.log(numbers, step=record["step"])
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class RunLog:
+    """What the master rank reports: stdout, and once the run directory exists, log.txt (which starts with the
+    trainer's code), log.jsonl and the optional tracker (WandbTracker). Lines printed before the directory exists
+    are written to log.txt when it does."""
+
+    def __init__(self, is_master: bool) -> None:
+        self.is_master = is_master
+        self.text = self.records = None
+        self.tracker: WandbTracker | None = None
+        self.pending: list[str] = []
+
+    def attach(self, run_dir: Path, code: str) -> None:
+        if not self.is_master:
+            return
+        self.text = open(run_dir / "log.txt", "a")
+        records = run_dir / "log.jsonl"
+        torn = records.is_file() and records.stat().st_size and not records.read_bytes().endswith(b"\n")
+        self.records = open(records, "a")
+        if torn:  # a crash cut the last record short: start the next one on a line of its own
+            self.records.write("\n")
+        self.text.write(code + "\n" + "=" * 100 + "\n")
+        self.text.writelines(line + "\n" for line in self.pending)
+        self.text.flush()
+
+    def line(self, text: str) -> None:
+        if not self.is_master:
+            return
+        print(text, flush=True)
+        if self.text is None:
+            self.pending.append(text)
+        else:
+            self.text.write(text + "\n")
+            self.text.flush()
+
+    def record(self, record: dict) -> None:
+        if self.records is not None:
+            self.records.write(json.dumps(record) + "\n")
+            self.records.flush()
+        if self.tracker is not None:
+            self.tracker.record(record)
+
+    def error(self, exc: BaseException) -> None:
+        """Write an error that ends the run to log.txt (it is printed by Python as it propagates); the tracker's
+        run ends as failed."""
+        if self.text is not None:
+            self.text.write("".join(traceback.format_exception(exc)))
+            self.text.flush()
+        if self.tracker is not None:
+            self.tracker.close(exit_code=1)
+            self.tracker = None
+
+    def close(self) -> None:
+        for handle in (self.text, self.records):
+            if handle is not None:
+                handle.close()
+        if self.tracker is not None:
+            self.tracker.close()
+        self.text = self.records = self.tracker = None
+
+
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask the run to stop; the loop then writes a checkpoint and exits. `agreed()` is called once
+    per step on every rank: on one process it returns the signal at once; under torchrun each call starts an
+    all-reduce of this rank's signal on a CPU (gloo) group and returns the result of the previous call's, so every
+    rank stops at the same step, one step after the signal, without a GPU sync (torchrun kills its workers 30 s
+    after forwarding a signal). A second SIGINT interrupts at once."""
+
+    def __init__(self, world: int) -> None:
+        self.signum, self.world = 0, world
+        self._previous: dict[int, object] = {}
+        self._group = self._vote = self._pending = None
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if self.world > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = signum
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def agreed(self) -> int:
+        """The signal every rank has agreed to stop on, 0 for none (a collective under torchrun)."""
+        if self.world == 1:
+            return self.signum
+        agreed = 0
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = int(self._vote.item())
+        self._vote = torch.tensor([self.signum], dtype=torch.int64)
+        self._pending = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return agreed
+
+    def __exit__(self, *exc_info) -> None:
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.wait()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,321 @@
+"""Research variants of the model and the training loop (docs/variants.md, docs/gauge.md), kept out of the core.
+
+Model variants are fields of the model config (`ModelVariants`, a base of train_gpt.GPTConfig, so checkpoints keep
+them with the model): --attention relational (`RelationalAttention`), --objective mlm (`objective_for`: how a batch
+of token rows becomes inputs and targets), --init symmetric (`symmetric_init`). Tools that act around an optimizer
+step are `TrainingHook`s built from `ResearchConfig` by `training_hooks`: --gauge post-processing,
+--dynamics-every and --gauge-diagnostic-every logging. A new variant adds one field group here, one construction
+line and one call in the trainer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from cli import flag
+from gauge.dynamics import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
+from gauge.sensitivity import training_summary
+from gauge.updates import GAUGE_MODES, GaugeUpdates
+
+
+@dataclass
+class ModelVariants:
+    """Model variants (docs/variants.md); every field is a flag and part of the model's config."""
+
+    init: str = flag("normal", "attention initialisation: normal, or symmetric (W_K := W_Q, so every head's W_QK is "
+                               "symmetric; docs/variants.md#symmetric-initialisation)", choices=("normal", "symmetric"),
+                     fixed_on_resume=True)
+    objective: str = flag("clm", "clm (next-token prediction, causal attention) or mlm (masked tokens, attention "
+                                 "in both directions; docs/variants.md#masked-lm-objective)", choices=("clm", "mlm"),
+                          fixed_on_resume=True)
+    mask_prob: float = flag(0.15, "mlm: fraction of each sequence's positions masked (round(mask_prob x seq_len), "
+                                  "at least one)", bounds="(0, 1]", fixed_on_resume=True)
+    mask_token: int = flag(50257, "mlm: the [MASK] input id; 50257 is the first padded id, which GPT-2 text never "
+                                  "holds", bounds=">= 0", fixed_on_resume=True)
+    attention: str = flag("standard", "standard (dot-product heads with the biases) or relational (Gram attention, a "
+                                      "pure-PyTorch prototype for small models; docs/variants.md#relational-attention)",
+                          choices=("standard", "relational"), fixed_on_resume=True)
+    relational_hidden: int = flag(32, "relational attention: hidden width of the score MLP f", bounds="> 0",
+                                  fixed_on_resume=True)
+
+
+@dataclass
+class ResearchConfig:
+    """Tools that act on the attention heads around the optimizer step, and their diagnostics (docs/gauge.md,
+    docs/evaluation.md#angular-momentum-and-rotational-fraction); every field is a flag."""
+
+    gauge: str = flag("none", "post-process each step on the attention heads' factor gauge (docs/gauge.md): "
+                              "correct (opposite-Gram), project (orbit-transverse), dress (Gram-balanced "
+                              "representatives every --gauge-every steps) or hyperball", choices=GAUGE_MODES,
+                      fixed_on_resume=True)
+    gauge_correction: str = flag("full", "--gauge correct: full, diagonal (Gram diagonals) or periodic (full every "
+                                         "--gauge-every steps, diagonal otherwise)",
+                                 choices=("full", "diagonal", "periodic"))
+    gauge_every: int = flag(10, "--gauge dress: dress every N steps; --gauge-correction periodic: full every N",
+                            bounds=">= 1")
+    gauge_damping: float = flag(1e-3, "--gauge correct: damping λ added to the opposite Gram", bounds=">= 0")
+    gauge_group: str = flag("gl", "--gauge project: remove motion along GL(d) (gl) or only O(d) rotations (o)",
+                            choices=("gl", "o"))
+    hyperball_lr: float = flag(0.01, "--gauge hyperball: step length η relative to each head factor's norm (times "
+                                     "the learning-rate schedule)", bounds="> 0")
+    dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; "
+                                  "docs/evaluation.md)", bounds=">= 0", affects_results=False)
+    gauge_diagnostic_every: int = flag(0, "log the gauge sensitivity of one fresh-optimizer step every N steps "
+                                          "(0: off; docs/structure.md#gauge-sensitivity-diagnostic)", bounds=">= 0",
+                                       affects_results=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Relational attention (docs/variants.md#relational-attention)
+
+
+class RelationalAttention(nn.Module):
+    """Relational (Gram) attention, a pure-PyTorch prototype for small models.
+
+    With X the (T, C) LayerNormed token states and G = XXᵀ/C, head h scores s_ij = f(G_ij, G_ii, G_jj)_h with f a
+    small MLP (3 -> relational_hidden -> n_head), masks them (causal under clm), takes the softmax A_h, and the
+    output is Y = (Σ_h α_h A_h) X with learned mixing scalars α_h. The values are the token states themselves (no
+    W_V, no W_O), so the layer is O(C)-equivariant: X -> XR gives Y -> YR for every orthogonal R. The biases of the
+    standard attention have nothing to act on here (the configuration refuses them).
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.causal = config.objective == "clm"
+        self.score = nn.Sequential(nn.Linear(3, config.relational_hidden), nn.GELU(),
+                                   nn.Linear(config.relational_hidden, config.n_head))
+        self.mix = nn.Parameter(torch.empty(config.n_head))
+
+    @torch.no_grad()
+    def init_weights(self, config) -> None:
+        """Called by the model's initialisation, after its own (which reaches the score MLP first): the score MLP
+        N(0, 1/fan_in), biases zero; each mixing scalar α_h = 0.02 · 0.02/√(2L) · C / H, so Σ_h α_h
+        is the gain 0.02√C · 0.02/√(2L)·√C that a standard layer's W_V W_O has at the model's initialisation."""
+        for layer in (self.score[0], self.score[2]):
+            nn.init.normal_(layer.weight, std=layer.in_features ** -0.5)
+            nn.init.zeros_(layer.bias)
+        nn.init.constant_(self.mix, 0.02 * 0.02 / math.sqrt(2 * config.n_layer) * config.n_embd / config.n_head)
+
+    def forward(self, x: Tensor, b_q=None, b_k=None, b_v=None) -> Tensor:
+        B, T, C = x.shape
+        gram = x @ x.transpose(1, 2) / C
+        norms = gram.diagonal(dim1=1, dim2=2)
+        pairs = torch.stack([gram, norms[:, :, None].expand(B, T, T), norms[:, None, :].expand(B, T, T)], dim=-1)
+        scores = self.score(pairs).permute(0, 3, 1, 2)  # (B, H, T, T): query i, key j
+        if self.causal:
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        mixing = torch.einsum("h,bhij->bij", self.mix.to(scores.dtype), scores.softmax(dim=-1))
+        return mixing.to(x.dtype) @ x
+
+
+RELATIONAL_MEMORY_LIMIT = 8 * 2**30  # bytes of score-MLP activations per micro-batch beyond which we refuse
+
+
+def relational_activation_bytes(config, micro_batch: int, seq_len: int) -> int:
+    """What relational attention keeps for the backward pass per micro-batch: per layer and token pair the three
+    Gram features, the score MLP's hidden layer before and after the activation, and per head the score, its
+    softmax and the masked score (fp32)."""
+    per_pair = 3 + 2 * config.relational_hidden + 3 * config.n_head
+    return 4 * config.n_layer * micro_batch * seq_len * seq_len * per_pair
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Symmetric initialisation (docs/variants.md#symmetric-initialisation)
+
+
+@torch.no_grad()
+def symmetric_init(model: nn.Module) -> None:
+    """W_K := W_Q and c_K := c_Q in every layer, after the normal initialisation (which therefore draws the same
+    numbers), so M_QK = W_Qᵀ W_K is symmetric per head and per layer."""
+    C = model.config.n_embd
+    for block in model.transformer.h:
+        c_attn = block.attn.c_attn
+        c_attn.weight[C:2 * C].copy_(c_attn.weight[:C])
+        c_attn.bias[C:2 * C].copy_(c_attn.bias[:C])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Objectives: how token rows become inputs and targets (docs/variants.md#masked-lm-objective)
+
+# Distinct first words keep these random streams apart from each other and from the bias sampler's.
+TRAINING_MASKS = 0x4D41534B  # "MASK"
+VALIDATION_MASKS = 0x56414C4D  # "VALM"
+
+
+class CausalLM:
+    """Next-token prediction: the loader's (x, y) as they are."""
+
+    def batch(self, x: Tensor, y: Tensor, first_row: int, step_key: tuple[int, int] | None = None
+              ) -> tuple[Tensor, Tensor]:
+        return x, y
+
+
+class MaskedLM:
+    """Masks round(mask_prob · T) positions (at least one) of every sequence: inputs there become mask_token, the
+    targets are the original tokens there and -1 (not scored) everywhere else.
+
+    Row r of a training step's global batch (its index in the step's rows, whatever the rank and micro-batch; see
+    data/loader.py) draws its positions from numpy's SeedSequence([TRAINING_MASKS, seed, step, r]); row r of the
+    validation stream from SeedSequence([VALIDATION_MASKS, r]), the same in every run. No state: a resumed run and a
+    run on any number of GPUs mask the same positions of the same data.
+    """
+
+    def __init__(self, config) -> None:
+        self.mask_prob, self.mask_token = config.mask_prob, config.mask_token
+
+    def masked_count(self, seq_len: int) -> int:
+        return max(1, round(self.mask_prob * seq_len))
+
+    def positions(self, first_row: int, rows: int, seq_len: int, step_key: tuple[int, int] | None = None
+                  ) -> np.ndarray:
+        """Boolean (rows, seq_len) mask of rows first_row, first_row + 1, ...: of a training step with
+        step_key = (seed, step), of the validation stream with None."""
+        stream = [TRAINING_MASKS, *step_key] if step_key is not None else [VALIDATION_MASKS]
+        count = self.masked_count(seq_len)
+        mask = np.zeros((rows, seq_len), dtype=bool)
+        for i in range(rows):
+            rng = np.random.default_rng([*stream, first_row + i])
+            mask[i, rng.choice(seq_len, size=count, replace=False)] = True
+        return mask
+
+    def batch(self, x: Tensor, y: Tensor, first_row: int, step_key: tuple[int, int] | None = None
+              ) -> tuple[Tensor, Tensor]:
+        """(masked inputs, targets) of the token rows x (B, T) whose first row is `first_row` (see `positions`);
+        y, the next tokens, is not used."""
+        mask = torch.from_numpy(self.positions(first_row, x.shape[0], x.shape[1], step_key)).to(x.device)
+        return x.masked_fill(mask, self.mask_token), torch.where(mask, x, -1)
+
+
+def objective_for(config) -> CausalLM | MaskedLM:
+    return MaskedLM(config) if config.objective == "mlm" else CausalLM()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hooks around the optimizer step
+
+
+class TrainingHook:
+    """What a research tool may do around an optimizer step; each method is a no-op unless a tool overrides it."""
+
+    name = ""
+
+    def before_step(self, model: nn.Module) -> None:
+        """Before the optimizers step (the gradients are ready)."""
+
+    def after_step(self, model: nn.Module, optimizers: list, step: int, lr_factor: float) -> None:
+        """After the optimizers stepped to `step` (counted from 1); lr_factor: the schedule's factor."""
+
+    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+        """(fields for the log record, text for the log line) at a log step; batch: the last micro-batch."""
+        return {}, ""
+
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        """Restore what `state_dict` returned."""
+
+
+class GaugeStep(TrainingHook):
+    """--gauge: rewrites every step's motion of the attention heads (docs/gauge.md)."""
+
+    name = "gauge"
+
+    def __init__(self, cfg: ResearchConfig, n_head: int) -> None:
+        self.updates = GaugeUpdates(cfg.gauge, n_head, cfg.gauge_correction, cfg.gauge_every, cfg.gauge_damping,
+                                    cfg.gauge_group, cfg.hyperball_lr)
+        self.before = None
+
+    def before_step(self, model: nn.Module) -> None:
+        self.before = self.updates.snapshot(model)
+
+    def after_step(self, model: nn.Module, optimizers: list, step: int, lr_factor: float) -> None:
+        self.updates.after_step(model, optimizers, self.before, step, lr_factor)
+        self.before = None
+
+    def state_dict(self) -> dict:
+        return self.updates.state_dict()
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.updates.load_state_dict(state, device)
+
+
+class DynamicsLog(TrainingHook):
+    """--dynamics-every: angular momentum and rotational fraction of the optimizer's velocity."""
+
+    def __init__(self, every: int, n_head: int) -> None:
+        self.every, self.n_head = every, n_head
+
+    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+        if step % self.every:
+            return {}, ""
+        return dynamics_summary(model, velocity_from_optimizers(optimizers), self.n_head), ""
+
+
+class GaugeDiagnosticLog(TrainingHook):
+    """--gauge-diagnostic-every: how much one fresh-optimizer step depends on the heads' gauge."""
+
+    def __init__(self, every: int, optimizer: str, optim_cfg) -> None:
+        self.every, self.optimizer, self.optim_cfg = every, optimizer, optim_cfg
+
+    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+        if step % self.every:
+            return {}, ""
+        x, y, _ = batch
+        fields = training_summary(model, self.optimizer, self.optim_cfg, x, y, step)
+        return fields, f"gauge ΔM QK {fields['gauge_dM_QK']:.3g} VO {fields['gauge_dM_VO']:.3g}"
+
+
+def training_hooks(cfg: ResearchConfig, n_head: int, optimizer: str, optim_cfg) -> list[TrainingHook]:
+    """The hooks the flags switch on, in the order they act."""
+    hooks: list[TrainingHook] = []
+    if cfg.gauge != "none":
+        hooks.append(GaugeStep(cfg, n_head))
+    if cfg.dynamics_every:
+        hooks.append(DynamicsLog(cfg.dynamics_every, n_head))
+    if cfg.gauge_diagnostic_every:
+        hooks.append(GaugeDiagnosticLog(cfg.gauge_diagnostic_every, optimizer, optim_cfg))
+    return hooks
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Which variants and tools can work together
+
+
+def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch: int, seq_len: int) -> str | None:
+    """Flags of the variants and research tools that cannot work together, phrased as what to change; None when
+    they can."""
+    if model.objective == "mlm" and not model.mask_token < model.vocab_size:
+        return (f"--mask-token {model.mask_token} is not an id of the vocabulary (--vocab-size {model.vocab_size}): "
+                "choose an id below the vocabulary size that the data never holds")
+    if research.dynamics_every and optimizer not in VELOCITY_OPTIMIZERS:
+        return (f"--dynamics-every needs a velocity, which docs/evaluation.md defines for --optimizer "
+                f"{', '.join(VELOCITY_OPTIMIZERS)}; {optimizer} has none (set --dynamics-every 0)")
+    if research.gauge_diagnostic_every and optimizer == "soap":
+        return ("--gauge-diagnostic-every compares one step of a fresh optimizer, and SOAP's first step only builds "
+                "its preconditioner (no motion); set --gauge-diagnostic-every 0")
+    if research.gauge == "dress" and model.bias_mode == "learned" and not model.bias_per_head:
+        return ("--gauge dress moves each head by its own gauge, which a learned bias shared by the heads cannot "
+                "follow: add --bias-per-head")
+    if model.attention != "relational":
+        return None
+    if model.bias_mode != "none" or model.key_bias:
+        return ("--attention relational has no queries, keys or values to bias: add --bias-mode none (and drop "
+                "--key-bias)")
+    if model.init == "symmetric":
+        return "--init symmetric sets W_K := W_Q, which --attention relational does not have: use --init normal"
+    if research.dynamics_every or research.gauge != "none" or research.gauge_diagnostic_every:
+        return ("--dynamics-every, --gauge and --gauge-diagnostic-every act on the heads' W_Q, W_K, W_V, W_O, which "
+                "--attention relational does not have: leave them off")
+    needed = relational_activation_bytes(model, micro_batch, seq_len)
+    if needed > RELATIONAL_MEMORY_LIMIT:
+        return (f"--attention relational is a prototype for small models: --micro-batch {micro_batch} x "
+                f"--seq-len {seq_len} over {model.n_layer} layers would keep {needed / 2**30:.1f} GiB of score "
+                f"activations (limit {RELATIONAL_MEMORY_LIMIT / 2**30:.0f} GiB); lower --micro-batch (the batch is "
+                "kept by accumulating gradients), --seq-len or --relational-hidden")
+    return None
