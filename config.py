@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,8 +18,17 @@ import torch
 from cli import add_flags, field_problem, option
 from optim import OPTIMIZERS, OptimizerConfig
 from optim.registry import upgrade_saved_config
-from runs import CheckpointError, existing_run_problem, load_checkpoint, module_available, resolve_checkpoint_path, \
-    resolve_resume, run_dir_of
+from runs import (
+    CheckpointError,
+    batch_layout,
+    existing_run_problem,
+    load_checkpoint,
+    module_available,
+    resolve_checkpoint_path,
+    resolve_resume,
+    run_dir_of,
+    world_size_from_env,
+)
 from variants import ModelVariants, ResearchConfig, variant_problem
 
 # The paper's training run (docs/model.md#the-papers-model): 8 x 512 tokens per step in one pass (no gradient
@@ -196,11 +204,6 @@ def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, d
     return parser
 
 
-def world_size_from_env() -> int:
-    """The number of processes torchrun started (1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
-
-
 def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     """Defaults <- preset <- resumed checkpoint's config <- command-line flags, then checked; model and train are the
     trainer's flag dataclasses."""
@@ -261,23 +264,6 @@ def _foreign_optimizer_flag(argv: list[str], classes: dict[str, type], optimizer
         if owners:
             return f"{arg.split('=')[0]} is a flag of --optimizer {' / '.join(owners)}; this run uses {optimizer}"
     return None
-
-
-def batch_layout(hp, world: int) -> tuple[int, int]:
-    """(micro_batch, grad_accum) of each rank: the largest micro-batch <= --micro-batch that splits the rank's
-    share of the global batch evenly, and the number of micro-steps it takes. Raises ValueError (naming the flags
-    and a fix) when the batch does not split over the ranks."""
-    if hp.batch_tokens % hp.seq_len:
-        raise ValueError(f"--batch-tokens {hp.batch_tokens} must be a multiple of --seq-len {hp.seq_len}")
-    sequences = hp.batch_tokens // hp.seq_len
-    if sequences % world:
-        raise ValueError(
-            f"--batch-tokens {hp.batch_tokens} is {sequences} sequences of --seq-len {hp.seq_len}, which do not split "
-            f"over {world} processes: set --batch-tokens to a multiple of {hp.seq_len} x {world} = "
-            f"{hp.seq_len * world}, e.g. {hp.seq_len * world * max(1, round(sequences / world))}")
-    per_rank = sequences // world
-    micro = max(m for m in range(1, min(hp.micro_batch, per_rank) + 1) if per_rank % m == 0)
-    return micro, per_rank // micro
 
 
 def config_problem(cfg: RunConfig, world: int = 1) -> str | None:

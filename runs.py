@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 
 from cli import option
 from data.shards import atomic_writer
+from optim.distributed import init_process_group
 
 REPO_ROOT = Path(__file__).resolve().parent
 CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
@@ -45,6 +47,84 @@ class CheckpointError(ValueError):
 
 class RunInUseError(RuntimeError):
     """Another live trainer owns the run directory."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Where a process trains
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def batch_layout(hp, world: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) of each rank: the largest micro-batch <= --micro-batch that splits the rank's
+    share of the global batch evenly, and the number of micro-steps it takes. Raises ValueError (naming the flags
+    and a fix) when the batch does not split over the ranks."""
+    if hp.batch_tokens % hp.seq_len:
+        raise ValueError(f"--batch-tokens {hp.batch_tokens} must be a multiple of --seq-len {hp.seq_len}")
+    sequences = hp.batch_tokens // hp.seq_len
+    if sequences % world:
+        raise ValueError(
+            f"--batch-tokens {hp.batch_tokens} is {sequences} sequences of --seq-len {hp.seq_len}, which do not split "
+            f"over {world} processes: set --batch-tokens to a multiple of {hp.seq_len} x {world} = "
+            f"{hp.seq_len * world}, e.g. {hp.seq_len * world * max(1, round(sequences / world))}")
+    per_rank = sequences // world
+    micro = max(m for m in range(1, min(hp.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+@dataclass
+class Runtime:
+    """Where this process trains: its rank among `world`, its device and autocast dtype, and the per-rank batch
+    layout (micro_batch sequences per pass, grad_accum passes per step; see batch_layout)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    micro_batch: int
+    grad_accum: int
+    autocast_dtype: torch.dtype | None
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else \
+            contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def setup(hp) -> Runtime:
+    """Process group (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), device, autocast and the per-rank batch layout of
+    the training flags `hp` (train_gpt.TrainConfig)."""
+    world = world_size_from_env()
+    use_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    micro_batch, grad_accum = batch_layout(hp, world)
+    if world > 1:
+        init_process_group(backend="nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
+    return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU (datasheet) for MFU; None when unknown or on CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -260,19 +340,6 @@ def existing_run_problem(run_dir: Path) -> str | None:
     return None
 
 
-def default_run_dir(parent: Path, stem: str) -> tuple[Path, str | None]:
-    """A fresh directory parent/stem, or stem-2, stem-3, ... when taken (claimed with an atomic mkdir)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 10_000):
-        run_dir = parent / (stem if n == 1 else f"{stem}-{n}")
-        try:
-            run_dir.mkdir()
-        except FileExistsError:
-            continue
-        return run_dir, None if n == 1 else f"run directory {parent / stem} exists: using {run_dir.name} instead"
-    raise RuntimeError(f"no free run directory name {stem}-N under {parent}")
-
-
 class RunDirectory:
     """The directory of the run this process owns (rank 0 only): created or reopened, locked for as long as the
     run lasts (an advisory lock on <run>/.lock that the operating system releases when the process ends, however
@@ -281,6 +348,23 @@ class RunDirectory:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = None
+
+    @classmethod
+    def choose(cls, parent: str, name: str, kind: str, continue_in: Path | None) -> tuple[RunDirectory, str | None]:
+        """The resumed run's own directory (continue_in), parent/--run-name, or a fresh parent/TIMESTAMP-kind
+        (claimed with an atomic mkdir; -2, -3, ... when taken, with a note saying so)."""
+        if continue_in is not None or name:
+            return cls(continue_in or Path(parent) / name), None
+        stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            path = Path(parent) / (stem if n == 1 else f"{stem}-{n}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            return cls(path), None if n == 1 else f"run directory {Path(parent) / stem} exists: using {path.name} instead"
+        raise RuntimeError(f"no free run directory name {stem}-N under {parent}")
 
     def claim(self, new_run: bool) -> list[str]:
         """Take the lock (RunInUseError naming the owner when another live process holds it), remove temporary

@@ -30,14 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import config
+import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
 from kernels.attention import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
-from optim.distributed import all_reduce_sum, init_process_group
-from runs import CheckpointError, RunDirectory, RunLog, StopRequest, WandbTracker, default_run_dir, format_duration, \
-    link_tied, load_checkpoint, load_initial_weights, model_checkpoint, save_checkpoint
+from optim.distributed import all_reduce_sum
 from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -321,9 +320,9 @@ class GPT(nn.Module):
 
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
     """The checkpoint's model on the CPU in eval mode (evaluation uses the mean biases)."""
-    ckpt = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, dict) else runs.load_checkpoint(checkpoint)
     model = GPT(config.config_from_dict(ckpt["config"]["model"], GPTConfig))
-    model.load_state_dict(link_tied(ckpt)["model"])
+    model.load_state_dict(runs.link_tied(ckpt)["model"])
     return model.eval()
 
 
@@ -407,17 +406,6 @@ def lr_factor(step: int, hp: TrainConfig) -> float:
     return 1.0 - (1 - hp.min_lr_frac) * min(1.0, progress)
 
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU (datasheet) for MFU; None when unknown or on CPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
 # -----------------------------------------------------------------------------------------------------------------
 # Evaluation
 
@@ -448,48 +436,7 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Training: setup → Trainer (build, restore, open the run, loop, finish).
-
-
-@dataclass
-class Runtime:
-    """Where this process trains: its rank among `world`, its device and autocast dtype, and the per-rank batch
-    layout (micro_batch sequences per pass, grad_accum passes per step; see config.batch_layout)."""
-
-    rank: int
-    world: int
-    device: torch.device
-    micro_batch: int
-    grad_accum: int
-    autocast_dtype: torch.dtype | None
-
-    @property
-    def is_master(self) -> bool:
-        return self.rank == 0
-
-    def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else \
-            contextlib.nullcontext()
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-
-def setup(cfg: config.RunConfig) -> Runtime:
-    """Process group (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), device, autocast and the per-rank batch layout."""
-    hp = cfg.train
-    world = config.world_size_from_env()
-    use_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
-    micro_batch, grad_accum = config.batch_layout(hp, world)
-    if world > 1:
-        init_process_group(backend="nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
-    return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
+# Training: runs.setup → Trainer (build, restore, open the run, loop, finish).
 
 
 @dataclass
@@ -514,7 +461,7 @@ class Trainer:
     `restore` (for --resume), `open_run`, `train`, `finish`. `progress` is what changes and what a checkpoint saves
     besides the model, optimizers and loader."""
 
-    def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
+    def __init__(self, cfg: config.RunConfig, rt: runs.Runtime, log: runs.RunLog) -> None:
         """Data (the validation data is checked here, before any step), model, optimizers, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
@@ -530,7 +477,7 @@ class Trainer:
         torch.manual_seed(hp.seed)
         self.model = GPT(cfg.model).to(rt.device)
         if hp.init_from and not hp.resume:
-            log.line(load_initial_weights(self.model, hp.init_from))
+            log.line(runs.load_initial_weights(self.model, hp.init_from))
         self.spec = OPTIMIZERS[hp.optimizer]
         self.optimizers = self.spec.build(self.model, cfg.optim)
         for opt in self.optimizers:
@@ -547,7 +494,7 @@ class Trainer:
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
         self.step_model: nn.Module = self.model  # what the loop calls: compiled on CUDA, in DDP where needed
         self.progress = Progress()
-        self.run_dir: RunDirectory | None = None
+        self.run_dir: runs.RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
@@ -561,7 +508,7 @@ class Trainer:
         optimizer_states = [opt.state_dict() for opt in self.optimizers]
         if not self.rt.is_master:
             return None
-        return model_checkpoint(
+        return runs.model_checkpoint(
             self.model, {**self.cfg.to_dict(), "data": self.data_record}, self.progress.step,
             optimizers=optimizer_states, loader=self.loader.state_dict(), sampler=self.sampler.state_dict(),
             rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
@@ -573,7 +520,7 @@ class Trainer:
         path = self.cfg.resume_from
         for note in self.cfg.notes:
             self.log.line(note)
-        ckpt = load_checkpoint(path, map_location=self.rt.device)
+        ckpt = runs.load_checkpoint(path, map_location=self.rt.device)
         problem = None
         if self.rt.is_master:
             problem, warnings = data_changes(ckpt["config"].get("data"), self.data_record)
@@ -581,7 +528,7 @@ class Trainer:
                 self.log.line(warning)
         if all_reduce_sum(torch.tensor(float(problem is not None), device=self.rt.device)).item():
             raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
-        self.model.load_state_dict(link_tied(ckpt)["model"])
+        self.model.load_state_dict(runs.link_tied(ckpt)["model"])
         for opt, saved, settings in zip(self.optimizers, ckpt["optimizers"], self.peak_settings, strict=True):
             opt.load_state_dict(saved)
             for group, values in zip(opt.param_groups, settings, strict=True):
@@ -595,7 +542,7 @@ class Trainer:
         self.progress = Progress(**{k: v for k, v in ckpt["metrics"].items() if k in Progress.__dataclass_fields__})
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
-            raise CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
+            raise runs.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
                                   "earlier checkpoint (--keep-checkpoints keeps checkpoints/step_XXXXXX.pt)")
         changed = config.changed_settings(self.cfg, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
@@ -620,9 +567,9 @@ class Trainer:
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
         ckpt = self.checkpoint()
         if ckpt is not None:
-            save_checkpoint(self.run_dir.path / "checkpoints" / "latest.pt", ckpt)
+            runs.save_checkpoint(self.run_dir.path / "checkpoints" / "latest.pt", ckpt)
             if self.cfg.train.keep_checkpoints:
-                save_checkpoint(self.run_dir.path / "checkpoints" / f"step_{self.progress.step:06d}.pt", ckpt)
+                runs.save_checkpoint(self.run_dir.path / "checkpoints" / f"step_{self.progress.step:06d}.pt", ckpt)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
@@ -653,17 +600,11 @@ class Trainer:
         log's header and the optional tracker."""
         cfg, rt, log = self.cfg, self.rt, self.log
         if rt.is_master:
-            hp, notes = cfg.train, []
-            if cfg.continue_in is not None:
-                path = cfg.continue_in
-            elif hp.run_name:
-                path = Path(hp.run_dir) / hp.run_name
-            else:
-                path, note = default_run_dir(Path(hp.run_dir), f"{time.strftime('%Y%m%d-%H%M%S')}-"
-                                                               f"{cfg.preset or 'custom'}-{hp.optimizer}")
-                notes += [note] if note else []
-            self.run_dir = RunDirectory(path)
-            notes += self.run_dir.claim(new_run=cfg.continue_in is None)
+            hp = cfg.train
+            self.run_dir, note = runs.RunDirectory.choose(hp.run_dir, hp.run_name, f"{cfg.preset or 'custom'}-{hp.optimizer}",
+                                                     cfg.continue_in)
+            notes = [note] * bool(note) + self.run_dir.claim(new_run=cfg.continue_in is None)
+            path = self.run_dir.path
             self.run_dir.copy_code()
             layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
             report = config.preset_report(cfg)
@@ -671,7 +612,7 @@ class Trainer:
             self.run_dir.write_json("config.json", record)
             log.attach(path, Path(__file__).read_text())
             if hp.wandb_project:
-                log.tracker = WandbTracker(hp.wandb_project, hp.wandb_run_name, path, record)
+                log.tracker = runs.WandbTracker(hp.wandb_project, hp.wandb_run_name, path, record)
             for note in notes:
                 log.line(note)
             log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}"
@@ -684,7 +625,7 @@ class Trainer:
         path = [self.run_dir.path if self.run_dir else None]
         if dist.is_initialized():
             dist.broadcast_object_list(path)  # every rank names the run in its messages
-        self.run_dir = self.run_dir or RunDirectory(path[0])
+        self.run_dir = self.run_dir or runs.RunDirectory(path[0])
         log.line(f"model: {self.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
                  f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
                  f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
@@ -802,7 +743,7 @@ class Trainer:
         self.log.line(" | ".join([f"step {progress.step}/{hp.steps}", f"loss {loss_value:.4f}",
                                   f"lr {record['lr']:.2e}", *texts, f"{tokens_per_s:,.0f} tok/s"]
                                  + ([f"mfu {100 * mfu:.1f}%"] if mfu else [])
-                                 + [f"{progress.train_time_s:.1f}s", f"eta {format_duration(eta)}"]))
+                                 + [f"{progress.train_time_s:.1f}s", f"eta {runs.format_duration(eta)}"]))
         throughput.update(tokens=progress.tokens, time=progress.train_time_s)
 
     # -- the loop -------------------------------------------------------------------------------------------------
@@ -823,12 +764,12 @@ class Trainer:
         self.rt.synchronize()
         self._clock_start = time.perf_counter()
 
-    def train(self, stop: StopRequest) -> None:
+    def train(self, stop: runs.StopRequest) -> None:
         """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
         (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal)."""
         hp, progress = self.cfg.train, self.progress
         first = progress.step
-        peak = peak_flops(self.rt.device)
+        peak = runs.peak_flops(self.rt.device)
         throughput = {"tokens": progress.tokens, "time": progress.train_time_s, "mfu_per_token_s":
                       self.model.estimate_flops_per_token(hp.seq_len) / (peak * self.rt.world) if peak else None}
         self.rt.synchronize()
@@ -884,8 +825,8 @@ class Trainer:
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl)."""
     cfg = parse_config(argv)
-    rt = setup(cfg)
-    log = RunLog(rt.is_master)
+    rt = runs.setup(cfg.train)
+    log = runs.RunLog(rt.is_master)
     trainer = None
     try:
         trainer = Trainer(cfg, rt, log)
@@ -893,7 +834,7 @@ def main(argv: list[str] | None = None) -> dict:
             trainer.restore()
         trainer.open_run()
         trainer.compile()
-        with StopRequest(rt.world) as stop:
+        with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish()
     except BaseException as exc:

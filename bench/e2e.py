@@ -22,7 +22,8 @@ import torch
 
 import runs
 import train_gpt
-from config import PRESETS, world_size_from_env
+from config import PRESETS
+from runs import world_size_from_env
 from data.shards import write_shard
 
 

@@ -67,7 +67,7 @@ def test_paper_presets_build_the_published_run(preset, optimizer):
                                                                                             0, 0.0)
     assert hp.steps * hp.batch_tokens == pytest.approx(500e6, rel=1e-4)  # 500M tokens
     for world in (1, 2, 4, 8):
-        assert config.batch_layout(hp, world)[1] == 1  # no gradient accumulation
+        assert runs.batch_layout(hp, world)[1] == 1  # no gradient accumulation
     model = cfg.model
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 512, 50304)
     assert model.activation == ("gelu" if preset.endswith("gelu") else "prelu")

@@ -167,14 +167,14 @@ def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus,
 ])
 def test_batch_layout_picks_the_largest_micro_batch_that_splits(sequences, bound, world, layout):
     hp = train_gpt.TrainConfig(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
-    assert config.batch_layout(hp, world) == layout
+    assert runs.batch_layout(hp, world) == layout
 
 
 def test_default_batch_splits_over_eight_ranks_and_a_bad_split_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     hp = train_gpt.parse_config(["--device", "cpu"]).train  # the paper's 8 x 512 batch: one sequence per rank
-    assert config.batch_layout(hp, 8) == (1, 1)
+    assert runs.batch_layout(hp, 8) == (1, 1)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--device", "cpu"])
@@ -270,7 +270,7 @@ def test_an_earlier_run_is_never_overwritten(corpus, tmp_path, capsys, monkeypat
         train_gpt.main(tiny_args(corpus, tmp_path, "taken", steps=1, **{"val-every": 0}))
     assert "taken already holds a run; continue it with --resume" in capsys.readouterr().err
     assert (tmp_path / "taken" / "log.jsonl").read_text() == before
-    monkeypatch.setattr(train_gpt.time, "strftime", lambda fmt: "20260101-000000")  # two runs in one second
+    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")  # two runs in one second
     first = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
     second = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
     assert Path(first["run_dir"]).name == "20260101-000000-custom-adamw"
@@ -413,7 +413,7 @@ def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(co
 def test_sharded_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings", optimizer="soap",
                                            **{"grad-clip": 0.5, "overlap-reduce": False}))
-    trainer = train_gpt.Trainer(cfg, train_gpt.setup(cfg), runs.RunLog(True))
+    trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
     trainer.close()
     assert [(opt.max_grad_norm, opt.overlap) for opt in trainer.optimizers] == [(0.5, False)]
 
