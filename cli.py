@@ -13,14 +13,14 @@ import math
 import re
 import typing
 
-_RANGE = re.compile(r"^\s*(?:(>=|>)\s*(\S+)|([\[(])\s*([^,]+),\s*([^\])]+)([\])]))\s*$")
+_RANGE = re.compile(r"^\s*(?:(>=|>|<=|<)\s*(\S+)|([\[(])\s*([^,]+),\s*([^\])]+)([\])]))\s*$")
 
 
 def flag(default: object, help: str, choices: tuple[str, ...] | None = None, *, bounds: str | None = None,
          affects_results: bool = True, fixed_on_resume: bool = False) -> typing.Any:
     """A dataclass field that is one command-line flag.
 
-    bounds: the allowed values of a number, as ">= 0", "> 0", "[0, 1]", "(0, 1]" ... (NaN and infinity are never
+    bounds: the allowed values of a number, as ">= 0", "> 0", "< 1", "[0, 1]", "(0, 1]" ... (NaN and infinity are never
     allowed). affects_results: False for flags that only say where, how often or how fast (logging, checkpoints,
     devices), which the presets' parity report ignores. fixed_on_resume: a resumed run must keep the checkpoint's
     value (it fixes the model, the data order, the biases or the optimizer state).
@@ -41,9 +41,12 @@ def _parse_bounds(bounds: str) -> tuple[float, float, bool, bool]:
     """(low, high, low_inclusive, high_inclusive) of a range written as in `flag`."""
     match = _RANGE.match(bounds)
     if not match:
-        raise ValueError(f"bounds {bounds!r}: write '>= a', '> a' or an interval like '[a, b)'")
+        raise ValueError(f"bounds {bounds!r}: write '>= a', '> a', '<= a', '< a' or an interval like '[a, b)'")
     if match.group(1):
-        return float(match.group(2)), math.inf, match.group(1) == ">=", False
+        bound, inclusive = float(match.group(2)), match.group(1).endswith("=")
+        if match.group(1).startswith(">"):
+            return bound, math.inf, inclusive, False
+        return -math.inf, bound, False, inclusive
     return float(match.group(4)), float(match.group(5)), match.group(3) == "[", match.group(6) == "]"
 
 

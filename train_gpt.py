@@ -837,6 +837,9 @@ def main(argv: list[str] | None = None) -> dict:
         with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish()
+    except runs.RunInUseError as exc:  # another trainer owns the directory: nothing was written
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except BaseException as exc:
         if not isinstance(exc, TrainingStopped):
             log.error(exc)

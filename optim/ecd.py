@@ -34,16 +34,18 @@ NOISE_BLOCK = 1 << 20
 class ECDConfig(ShardedOptimizerConfig):
     """ECD's hyperparameters with the paper's defaults (docs/model.md#the-papers-model)."""
 
-    lr: float = flag(1.0, "ℓ; the position step is lr/sqrt(ecd_eta)")
-    weight_decay: float = flag(0.0, "λ: F̃ = F + λ|θ|²/2 over the decayed parameters (--decay-groups)")
-    ecd_eta: float = flag(100.0, "η, concentration of the measure near low loss")
+    lr: float = flag(1.0, "ℓ; the position step is lr/sqrt(ecd_eta)", bounds="> 0")
+    weight_decay: float = flag(0.0, "λ: F̃ = F + λ|θ|²/2 over the decayed parameters (--decay-groups)",
+                                bounds=">= 0")
+    ecd_eta: float = flag(100.0, "η, concentration of the measure near low loss", bounds="> 0")
     ecd_f0: float = flag(2.0, "F0, must stay below the training loss")
-    ecd_nu: float = flag(0.0, "ν, chaos (momentum noise) strength")
+    ecd_nu: float = flag(0.0, "ν, chaos (momentum noise) strength", bounds=">= 0")
     ecd_energy_conservation: bool = flag(True, "renormalise Π to unit norm every step")
     ecd_projection: str = flag("per_tensor", "Π·g̃ in the momentum update per parameter tensor (per_tensor, the "
                                "published implementation) or over all parameters (global, the Hamiltonian's "
                                "dynamics; docs/optimizers.md#ecd)", choices=PROJECTIONS)
-    optim_seed: int = flag(0, "seed of the momentum noise (and of the stochastic rounding of a bf16 Π)")
+    optim_seed: int = flag(0, "seed of the momentum noise (and of the stochastic rounding of a bf16 Π)",
+                           bounds=">= 0")
     fused: bool = flag(True, "on CUDA with fp32 parameters: the Triton step kernels (kernels/ecd.py, no host sync, "
                              "a bf16 Π rounded stochastically); off: the per-tensor PyTorch path")
 

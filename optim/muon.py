@@ -31,18 +31,20 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 class MuonConfig(ShardedOptimizerConfig):
     """Muon for hidden matrices, AdamW for the rest, with the KellerJordan/Muon recipe's defaults."""
 
-    lr: float = flag(3e-4, "learning rate of the AdamW part (embeddings, head, gains, biases)")
-    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)")
+    lr: float = flag(3e-4, "learning rate of the AdamW part (embeddings, head, gains, biases)",
+                     bounds="> 0")
+    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)",
+                                bounds=">= 0")
     decay_groups: str = flag("matrices", "parameters that weight decay acts on: matrices (the speedrun's "
                              "convention), all, matrices+embeddings or all-but-embeddings "
                              "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS)
-    beta1: float = flag(0.9, "AdamW part: first-moment decay")
-    beta2: float = flag(0.95, "AdamW part: second-moment decay")
-    eps: float = flag(1e-10, "AdamW part: denominator epsilon")
-    muon_lr: float = flag(0.02, "learning rate of the hidden matrices")
-    muon_momentum: float = flag(0.95, "momentum coefficient")
+    beta1: float = flag(0.9, "AdamW part: first-moment decay", bounds="[0, 1)")
+    beta2: float = flag(0.95, "AdamW part: second-moment decay", bounds="[0, 1)")
+    eps: float = flag(1e-10, "AdamW part: denominator epsilon", bounds=">= 0")
+    muon_lr: float = flag(0.02, "learning rate of the hidden matrices", bounds="> 0")
+    muon_momentum: float = flag(0.95, "momentum coefficient", bounds="[0, 1)")
     muon_nesterov: bool = flag(True, "Nesterov momentum")
-    muon_ns_steps: int = flag(5, "Newton-Schulz iterations")
+    muon_ns_steps: int = flag(5, "Newton-Schulz iterations", bounds=">= 1")
 
 
 def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5) -> Tensor:

@@ -25,16 +25,19 @@ from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_grou
 class SOAPConfig(ShardedOptimizerConfig):
     """SOAP's hyperparameters with the paper's defaults (docs/model.md#the-papers-model)."""
 
-    lr: float = flag(3e-4, "peak learning rate")
-    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)")
-    beta1: float = flag(0.95, "first-moment decay")
-    beta2: float = flag(0.95, "second-moment decay (and the Kronecker factors' unless --soap-shampoo-beta)")
-    eps: float = flag(1e-8, "denominator epsilon")
-    soap_precondition_frequency: int = flag(10, "steps between eigenbasis refreshes")
-    soap_max_precond_dim: int = flag(10000, "dims larger than this get no rotation")
+    lr: float = flag(3e-4, "peak learning rate", bounds="> 0")
+    weight_decay: float = flag(0.01, "decoupled weight decay of the decayed parameters (--decay-groups)",
+                                bounds=">= 0")
+    beta1: float = flag(0.95, "first-moment decay", bounds="[0, 1)")
+    beta2: float = flag(0.95, "second-moment decay (and the Kronecker factors' unless --soap-shampoo-beta)",
+                        bounds="[0, 1)")
+    eps: float = flag(1e-8, "denominator epsilon", bounds=">= 0")
+    soap_precondition_frequency: int = flag(10, "steps between eigenbasis refreshes", bounds=">= 1")
+    soap_max_precond_dim: int = flag(10000, "dims larger than this get no rotation", bounds=">= 1")
     soap_merge_dims: bool = flag(False, "merge small dims before preconditioning")
     soap_precondition_1d: bool = flag(False, "also rotate 1-D parameters")
-    soap_shampoo_beta: float = flag(-1.0, "decay of the Kronecker factors (negative: --beta2)")
+    soap_shampoo_beta: float = flag(-1.0, "decay of the Kronecker factors (negative: --beta2)",
+                                     bounds="< 1")
 
 
 def merged_shape(shape: torch.Size, max_precond_dim: int) -> tuple[int, ...]:

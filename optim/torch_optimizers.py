@@ -17,18 +17,20 @@ class TorchOptimizerConfig(OptimizerConfig):
 
 @dataclass
 class AdamWConfig(TorchOptimizerConfig):
-    lr: float = flag(1e-4, "peak learning rate")
-    weight_decay: float = flag(0.0, "decoupled weight decay of the decayed parameters (--decay-groups)")
-    beta1: float = flag(0.9, "first-moment decay")
-    beta2: float = flag(0.999, "second-moment decay")
-    eps: float = flag(1e-8, "denominator epsilon")
+    lr: float = flag(1e-4, "peak learning rate", bounds="> 0")
+    weight_decay: float = flag(0.0, "decoupled weight decay of the decayed parameters (--decay-groups)",
+                                bounds=">= 0")
+    beta1: float = flag(0.9, "first-moment decay", bounds="[0, 1)")
+    beta2: float = flag(0.999, "second-moment decay", bounds="[0, 1)")
+    eps: float = flag(1e-8, "denominator epsilon", bounds=">= 0")
 
 
 @dataclass
 class SGDMConfig(TorchOptimizerConfig):
-    lr: float = flag(0.03, "peak learning rate")
-    weight_decay: float = flag(0.0, "L2 weight decay of the decayed parameters (--decay-groups)")
-    momentum: float = flag(0.95, "momentum coefficient")
+    lr: float = flag(0.03, "peak learning rate", bounds="> 0")
+    weight_decay: float = flag(0.0, "L2 weight decay of the decayed parameters (--decay-groups)",
+                                bounds=">= 0")
+    momentum: float = flag(0.95, "momentum coefficient", bounds="[0, 1)")
     nesterov: bool = flag(True, "Nesterov momentum")
 
 

@@ -343,7 +343,7 @@ def test_presets_compose_with_flags():
     (["--steps", "ten"], "--steps expects int, got 'ten'"),
     (["--batch-tokens", "1000"], "--batch-tokens 1000 must be a multiple of --seq-len 512"),
     (["--seq-len", "1024"], "--seq-len 1024 exceeds --block-size 512"),
-    (["--lr", "-1"], "--lr must be positive"),
+    (["--lr", "-1"], "--lr must be > 0, got -1"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--bias-mode", "bk"], "invalid choice: 'bk'"),
@@ -423,7 +423,7 @@ def test_help_shows_real_defaults_and_every_optimizer(capsys):
         train_gpt.parse_config(["--optimizer", "ecd", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "None" not in text
-    assert "--lr FLOAT ℓ; the position step is lr/sqrt(ecd_eta) (default: 1.0)" in text
+    assert "--lr FLOAT ℓ; the position step is lr/sqrt(ecd_eta) (allowed: > 0) (default: 1.0)" in text
     for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, "ecd").values():
         for field in dataclasses.fields(cls):
             assert option(field.name) in text and field.metadata["help"], field.name

@@ -1,0 +1,261 @@
+"""Nothing lost, nothing misleading (docs/runs.md): run-directory ownership, stale temporaries, reused names, torn
+logs, checksummed checkpoints, non-finite flags and stops, and validation that does not depend on the GPU count."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+import runs
+import train_gpt
+from cli import option
+from config import preset_report, section_classes
+from eval import compare, report
+from optim import OPTIMIZERS
+from tests.test_train import ENV, ROOT, VOCAB, corpus, tiny_args, train_losses  # noqa: F401 (a fixture)
+
+
+def run_in_background(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+# ----- 1. one owner per run directory -----
+
+def test_two_trainers_started_together_on_one_run_name_one_is_refused(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "twin", steps=40, **{"val-every": 0, "log-every": 10})
+    first, second = run_in_background(args), run_in_background(args)
+    outputs = [p.communicate(timeout=300)[0] for p in (first, second)]
+    codes = sorted(p.returncode for p in (first, second))
+    assert codes == [0, 2], outputs
+    refused = outputs[[first.returncode, second.returncode].index(2)]
+    assert "is in use by pid" in refused and "choose another --run-name" in refused, refused
+    records = [json.loads(line) for line in (tmp_path / "twin" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [10, 20, 30, 40]  # one writer
+
+
+def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_no_lock(corpus, tmp_path, capsys):
+    train_gpt.main(tiny_args(corpus, tmp_path, "owned", steps=2, **{"val-every": 0}))
+    owner = runs.RunDirectory(tmp_path / "owned")
+    owner.claim(new_run=False)
+    with pytest.raises(SystemExit) as excinfo:
+        train_gpt.main(["--resume", str(tmp_path / "owned"), "--steps", "3"])
+    assert excinfo.value.code == 2
+    assert f"is in use by pid {os.getpid()} on host" in capsys.readouterr().err
+    owner.release()
+    holder = subprocess.Popen([sys.executable, "-c", "import runs, sys, time; from pathlib import Path; "
+                               f"runs.RunDirectory(Path({str(tmp_path / 'owned')!r})).claim(new_run=False); "
+                               "print('held', flush=True); time.sleep(600)"], env=ENV, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()  # SIGKILL: no clean-up code runs
+    holder.wait()
+    assert train_gpt.main(["--resume", str(tmp_path / "owned"), "--steps", "3"])["step"] == 3
+
+
+# ----- 2. a signal under torchrun is acted on at the next step, whatever the log interval -----
+
+def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_interval(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "ranks", steps=100000, **{"val-every": 0, "log-every": 1000})
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("optimizer state"):  # the first step is done
+            signalled = time.monotonic()
+            os.killpg(proc.pid, signal.SIGTERM)  # what torchrun forwards to every worker
+            break
+    output = proc.stdout.read()
+    proc.wait(timeout=120)
+    assert time.monotonic() - signalled < 25, output[-3000:]  # inside torchrun's 30 s grace period
+    ckpt = runs.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    assert 1 <= ckpt["step"] < 50 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
+
+
+# ----- 3. the validation tokens and loss do not depend on the number of processes -----
+
+VALIDATE = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    import train_gpt
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size={vocab}, block_size=32, n_layer=2, n_head=2, n_embd=32,
+                                               objective=sys.argv[2], mask_token={vocab} - 1))
+    losses = [train_gpt.evaluate(model, sys.argv[1], tokens, 32, micro, rank=dist.get_rank(),
+                                 world=dist.get_world_size()) for tokens, micro in ((4096, 4), (1000, 3), (96, 8))]
+    if dist.get_rank() == 0:
+        print(json.dumps(losses))
+    dist.destroy_process_group()
+""").format(vocab=VOCAB)
+
+
+@pytest.mark.parametrize("objective", ["clm", "mlm"])
+def test_validation_loss_is_the_same_on_1_2_and_3_ranks(corpus, tmp_path, objective):
+    script = tmp_path / "validate.py"
+    script.write_text(VALIDATE)
+    results = []
+    for world in (1, 2, 3):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={world}", str(script), str(corpus / "syn_val_*.bin"), objective],
+                              env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for losses in results[1:]:
+        assert losses == pytest.approx(results[0], rel=1e-6, abs=0)
+    assert len({round(x, 4) for x in results[0]}) == 3  # three different budgets, three different numbers
+
+
+def test_a_validation_budget_is_accepted_on_any_number_of_ranks(corpus, tmp_path, monkeypatch):
+    """--val-tokens 4096 on 3 ranks, once refused because it was not a whole number of 3-rank batches."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "three", **{"val-tokens": 4096, "batch-tokens": 96,
+                                                                        "micro-batch": 1}))
+    assert cfg.train.val_tokens == 4096
+
+
+# ----- 4. every float flag has a range, checked in one place -----
+
+def float_flags() -> list[tuple[str, str]]:
+    """(optimizer, flag) for every float flag of every section, each optimizer's own flags under that optimizer."""
+    found = {}
+    for optimizer in sorted(OPTIMIZERS):
+        for cls in section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer).values():
+            hints = typing.get_type_hints(cls)
+            for field in dataclasses.fields(cls):
+                if hints[field.name] is float:
+                    found.setdefault(option(field.name), optimizer)
+    return sorted((optimizer, name) for name, optimizer in found.items())
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("optimizer, name", float_flags())
+def test_every_float_flag_refuses_non_finite_values(optimizer, name, value, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        train_gpt.parse_config(["--device", "cpu", "--optimizer", optimizer, f"{name}={value}"])
+    assert excinfo.value.code == 2
+    assert f"{name} must be a finite number" in capsys.readouterr().err
+
+
+def test_the_float_flags_walked_include_those_that_slipped_through():
+    walked = {name for _, name in float_flags()}
+    assert {"--grad-clip", "--lr", "--mean-q", "--std-q-min", "--hyperball-lr", "--gauge-damping"} <= walked
+
+
+# ----- 5. the non-finite stop says what exists and what to do -----
+
+def test_a_run_that_diverges_before_its_first_checkpoint_says_none_exists(corpus, tmp_path):
+    with pytest.raises(SystemExit) as excinfo:
+        train_gpt.main(tiny_args(corpus, tmp_path, "blowup", steps=4, lr=1e6, **{"val-every": 0,
+                                                                                   "checkpoint-every": 1}))
+    assert excinfo.value.code == 2
+    stop = (tmp_path / "blowup" / "log.txt").read_text().splitlines()[-1]
+    assert "no checkpoint was written (the run diverged before its first); start a new run with a lower --lr " \
+           "(now 1e+06)" in stop
+    assert "resume" not in stop.lower() and "kept" not in stop
+
+
+def test_a_resumed_run_that_diverges_names_the_changed_flags(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "calm", steps=2, **{"val-every": 0}))
+    with pytest.raises(SystemExit) as excinfo:
+        train_gpt.main(["--resume", str(tmp_path / "calm"), "--steps", "6", "--lr", "1e6", "--checkpoint-every", "1"])
+    assert excinfo.value.code == 2
+    text = (tmp_path / "calm" / "log.txt").read_text()
+    assert "the checkpoint this run resumed from (step 2" in text and "is unchanged and finite" in text
+    assert "the flags changed on --resume (train.steps 2 -> 6" in text
+    assert "optim.lr 0.003 -> 1000000.0) are the first suspects" in text
+
+
+# ----- 6, 7. leftovers of a killed writer, and a name whose run wrote no checkpoint -----
+
+def test_stale_temporaries_of_dead_writers_are_removed_on_resume(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "killed", steps=2, **{"val-every": 0}))
+    stale = tmp_path / "killed" / "checkpoints" / "latest.pt.999999.tmp"
+    stale.write_bytes(b"x" * 4096)  # what SIGKILL during a checkpoint write leaves
+    train_gpt.main(["--resume", str(tmp_path / "killed"), "--steps", "3"])
+    assert not stale.exists()
+    assert f"removed {stale}" in (tmp_path / "killed" / "log.txt").read_text()
+
+
+def test_a_name_whose_earlier_run_wrote_no_checkpoint_is_reused_and_its_files_kept(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "retry", steps=2, **{"val-every": 0})
+    with pytest.raises(SystemExit):
+        train_gpt.main([*args, "--lr", "1e6"])  # diverges before any checkpoint
+    assert not runs.run_holds_checkpoint(tmp_path / "retry")
+    summary = train_gpt.main(args)
+    assert summary["step"] == 2
+    aside = [p for p in (tmp_path / "retry").iterdir() if p.name.startswith("failed-")]
+    assert len(aside) == 1 and (aside[0] / "log.txt").is_file()
+    assert "held an earlier run that wrote no checkpoint" in (tmp_path / "retry" / "log.txt").read_text()
+
+
+# ----- 8. a torn last line in log.jsonl -----
+
+def test_a_torn_log_line_is_skipped_by_readers_and_the_writer_starts_a_fresh_line(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "torn", steps=2, **{"val-every": 0, "log-every": 1}))
+    path = tmp_path / "torn" / "log.jsonl"
+    whole = len(path.read_text().splitlines())
+    with open(path, "a") as f:
+        f.write('{"step": 3, "train_lo')  # a crash in the middle of a write
+    with pytest.warns(UserWarning, match=f"{path}: skipping its last line {whole + 1}"):
+        assert len(runs.read_log(tmp_path / "torn")) == whole
+    with pytest.warns(UserWarning):
+        report.main(["--run", str(tmp_path / "torn"), "--skip-missing"])
+    with pytest.warns(UserWarning):
+        compare.main([str(tmp_path / "torn"), "--out", str(tmp_path / "cmp")])
+    path.write_text(path.read_text().removesuffix('"train_lo'))  # torn after a comma: still no newline
+    train_gpt.main(["--resume", str(tmp_path / "torn"), "--steps", "3"])
+    lines = path.read_text().splitlines()
+    assert lines[whole] == '{"step": 3, ' and json.loads(lines[whole + 1])  # the next record on its own line
+    with pytest.raises(ValueError, match=f"{path}: line {whole + 1} is not a JSON record"):
+        runs.read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
+
+
+# ----- checksummed checkpoints -----
+
+def damage_a_tensor(path: Path) -> None:
+    """Change one weight of a checkpoint (finite, so nothing but the checksum can tell)."""
+    raw = torch.load(path, weights_only=False)
+    raw["model"]["transformer.h.0.attn.c_attn.weight"][0, 0] += 1.0
+    torch.save(raw, path)
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus, tmp_path, capsys):
+    train_gpt.main(tiny_args(corpus, tmp_path, "rot", steps=4, **{"val-every": 0, "checkpoint-every": 2,
+                                                                  "keep-checkpoints": True}))
+    checkpoints = tmp_path / "rot" / "checkpoints"
+    damage_a_tensor(checkpoints / "latest.pt")
+    damage_a_tensor(checkpoints / "step_000004.pt")
+    with pytest.raises(runs.CheckpointError, match="do not match the checksum"):
+        runs.load_checkpoint(checkpoints / "latest.pt", verify=True)
+    summary = train_gpt.main(["--resume", str(tmp_path / "rot"), "--steps", "5"])
+    assert summary["step"] == 5
+    text = (tmp_path / "rot" / "log.txt").read_text()
+    assert f"resuming from {checkpoints / 'step_000002.pt'} instead, the newest intact checkpoint" in text
+    assert "resumed from step 2 of" in text
+    damage_a_tensor(checkpoints / "step_000002.pt")
+    with pytest.raises(SystemExit):
+        train_gpt.main(["--resume", str(checkpoints / "step_000002.pt")])  # a file named explicitly: no fallback
+    assert "do not match the checksum" in capsys.readouterr().err
+
+
+# ----- the presets' parity report ignores what only logs -----
+
+def test_logging_flags_do_not_count_as_differences_from_the_paper():
+    cfg = train_gpt.parse_config(["--preset", "gpt2-124m", "--device", "cpu", "--gauge-diagnostic-every", "5",
+                                  "--log-every", "7", "--run-name", "x", "--val-tokens", "4096"])
+    cfg.train.wandb_project, cfg.train.wandb_run_name = "project", "name"  # (wandb need not be installed here)
+    differs = " ".join(preset_report(cfg)["differs"])
+    for name in ("--gauge-diagnostic-every 5", "--log-every 7", "--run-name x", "--val-tokens 4096", "--wandb"):
+        assert name not in differs
+    moved = train_gpt.parse_config(["--preset", "gpt2-124m", "--device", "cpu", "--mean-q", "0.25"])
+    assert "--mean-q 0.25 (gpt2-124m: 0.5)" in preset_report(moved)["differs"]
