@@ -479,10 +479,7 @@ class Trainer:
         if hp.init_from and not hp.resume:
             log.line(runs.load_initial_weights(self.model, hp.init_from))
         self.spec = OPTIMIZERS[hp.optimizer]
-        self.optimizers = self.spec.build(self.model, cfg.optim)
-        for opt in self.optimizers:
-            if hasattr(opt, "max_grad_norm"):  # sharded optimizers clip after averaging the gradients, inside step()
-                opt.max_grad_norm, opt.overlap = hp.grad_clip, hp.overlap_reduce
+        self.optimizers = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
         self.peak_settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
                               for opt in self.optimizers]  # each group's settings as built (lr: the peak)
         self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank,
@@ -499,7 +496,6 @@ class Trainer:
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
-        self.grad_norm: torch.Tensor | None = None
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -645,12 +641,11 @@ class Trainer:
     def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
         """No gradient averaging across ranks in this backward pass (DDP's no_sync) when `accumulate`."""
         stack = contextlib.ExitStack()
-        if accumulate and isinstance(self.step_model, nn.parallel.DistributedDataParallel):
-            stack.enter_context(self.step_model.no_sync())
-        elif accumulate:
+        if accumulate and self.spec.reduces_gradients:
             for opt in self.optimizers:
-                if hasattr(opt, "no_sync"):
-                    stack.enter_context(opt.no_sync())
+                stack.enter_context(opt.no_sync())
+        elif accumulate and isinstance(self.step_model, nn.parallel.DistributedDataParallel):
+            stack.enter_context(self.step_model.no_sync())
         return stack
 
     def train_step(self) -> torch.Tensor:
@@ -671,13 +666,10 @@ class Trainer:
             loss_sum += loss.detach()
         self.last_batch = (x, y, biases)
         loss = loss_sum / rt.grad_accum
-        if hp.grad_clip and not self.spec.reduces_gradients:
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), hp.grad_clip, foreach=True)
         for hook in self.hooks:
             hook.before_step(self.model)
-        for opt in self.optimizers:
+        for opt in self.optimizers:  # each clips the gradient norm to --grad-clip itself (after averaging it)
             opt.step(loss) if self.spec.needs_loss else opt.step()
-            self.grad_norm = getattr(opt, "grad_norm", self.grad_norm)
         for hook in self.hooks:
             hook.after_step(self.model, self.optimizers, progress.step + 1, factor)
         for opt in self.optimizers:
@@ -732,8 +724,8 @@ class Trainer:
         record = {**asdict(progress), "train_loss": loss_value, "lr": self.optimizers[0].param_groups[0]["lr"],
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": progress.train_time_s}
         texts = []
-        if self.grad_norm is not None:
-            record["grad_norm"] = self.grad_norm.item()
+        if self.optimizers[0].grad_norm is not None:  # with --grad-clip: the norm before clipping
+            record["grad_norm"] = self.optimizers[0].grad_norm.item()
             texts.append(f"grad norm {record['grad_norm']:.3f}")
         for hook in self.hooks:
             fields, text = hook.log(self.model, self.optimizers, self.last_batch, progress.step)

@@ -9,6 +9,7 @@ imports no trainer and no eval code.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -75,6 +76,8 @@ def load_attention(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
 def one_step(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """Attention parameters after one step of a fresh `optimizer` on (x, y) with the mean biases (model changed)."""
     spec = OPTIMIZERS[optimizer]
+    if optimizer == "sgdm":  # SGDM's random initial velocity is one array for both representatives, which no gauge
+        optim_cfg = dataclasses.replace(optim_cfg, initial_velocity_std=0.0)  # moves: measure the rule from rest
     optimizers = spec.build(model, optim_cfg)
     loss = model(x, y)[1]
     loss.backward()

@@ -12,8 +12,9 @@ projection="per_tensor"). Then:
 bf16): read by widening, written with stochastic rounding (`stochastic` — unbiased, so small updates are not lost
 on average) or round-to-nearest-even.
 
-Each kernel has its PyTorch reference beside it (`*_reference`); tests/test_ecd_kernels.py compares them, and the
-optimizer's reference path (per tensor torch ops) against the fused one over whole runs.
+Each kernel has its PyTorch reference beside it (`*_reference`), which is also the optimizer's own path wherever the
+kernels do not run (CPU, float64, --no-fused): one implementation of the update in torch ops, one in Triton.
+tests/test_ecd_kernels.py compares them kernel by kernel and over whole optimizer runs.
 """
 from __future__ import annotations
 
@@ -108,11 +109,14 @@ def partial_dots(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, star
 
 def partial_dots_reference(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, starts: torch.Tensor,
                            lengths: torch.Tensor) -> torch.Tensor:
+    """partial_dots in torch ops, computed in the parameters' dtype widened to at least fp32 (float64 stays float64);
+    the optimizer's path wherever the kernel does not run (docs/optimizers.md#ecd)."""
+    compute = torch.promote_types(theta.dtype, torch.float32)
     rows = []
     for start, length in zip(starts.tolist(), lengths.tolist()):
-        t, g, p = (x[start:start + length].float() for x in (theta, grad, pi))
+        t, g, p = (x[start:start + length].to(compute) for x in (theta, grad, pi))
         rows.append(torch.stack([t.dot(t), t.dot(g), g.dot(g), p.dot(g), p.dot(t), p.dot(p)]))
-    return torch.stack(rows) if rows else theta.new_zeros(0, 6, dtype=torch.float32)
+    return torch.stack(rows) if rows else theta.new_zeros(0, 6, dtype=compute)
 
 
 @triton.jit
@@ -156,16 +160,19 @@ def apply_update(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, z: t
 
 def apply_update_reference(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, z: torch.Tensor | None,
                            table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], coef: dict[str, torch.Tensor],
-                           lam: torch.Tensor | None) -> None:
-    """apply_update in torch ops, Π rounded to nearest when stored in bf16."""
+                           lam: torch.Tensor | None, seed: int = 0, base: int = 0, stochastic: bool = False) -> None:
+    """apply_update in torch ops, in the parameters' dtype widened to at least fp32, a bf16 Π rounded to nearest
+    (seed, base and stochastic are the kernel's and unused here); the optimizer's path wherever the kernel does not
+    run (docs/optimizers.md#ecd)."""
+    compute = torch.promote_types(theta.dtype, torch.float32)
+    neg_k, h, inv_s, nu = (coef[name].to(compute) for name in ("neg_k", "h", "inv_s", "nu"))
     for start, length, key in zip(*(x.tolist() for x in table)):
         sl = slice(start, start + length)
-        t, g, p = (x[sl].float() for x in (theta, grad, pi))
-        neg_k = coef["neg_k"].float()
-        p = p * coef["A"][key].float() + g * neg_k
+        t, g, p = (x[sl].to(compute) for x in (theta, grad, pi))
+        p = p * coef["A"][key].to(compute) + g * neg_k  # step 2, the renormalisation folded into A
         if lam is not None:
-            p = p + t * (neg_k * lam[key].float())
-        t = t + p * coef["h"].float()
-        if z is not None:
-            p = p * coef["inv_s"].float() + z[sl].float() * coef["nu"].float()
+            p = p + t * (neg_k * lam[key].to(compute))
+        t = t + p * h  # step 3
+        if z is not None:  # step 4 (the rescale by s/|Π| is resolved by the optimizer at the next step)
+            p = p * inv_s + z[sl].to(compute) * nu
         theta[sl], pi[sl] = t, p

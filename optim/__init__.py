@@ -1,9 +1,10 @@
 """Optimizers and the registry the trainer builds them from.
 
 Adding an optimizer: write a module in `optim/` with a config dataclass (a subclass of `OptimizerConfig` whose
-fields, declared with `cli.flag`, are its hyperparameters with their defaults), a builder and an `OptimizerSpec`,
-and list the spec in `OPTIMIZERS` below. `--optimizer NAME` then selects it, and its config's fields become the
-trainer's optimizer flags.
+fields, declared with `cli.flag`, are its hyperparameters with their defaults), the optimizer class, whose constructor
+takes the parameter groups and those fields as keyword arguments (plus grad_clip, and overlap_reduce when it
+averages gradients itself), and an `OptimizerSpec`; list the spec in `OPTIMIZERS` below. `--optimizer NAME` then
+selects it, and its config's fields become the trainer's optimizer flags.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from optim.registry import (
     parameter_groups,
 )
 from optim.soap import SOAP_SPEC
-from optim.torch_optimizers import ADAMW, SGDM
+from optim.torch_optimizers import ADAMW_SPEC, SGDM_SPEC
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ECD_SPEC, SOAP_SPEC, MUON_SPEC, ADAMW, SGDM)}
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ECD_SPEC, SOAP_SPEC, MUON_SPEC, ADAMW_SPEC, SGDM_SPEC)}
 
 __all__ = [
     "OPTIMIZERS",

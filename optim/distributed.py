@@ -252,9 +252,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     gradient-norm clipping, zero_grad on the buffers, consolidated state dicts.
 
     Subclasses start step() with `grads = self.reduced_gradients()` (this rank's averaged, clipped chunk per region)
-    and end it with `region.gather_params()`. `max_grad_norm` > 0 clips the global gradient norm to it (the norm
-    of the averaged gradient, so it needs the reduction first: gradients are local until step()); `grad_norm`
-    then holds the norm before clipping as a device tensor. `overlap` = False leaves every reduction to step().
+    and end it with `region.gather_params()`. `grad_clip` > 0 clips the global gradient norm to it (the norm of
+    the averaged gradient, so it needs the reduction first: gradients are local until step()); `grad_norm` then
+    holds the norm before clipping as a device tensor. `overlap_reduce` = False leaves every reduction to step().
 
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
     has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
@@ -264,7 +264,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ({"state": {index: {name: tensor}}, "param_groups": [...]}), loadable under any world size.
     """
 
-    def __init__(self, params, defaults: dict, tensor_owned) -> None:
+    def __init__(self, params, defaults: dict, tensor_owned, grad_clip: float = 0.0,
+                 overlap_reduce: bool = True) -> None:
         super().__init__(params, defaults)
         self.params_in_order = [p for group in self.param_groups for p in group["params"]]
         self.names: list[str] = []
@@ -277,16 +278,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.region_of = {i: region for region in self.regions for i in region.indices}
         self.flat_state: dict[str, list[Tensor | None]] = {}
         self.calls = 0
-        self.max_grad_norm = 0.0
+        self.grad_clip, self.overlap_reduce = grad_clip, overlap_reduce
         self.grad_norm: Tensor | None = None
-        self.overlap = True
         self._sync = True
         if self.regions[0].world_size > 1:
             for i, p in enumerate(self.params_in_order):
                 p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, i))
 
     def _gradient_ready(self, index: int, param: Tensor) -> None:
-        if self._sync and self.overlap:
+        if self._sync and self.overlap_reduce:
             self.region_of[index].gradient_ready(index)
 
     @contextlib.contextmanager
@@ -300,12 +300,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._sync = True
 
     def reduced_gradients(self) -> list[Tensor]:
-        """This rank's chunk of the rank-averaged gradient for every region, clipped to `max_grad_norm` if set."""
+        """This rank's chunk of the rank-averaged gradient for every region, clipped to `grad_clip` if set."""
         grads = [region.reduce_gradients() for region in self.regions]
-        if self.max_grad_norm > 0:
+        if self.grad_clip > 0:
             local = torch.stack([torch.linalg.vector_norm(g).double() for g in grads]).square().sum()
             self.grad_norm = all_reduce_sum(local.reshape(1))[0].sqrt()
-            scale = (self.max_grad_norm / (self.grad_norm + 1e-6)).clamp(max=1.0)
+            scale = (self.grad_clip / (self.grad_norm + 1e-6)).clamp(max=1.0)
             for g in grads:
                 g.mul_(scale.to(g.dtype))
         return grads

@@ -9,22 +9,24 @@ from them stays on the device: the loss arrives as a device tensor and the host 
 is Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
 costs no second collective. state_dict() and unit_velocity() return the logical Π.
 
-Two implementations of the elementwise work: per-tensor PyTorch ops (CPU, float64 tests, `fused=False`) and the
-Triton kernels of kernels/ecd.py (default on CUDA with fp32 parameters); tests/test_ecd_kernels.py shows they agree.
+The elementwise work is kernels/ecd.py's: its Triton kernels on CUDA with fp32 parameters (and in Triton's CPU
+interpreter), their PyTorch references everywhere else (CPU, float64, `fused=False`): one update, written once in
+Triton and once in torch ops; tests/test_ecd_kernels.py shows they agree.
 """
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from cli import flag
 from kernels import ecd as ecd_kernels
 from optim.distributed import ShardedOptimizer, all_reduce_sum, rank_and_world_size
-from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
+from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
 PROJECTIONS = ("global", "per_tensor")
 NOISE_BLOCK = 1 << 20
@@ -91,62 +93,70 @@ class ECD(ShardedOptimizer):
     """ECD q=1 (docs/optimizers.md). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
 
     lr is the user's ℓ (the position step is h = ℓ/√η); weight_decay λ enters the loss, F̃ = F + ½λ‖θ‖²;
-    projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
-    (the published implementation). state_dtype stores Π in another dtype (bf16) and computes in fp32 (the fused
-    kernels round a bf16 Π stochastically, the PyTorch path to nearest). fused: None picks the kernels on CUDA with
-    fp32 parameters; True elsewhere needs Triton's interpreter (TRITON_INTERPRET=1).
+    ecd_projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
+    (the published implementation). optim_state_dtype "bf16" stores Π in bf16 and computes in fp32 (the kernels
+    round it stochastically, the PyTorch path to nearest). fused: the Triton kernels where they run (fp32 parameters
+    on CUDA, or any device under Triton's interpreter, TRITON_INTERPRET=1); False: the PyTorch path everywhere.
+    The keyword arguments are ECDConfig's fields (the flags of the same names), plus grad_clip and overlap_reduce
+    (optim.distributed.ShardedOptimizer).
     """
 
     def __init__(
         self,
         params,
         lr: float = ECDConfig.lr,
-        eta: float = ECDConfig.ecd_eta,
-        F0: float = ECDConfig.ecd_f0,
-        nu: float = ECDConfig.ecd_nu,
         weight_decay: float = ECDConfig.weight_decay,
-        energy_conservation: bool = ECDConfig.ecd_energy_conservation,
-        projection: str = ECDConfig.ecd_projection,
-        seed: int = ECDConfig.optim_seed,
-        state_dtype: torch.dtype | None = None,
-        fused: bool | None = None,
+        ecd_eta: float = ECDConfig.ecd_eta,
+        ecd_f0: float = ECDConfig.ecd_f0,
+        ecd_nu: float = ECDConfig.ecd_nu,
+        ecd_energy_conservation: bool = ECDConfig.ecd_energy_conservation,
+        ecd_projection: str = ECDConfig.ecd_projection,
+        optim_seed: int = ECDConfig.optim_seed,
+        optim_state_dtype: str = ECDConfig.optim_state_dtype,
+        fused: bool = ECDConfig.fused,
+        grad_clip: float = 0.0,
+        overlap_reduce: bool = True,
         eps1: float = 1e-10,
         eps2: float = 1e-40,
     ) -> None:
-        if eta <= 0:
-            raise ValueError(f"ECD: eta must be > 0 (--ecd-eta), got {eta}")
+        if ecd_eta <= 0:
+            raise ValueError(f"ECD: --ecd-eta must be > 0, got {ecd_eta}")
         if lr < 0:
-            raise ValueError(f"ECD: lr must be >= 0 (--lr), got {lr}")
-        if nu < 0:
-            raise ValueError(f"ECD: nu must be >= 0 (--ecd-nu), got {nu}")
-        if projection not in PROJECTIONS:
-            raise ValueError(f"ECD: projection must be one of {PROJECTIONS} (--ecd-projection), got {projection!r}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), tensor_owned=lambda i: False)
-        self.eta, self.F0, self.nu, self.seed = eta, F0, nu, seed
-        self.energy_conservation, self.projection = energy_conservation, projection
+            raise ValueError(f"ECD: --lr must be >= 0, got {lr}")
+        if ecd_nu < 0:
+            raise ValueError(f"ECD: --ecd-nu must be >= 0, got {ecd_nu}")
+        if ecd_projection not in PROJECTIONS:
+            raise ValueError(f"ECD: --ecd-projection must be one of {PROJECTIONS}, got {ecd_projection!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), tensor_owned=lambda i: False,
+                         grad_clip=grad_clip, overlap_reduce=overlap_reduce)
+        self.eta, self.F0, self.nu, self.seed = ecd_eta, ecd_f0, ecd_nu, optim_seed
+        self.energy_conservation, self.projection = ecd_energy_conservation, ecd_projection
         self.eps1, self.eps2 = eps1, eps2
         self.D = sum(p.numel() for p in self.params_in_order)
         if self.D < 2:
             raise ValueError("ECD needs at least 2 parameters (κ has D/(D-1))")
         self.world_size = rank_and_world_size()[1]
         device = self.params_in_order[0].device
-        self.new_flat_state("pi", state_dtype)
+        self.new_flat_state("pi", state_dtype(optim_state_dtype, self.params_in_order))
         # A key per weight-decay group ("global") or per tensor ("per_tensor"); the all-reduced sums are per key.
-        per_tensor = projection == "per_tensor"
+        per_tensor = ecd_projection == "per_tensor"
         self.num_keys = len(self.params_in_order) if per_tensor else len(self.param_groups)
         self.key_of = list(range(len(self.params_in_order))) if per_tensor else self.group_of
         self.group_of_key = self.group_of if per_tensor else list(range(len(self.param_groups)))
-        self.ranges = [self._ranges(region) for region in self.regions]
-        self.range_gather = ecd_kernels.key_gather_index([k for rs in self.ranges for k, _, _ in rs],
-                                                         self.num_keys).to(device)
-        # fused (kernels/ecd.py): default on CUDA with fp32 parameters; forced on elsewhere it needs Triton's
-        # interpreter (TRITON_INTERPRET=1), which the tests use
-        dtypes = {p.dtype for p in self.params_in_order}
-        self.fused = fused if fused is not None else device.type == "cuda" and dtypes == {torch.float32}
-        if self.fused:
-            self.tables = [ecd_kernels.block_table(rs, device) for rs in self.ranges]
-            block_keys = [k for rs in self.ranges for k, lo, hi in rs for _ in range(lo, hi, ecd_kernels.BLOCK)]
-            self.block_gather = ecd_kernels.key_gather_index(block_keys, self.num_keys).to(device)
+        # The elementwise work runs over a table of blocks that never straddle two keys: the Triton kernels of
+        # kernels/ecd.py (fused: CUDA with fp32 parameters, or Triton's CPU interpreter) take blocks of BLOCK
+        # elements; their PyTorch references, the path everywhere else, take each key's run whole.
+        ranges = [self._ranges(region) for region in self.regions]
+        interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+        fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
+        self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
+        block = ecd_kernels.BLOCK if self.fused else max((hi - lo for rs in ranges for _, lo, hi in rs), default=1)
+        table_device = device if self.fused else torch.device("cpu")  # the references read it on the host
+        self.tables = [ecd_kernels.block_table(rs, table_device, block) for rs in ranges]
+        block_keys = [k for rs in ranges for k, lo, hi in rs for _ in range(lo, hi, block)]
+        self.block_gather = ecd_kernels.key_gather_index(block_keys, self.num_keys).to(device)
+        self.partial_dots = ecd_kernels.partial_dots if self.fused else ecd_kernels.partial_dots_reference
+        self.apply_update = ecd_kernels.apply_update if self.fused else ecd_kernels.apply_update_reference
         self.pending = torch.zeros((), dtype=torch.bool, device=device)  # logical Π = σ·Π/‖Π‖ (True) or Π
         self.sigma = torch.ones((), dtype=torch.float64, device=device)
         self.skipped = _DeferredFlag(device)
@@ -210,55 +220,23 @@ class ECD(ShardedOptimizer):
             self.pending.fill_(True)
             self.sigma.fill_(1.0)
 
-        grads, pis, rows = self.reduced_gradients(), [], []
-        for j, (region, stored, ranges, g) in enumerate(zip(self.regions, self.flat_state["pi"], self.ranges, grads)):
-            theta = region.local_params
-            if self.fused:  # Π stays in its storage dtype: the kernels widen it
-                if first:
-                    stored.copy_(g.neg())
-                rows.append(ecd_kernels.partial_dots(theta, g, stored, *self.tables[j][:2]))
-                pis.append(stored)
-                continue
-            compute = torch.promote_types(theta.dtype, torch.float32)
-            pi = stored if stored.dtype == compute else stored.to(compute)
+        grads, rows = self.reduced_gradients(), []
+        for region, pi, table, g in zip(self.regions, self.flat_state["pi"], self.tables, grads):
             if first:
-                pi.copy_(g).neg_()
-            for _, lo, hi in ranges:
-                t, gr, p = theta[lo:hi].to(compute), g[lo:hi].to(compute), pi[lo:hi]
-                dots = [t.dot(t), t.dot(gr), gr.dot(gr), p.dot(gr), p.dot(t), p.dot(p)]
-                rows.append(torch.stack(dots).double().reshape(1, 6))
-            pis.append(pi)
-        sums = ecd_kernels.sum_by_key(torch.cat(rows) if rows else torch.zeros(0, 6, device=device),
-                                      self.block_gather if self.fused else self.range_gather)
-        vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
+                pi.copy_(g.neg())
+            rows.append(self.partial_dots(region.local_params, g, pi, *table[:2]))
+        vec = all_reduce_sum(torch.cat([loss_t, ecd_kernels.sum_by_key(torch.cat(rows), self.block_gather).reshape(-1)]))
         coef = self._coefficients(vec, h, kappa)
-        lam = self._lam(device) if self.fused and any(g["weight_decay"] for g in self.param_groups) else None
-
-        for j, (region, stored, ranges) in enumerate(zip(self.regions, self.flat_state["pi"], self.ranges)):
-            g, pi, theta = grads[j], pis[j], region.local_params
+        lam = self._lam(device) if any(g["weight_decay"] for g in self.param_groups) else None
+        for j, (region, pi, table, g) in enumerate(zip(self.regions, self.flat_state["pi"], self.tables, grads)):
             z = None
             if self.nu > 0:
-                lo0 = region.rank * region.chunk
-                z = ecd_noise(self.seed, self.calls, j, lo0, lo0 + region.chunk,
-                              torch.float32 if self.fused else pi.dtype, pi.device)
-            if self.fused:
-                rounding_seed = ((self.seed * 1_000_003 + self.calls) * 1_000_003 + j) % (1 << 31)
-                ecd_kernels.apply_update(theta, g, stored, z, self.tables[j], coef, lam, rounding_seed,
-                                         region.rank * region.chunk)
-                region.gather_params()
-                continue
-            for key, lo, hi in ranges:
-                p, gr, t = pi[lo:hi], g[lo:hi], theta[lo:hi]
-                # step 2: Π ← Π − κ/(F̃−F0)·(g̃ − Π(Π·g̃)), with the renormalisation folded into A
-                p.mul_(coef["A"][key]).addcmul_(gr.to(p.dtype), coef["neg_k"])
-                lam = self._lam_host(key)
-                if lam:
-                    p.addcmul_(t.to(p.dtype), coef["neg_k"] * lam)
-                t.addcmul_(p, coef["h"])  # step 3: θ ← θ + hΠ
-                if z is not None:  # step 4: Π ← Π/s + ν̂z (the rescale by s/‖Π‖ is resolved next step)
-                    p.mul_(coef["inv_s"]).addcmul_(z[lo:hi], coef["nu"])
-            if pi is not stored:
-                stored.copy_(pi)
+                lo = region.rank * region.chunk
+                z = ecd_noise(self.seed, self.calls, j, lo, lo + region.chunk,
+                              torch.promote_types(region.params.dtype, torch.float32), pi.device)
+            rounding_seed = ((self.seed * 1_000_003 + self.calls) * 1_000_003 + j) % (1 << 31)
+            self.apply_update(region.local_params, g, pi, z, table, coef, lam, rounding_seed,
+                              region.rank * region.chunk)
             region.gather_params()
 
         active = coef["active"]
@@ -269,9 +247,6 @@ class ECD(ShardedOptimizer):
         self.skipped.publish()
         self.calls += 1
         return loss
-
-    def _lam_host(self, key: int) -> float:
-        return float(self.param_groups[self.group_of_key[key]]["weight_decay"])
 
     def _coefficients(self, vec: Tensor, h: float, kappa: float) -> dict[str, Tensor]:
         """docs/optimizers.md#ecd scalars from the all-reduced sums, all on device in float64 (no host sync)."""
@@ -345,28 +320,10 @@ class ECD(ShardedOptimizer):
         self.sigma.fill_(1.0)
 
 
-def build_ecd(model: nn.Module, cfg: ECDConfig) -> list[torch.optim.Optimizer]:
-    return [
-        ECD(
-            parameter_groups(model, cfg),
-            lr=cfg.lr,
-            eta=cfg.ecd_eta,
-            F0=cfg.ecd_f0,
-            nu=cfg.ecd_nu,
-            weight_decay=cfg.weight_decay,
-            energy_conservation=cfg.ecd_energy_conservation,
-            projection=cfg.ecd_projection,
-            seed=cfg.optim_seed,
-            state_dtype=state_dtype(cfg, model),
-            fused=None if cfg.fused else False,
-        )
-    ]
-
-
 ECD_SPEC = OptimizerSpec(
     name="ecd",
+    optimizer=ECD,
     config=ECDConfig,
-    build=build_ecd,
     needs_loss=True,
     reduces_gradients=True,
     description="Energy Conserving Descent, q=1 (docs/optimizers.md#ecd)",

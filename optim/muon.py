@@ -79,24 +79,32 @@ class Muon(ShardedOptimizer):
         params,
         lr: float = MuonConfig.lr,
         weight_decay: float = MuonConfig.weight_decay,
-        momentum: float = MuonConfig.muon_momentum,
-        nesterov: bool = MuonConfig.muon_nesterov,
-        ns_steps: int = MuonConfig.muon_ns_steps,
-        betas: tuple[float, float] = (MuonConfig.beta1, MuonConfig.beta2),
+        beta1: float = MuonConfig.beta1,
+        beta2: float = MuonConfig.beta2,
         eps: float = MuonConfig.eps,
-        state_dtype: torch.dtype | None = None,
+        muon_lr: float = MuonConfig.muon_lr,
+        muon_momentum: float = MuonConfig.muon_momentum,
+        muon_nesterov: bool = MuonConfig.muon_nesterov,
+        muon_ns_steps: int = MuonConfig.muon_ns_steps,
+        optim_state_dtype: str = MuonConfig.optim_state_dtype,
+        grad_clip: float = 0.0,
+        overlap_reduce: bool = True,
     ) -> None:
-        if not 0 <= momentum < 1:
-            raise ValueError(f"Muon: --muon-momentum must lie in [0, 1), got {momentum}")
-        if ns_steps < 1:
-            raise ValueError(f"Muon: --muon-ns-steps must be >= 1, got {ns_steps}")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"Muon: AdamW betas must lie in [0, 1) (--beta1/--beta2), got {betas}")
-        self.momentum, self.nesterov, self.ns_steps, self.betas, self.eps = momentum, nesterov, ns_steps, betas, eps
+        if not 0 <= muon_momentum < 1:
+            raise ValueError(f"Muon: --muon-momentum must lie in [0, 1), got {muon_momentum}")
+        if muon_ns_steps < 1:
+            raise ValueError(f"Muon: --muon-ns-steps must be >= 1, got {muon_ns_steps}")
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ValueError(f"Muon: AdamW --beta1/--beta2 must lie in [0, 1), got {beta1}, {beta2}")
+        self.momentum, self.nesterov, self.ns_steps = muon_momentum, muon_nesterov, muon_ns_steps
+        self.betas, self.eps = (beta1, beta2), eps
+        params = [dict(group, lr=group.get("lr", muon_lr if group.get("use_muon") else lr)) for group in params]
         super().__init__(
             params,
             dict(lr=lr, weight_decay=weight_decay, use_muon=False),
             tensor_owned=lambda i: self.param_groups[self.group_of[i]]["use_muon"],
+            grad_clip=grad_clip,
+            overlap_reduce=overlap_reduce,
         )
         for group in self.param_groups:
             if group["use_muon"] and any(p.dim() < 2 for p in group["params"]):
@@ -105,9 +113,10 @@ class Muon(ShardedOptimizer):
                        for n, p in zip(self.names, self.params_in_order)]
         muon = [r for r in self.regions if r.tensor_owned]
         adam = [r for r in self.regions if not r.tensor_owned]
-        self.new_flat_state("momentum_buffer", state_dtype, muon)
-        self.new_flat_state("exp_avg", state_dtype, adam)
-        self.new_flat_state("exp_avg_sq", state_dtype, adam)
+        dtype = state_dtype(optim_state_dtype, self.params_in_order)
+        self.new_flat_state("momentum_buffer", dtype, muon)
+        self.new_flat_state("exp_avg", dtype, adam)
+        self.new_flat_state("exp_avg_sq", dtype, adam)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -168,42 +177,22 @@ class Muon(ShardedOptimizer):
 
 
 def muon_groups(model: nn.Module, cfg: MuonConfig) -> list[dict]:
-    """`parameter_groups` split into a Muon part (hidden matrices, lr = muon_lr) and an AdamW part (lr = lr)."""
+    """`parameter_groups` split into a Muon part (hidden matrices, use_muon: lr muon_lr) and an AdamW part (lr)."""
     groups = []
     for group in parameter_groups(model, cfg):
         for use_muon in (True, False):
             members = [(n, p) for n, p in zip(group["names"], group["params"]) if is_hidden_matrix(n, p) == use_muon]
             if members:
-                groups.append({
-                    "params": [p for _, p in members],
-                    "names": [n for n, _ in members],
-                    "weight_decay": group["weight_decay"],
-                    "lr": cfg.muon_lr if use_muon else cfg.lr,
-                    "use_muon": use_muon,
-                })
+                groups.append({"params": [p for _, p in members], "names": [n for n, _ in members],
+                               "weight_decay": group["weight_decay"], "use_muon": use_muon})
     return groups
-
-
-def build_muon(model: nn.Module, cfg: MuonConfig) -> list[torch.optim.Optimizer]:
-    return [
-        Muon(
-            muon_groups(model, cfg),
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            momentum=cfg.muon_momentum,
-            nesterov=cfg.muon_nesterov,
-            ns_steps=cfg.muon_ns_steps,
-            betas=(cfg.beta1, cfg.beta2),
-            eps=cfg.eps,
-            state_dtype=state_dtype(cfg, model),
-        )
-    ]
 
 
 MUON_SPEC = OptimizerSpec(
     name="muon",
+    optimizer=Muon,
     config=MuonConfig,
-    build=build_muon,
+    groups=muon_groups,
     reduces_gradients=True,
     description="Muon (Newton-Schulz in bf16) for hidden matrices + AdamW for the rest",
 )

@@ -2,9 +2,10 @@
 parameter groups."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -51,26 +52,6 @@ class ShardedOptimizerConfig(OptimizerConfig):
                                           "(float64) parameters' own dtype", choices=("fp32", "bf16"))
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """How to build one registered optimizer.
-
-    config: its config dataclass (hyperparameters and defaults); build(model, cfg) returns the list of optimizers
-    that together own every trainable parameter exactly once.
-    needs_loss: step() takes the global-batch loss as a device tensor (ECD).
-    reduces_gradients: under torchrun the optimizer averages gradients across ranks itself (owner-computes
-    sharding, `optim.distributed.ShardedOptimizer`), so the trainer must not wrap the model in
-    DistributedDataParallel.
-    """
-
-    name: str
-    config: type
-    build: Callable[[nn.Module, OptimizerConfig], list[torch.optim.Optimizer]]
-    needs_loss: bool = False
-    reduces_gradients: bool = False
-    description: str = ""
-
-
 EMBEDDING_PREFIXES = ("transformer.wte", "transformer.wpe")  # token and position tables (nanoGPT names)
 
 
@@ -103,15 +84,74 @@ def parameter_groups(model: nn.Module, cfg: OptimizerConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def state_dtype(cfg: ShardedOptimizerConfig, model: nn.Module) -> torch.dtype:
-    """--optim-state-dtype as a torch dtype for `model`'s optimizer: bf16, or fp32 (the parameters' dtype where it
-    is wider, e.g. float64: the state of the published optimizers has the parameters' dtype)."""
-    if cfg.optim_state_dtype == "bf16":
+def state_dtype(optim_state_dtype: str, params: Iterable[Tensor]) -> torch.dtype:
+    """--optim-state-dtype as a torch dtype: bf16, or fp32 (the parameters' dtype where it is wider, e.g. float64:
+    the state of the published optimizers has the parameters' dtype)."""
+    if optim_state_dtype == "bf16":
         return torch.bfloat16
-    if cfg.optim_state_dtype != "fp32":
-        raise ValueError(f"--optim-state-dtype must be one of ['bf16', 'fp32'], got {cfg.optim_state_dtype!r}")
-    dtypes = [p.dtype for p in model.parameters() if p.dtype.is_floating_point]
+    if optim_state_dtype != "fp32":
+        raise ValueError(f"--optim-state-dtype must be one of ['bf16', 'fp32'], got {optim_state_dtype!r}")
+    dtypes = [p.dtype for p in params if p.dtype.is_floating_point]
     return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """How to build one registered optimizer: `build(model, cfg)` is the one build path.
+
+    optimizer: the class, whose constructor takes the parameter groups and, as keyword arguments, the fields of its
+    config (their names and defaults are the config's: no third spelling) except decay_groups, which `groups`
+    uses. groups(model, cfg): the parameter groups (parameter_groups, or a split of them such as Muon's).
+    needs_loss: step() takes the global-batch loss as a device tensor (ECD).
+    reduces_gradients: under torchrun the optimizer averages gradients across ranks itself (owner-computes
+    sharding, `optim.distributed.ShardedOptimizer`), so the trainer must not wrap the model in
+    DistributedDataParallel, and the backward passes of accumulation micro-steps run under its no_sync().
+    """
+
+    name: str
+    optimizer: type
+    config: type
+    groups: Callable[[nn.Module, OptimizerConfig], list[dict]] = parameter_groups
+    needs_loss: bool = False
+    reduces_gradients: bool = False
+    description: str = ""
+
+    def build(self, model: nn.Module, cfg: OptimizerConfig, grad_clip: float = 0.0,
+              overlap_reduce: bool = True) -> list[torch.optim.Optimizer]:
+        """The optimizers that together own every trainable parameter of `model` exactly once (checked).
+        grad_clip: clip the global gradient norm to this value inside step() (0: off); overlap_reduce: sharded
+        optimizers average gradients while the backward pass runs (the trainer's flags of the same names)."""
+        settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "decay_groups"}
+        if self.reduces_gradients:
+            settings["overlap_reduce"] = overlap_reduce
+        optimizers = [self.optimizer(self.groups(model, cfg), grad_clip=grad_clip, **settings)]
+        check_ownership(model, optimizers)
+        return optimizers
+
+
+def check_ownership(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Every trainable parameter of `model` is owned by exactly one optimizer group (train_gpt_simple's check)."""
+    owned = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    missing = [name for key, name in names.items() if key not in owned]
+    repeated = sorted({names.get(key, "?") for key in owned if owned.count(key) > 1})
+    if missing or repeated or len(owned) != len(names):
+        raise RuntimeError(f"optimizer build: every trainable parameter must be owned exactly once; not owned: "
+                           f"{missing}, owned twice: {repeated}")
+
+
+class ClipsGradients:
+    """For torch.optim subclasses: clip the global gradient norm to `grad_clip` at the start of step() and keep the
+    norm before clipping in `grad_norm` (a device tensor), as the sharded optimizers do after averaging."""
+
+    grad_clip: float = 0.0
+    grad_norm: Tensor | None = None
+
+    def step(self, closure=None):
+        if self.grad_clip > 0:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
+        return super().step(closure)
 
 
 def optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterator[Tensor]:

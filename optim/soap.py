@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from cli import flag
 from optim.distributed import ShardedOptimizer
-from optim.registry import OptimizerSpec, ShardedOptimizerConfig, parameter_groups, state_dtype
+from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
 
 @dataclass
@@ -31,9 +31,9 @@ class SOAPConfig(ShardedOptimizerConfig):
     beta1: float = flag(0.95, "first-moment decay", bounds="[0, 1)")
     beta2: float = flag(0.95, "second-moment decay (and the Kronecker factors' unless --soap-shampoo-beta)",
                         bounds="[0, 1)")
-    eps: float = flag(1e-8, "denominator epsilon", bounds=">= 0")
+    eps: float = flag(1e-8, "denominator epsilon", bounds="> 0")
     soap_precondition_frequency: int = flag(10, "steps between eigenbasis refreshes", bounds=">= 1")
-    soap_max_precond_dim: int = flag(10000, "dims larger than this get no rotation", bounds=">= 1")
+    soap_max_precond_dim: int = flag(10000, "dims larger than this get no rotation (0: plain Adam)", bounds=">= 0")
     soap_merge_dims: bool = flag(False, "merge small dims before preconditioning")
     soap_precondition_1d: bool = flag(False, "also rotate 1-D parameters")
     soap_shampoo_beta: float = flag(-1.0, "decay of the Kronecker factors (negative: --beta2)",
@@ -97,36 +97,42 @@ class SOAP(ShardedOptimizer):
         self,
         params,
         lr: float = SOAPConfig.lr,
-        betas: tuple[float, float] = (SOAPConfig.beta1, SOAPConfig.beta2),
-        shampoo_beta: float | None = None,
-        eps: float = SOAPConfig.eps,
         weight_decay: float = SOAPConfig.weight_decay,
-        precondition_frequency: int = SOAPConfig.soap_precondition_frequency,
-        max_precond_dim: int = SOAPConfig.soap_max_precond_dim,
-        merge_dims: bool = SOAPConfig.soap_merge_dims,
-        precondition_1d: bool = SOAPConfig.soap_precondition_1d,
-        state_dtype: torch.dtype | None = None,
+        beta1: float = SOAPConfig.beta1,
+        beta2: float = SOAPConfig.beta2,
+        eps: float = SOAPConfig.eps,
+        soap_precondition_frequency: int = SOAPConfig.soap_precondition_frequency,
+        soap_max_precond_dim: int = SOAPConfig.soap_max_precond_dim,
+        soap_merge_dims: bool = SOAPConfig.soap_merge_dims,
+        soap_precondition_1d: bool = SOAPConfig.soap_precondition_1d,
+        soap_shampoo_beta: float = SOAPConfig.soap_shampoo_beta,
+        optim_state_dtype: str = SOAPConfig.optim_state_dtype,
+        grad_clip: float = 0.0,
+        overlap_reduce: bool = True,
     ) -> None:
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"SOAP: betas must lie in [0, 1) (--beta1/--beta2), got {betas}")
-        if precondition_frequency < 1:
-            raise ValueError(f"SOAP: --soap-precondition-frequency must be >= 1, got {precondition_frequency}")
-        if max_precond_dim < 0:
-            raise ValueError(f"SOAP: --soap-max-precond-dim must be >= 0, got {max_precond_dim}")
+        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+            raise ValueError(f"SOAP: --beta1/--beta2 must lie in [0, 1), got {beta1}, {beta2}")
+        if soap_precondition_frequency < 1:
+            raise ValueError(f"SOAP: --soap-precondition-frequency must be >= 1, got {soap_precondition_frequency}")
+        if soap_max_precond_dim < 0:
+            raise ValueError(f"SOAP: --soap-max-precond-dim must be >= 0, got {soap_max_precond_dim}")
         if eps <= 0:
-            raise ValueError(f"SOAP: eps must be > 0 (--eps), got {eps}")
-        self.betas, self.eps = betas, eps
-        self.shampoo_beta = betas[1] if shampoo_beta is None else shampoo_beta
-        self.precondition_frequency, self.max_precond_dim = precondition_frequency, max_precond_dim
-        self.merge_dims, self.precondition_1d = merge_dims, precondition_1d
+            raise ValueError(f"SOAP: --eps must be > 0, got {eps}")
+        self.betas, self.eps = (beta1, beta2), eps
+        self.shampoo_beta = beta2 if soap_shampoo_beta < 0 else soap_shampoo_beta
+        self.precondition_frequency, self.max_precond_dim = soap_precondition_frequency, soap_max_precond_dim
+        self.merge_dims, self.precondition_1d = soap_merge_dims, soap_precondition_1d
         super().__init__(
             params,
             dict(lr=lr, weight_decay=weight_decay),
             tensor_owned=lambda i: any(self._rotated(self.params_in_order[i].shape)),
+            grad_clip=grad_clip,
+            overlap_reduce=overlap_reduce,
         )
+        dtype = state_dtype(optim_state_dtype, self.params_in_order)
         self.shapes = [self._shape(p.shape) for p in self.params_in_order]
-        self.new_flat_state("exp_avg", state_dtype)
-        self.new_flat_state("exp_avg_sq", state_dtype)
+        self.new_flat_state("exp_avg", dtype)
+        self.new_flat_state("exp_avg_sq", dtype)
         self.factors: dict[int, list[Tensor | None]] = {}  # L, R per owned rotated tensor (None: no rotation)
         self.bases: dict[int, list[Tensor | None]] = {}  # Q_L, Q_R
 
@@ -260,28 +266,10 @@ class SOAP(ShardedOptimizer):
 
 
 
-def build_soap(model: nn.Module, cfg: SOAPConfig) -> list[torch.optim.Optimizer]:
-    return [
-        SOAP(
-            parameter_groups(model, cfg),
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-            shampoo_beta=cfg.soap_shampoo_beta if cfg.soap_shampoo_beta >= 0 else None,
-            eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
-            precondition_frequency=cfg.soap_precondition_frequency,
-            max_precond_dim=cfg.soap_max_precond_dim,
-            merge_dims=cfg.soap_merge_dims,
-            precondition_1d=cfg.soap_precondition_1d,
-            state_dtype=state_dtype(cfg, model),
-        )
-    ]
-
-
 SOAP_SPEC = OptimizerSpec(
     name="soap",
+    optimizer=SOAP,
     config=SOAPConfig,
-    build=build_soap,
     reduces_gradients=True,
     description="SOAP, Adam in Shampoo's eigenbasis (docs/optimizers.md#soap)",
 )

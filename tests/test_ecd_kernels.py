@@ -35,12 +35,12 @@ def groups(model: nn.Module, weight_decay: float | str) -> list[dict]:
 
 
 def run_ecd(fused: bool, projection: str, nu: float, weight_decay: float | str, steps: int = STEPS,
-            state_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+            optim_state_dtype: str = "fp32") -> dict[str, torch.Tensor]:
     from optim.ecd import ECD
 
     model = tiny_model()
-    opt = ECD(groups(model, weight_decay), lr=0.3, eta=4.0, F0=0.0, nu=nu, projection=projection, seed=5,
-              state_dtype=state_dtype, fused=fused)
+    opt = ECD(groups(model, weight_decay), lr=0.3, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=nu, ecd_projection=projection,
+              optim_seed=5, optim_state_dtype=optim_state_dtype, fused=fused)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x, y = torch.randn(32, 12, generator=gen), torch.randn(32, 12, generator=gen)
@@ -122,8 +122,8 @@ def optimizer_checks() -> dict:
     first, again = run_ecd(True, "global", 0.3, 0.05), run_ecd(True, "global", 0.3, 0.05)
     out["fused_bitwise_repeatable"] = all(torch.equal(first[k], again[k]) for k in first)
     fp32 = run_ecd(False, "global", 0.0, 0.0, steps=100)
-    out["bf16_sr_100_steps"] = relative_difference(run_ecd(True, "global", 0.0, 0.0, 100, torch.bfloat16), fp32)
-    out["bf16_nearest_100_steps"] = relative_difference(run_ecd(False, "global", 0.0, 0.0, 100, torch.bfloat16), fp32)
+    out["bf16_sr_100_steps"] = relative_difference(run_ecd(True, "global", 0.0, 0.0, 100, "bf16"), fp32)
+    out["bf16_nearest_100_steps"] = relative_difference(run_ecd(False, "global", 0.0, 0.0, 100, "bf16"), fp32)
     return out
 
 

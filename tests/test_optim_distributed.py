@@ -46,10 +46,10 @@ def make(name: str, model: nn.Module) -> torch.optim.Optimizer:
     if name.startswith("ecd"):
         groups = [{"params": matrices, "weight_decay": 0.02}, {"params": vectors, "weight_decay": 0.0}]
         projection = "per_tensor" if name == "ecd_per_tensor" else "global"
-        return ECD(groups, lr=0.05, eta=4.0, F0=0.0, nu=0.2, projection=projection, seed=3)
+        return ECD(groups, lr=0.05, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=0.2, ecd_projection=projection, optim_seed=3)
     if name == "soap":
         groups = [{"params": matrices, "weight_decay": 0.01}, {"params": vectors, "weight_decay": 0.0}]
-        return SOAP(groups, lr=0.01, betas=(0.9, 0.95), precondition_frequency=3, max_precond_dim=8)
+        return SOAP(groups, lr=0.01, beta1=0.9, beta2=0.95, soap_precondition_frequency=3, soap_max_precond_dim=8)
     return Muon([{"params": matrices, "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
                  {"params": vectors, "use_muon": False}], lr=3e-3)
 
@@ -71,7 +71,7 @@ def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None, micro
           partial_backward=False):
     """Returns how many reductions the last backward pass had started before step() (0 on one process).
     partial_backward: first a discarded backward pass that reaches only l1 (a bucket left half ready)."""
-    opt.max_grad_norm, opt.overlap = clip, overlap
+    opt.grad_clip, opt.overlap_reduce = clip, overlap
     if partial_backward:
         model.l1(batch(0, rank, world)[0]).square().mean().backward()
         opt.zero_grad()
@@ -175,7 +175,7 @@ def test_clipping_scales_the_averaged_gradient_to_the_bound():
     x, y = batch(0, 0, 1)
     (model(x) - y).square().mean().backward()
     norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters()))
-    opt.max_grad_norm = float(norm) / 4
+    opt.grad_clip = float(norm) / 4
     grads = opt.reduced_gradients()
     torch.testing.assert_close(opt.grad_norm, norm)
     clipped = torch.sqrt(sum(g.square().sum() for g in grads))

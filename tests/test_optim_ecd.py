@@ -99,7 +99,7 @@ def reference_ecd(model, order, steps, lr, eta, F0, nu, lam, per_tensor, seed, e
 def test_matches_numpy_transcription_over_20_steps(projection, nu):
     lr, eta, F0, wd, seed = 0.05, 4.0, 0.1, 0.05, 7
     model = tiny_model()
-    opt = ECD(groups(model, wd), lr=lr, eta=eta, F0=F0, nu=nu, projection=projection, seed=seed)
+    opt = ECD(groups(model, wd), lr=lr, ecd_eta=eta, ecd_f0=F0, ecd_nu=nu, ecd_projection=projection, optim_seed=seed)
     order = [n for g in opt.param_groups for n in g["names"]]
     lam = np.concatenate([np.full(p.numel(), g["weight_decay"]) for g in opt.param_groups for p in g["params"]])
     run_ecd(model, opt, 20)
@@ -114,7 +114,7 @@ def test_matches_numpy_transcription_over_20_steps(projection, nu):
 
 def test_first_step_moves_along_minus_gradient():
     model = tiny_model(1)
-    opt = ECD(model.parameters(), lr=0.3, eta=9.0, F0=0.0, projection="global")
+    opt = ECD(model.parameters(), lr=0.3, ecd_eta=9.0, ecd_f0=0.0, ecd_projection="global")
     before = flat(model.parameters())
     loss = loss_of(model, 0)
     loss.backward()
@@ -129,7 +129,7 @@ def test_first_step_moves_along_minus_gradient():
 def test_update_is_projected_form_with_renormalised_momentum(energy_conservation):
     model = tiny_model(2)
     lr, eta, F0 = 0.2, 4.0, 0.05
-    opt = ECD(model.parameters(), lr=lr, eta=eta, F0=F0, energy_conservation=energy_conservation, projection="global")
+    opt = ECD(model.parameters(), lr=lr, ecd_eta=eta, ecd_f0=F0, ecd_energy_conservation=energy_conservation, ecd_projection="global")
     run_ecd(model, opt, 2)
     state = opt.state_dict()
     gen = torch.Generator().manual_seed(3)
@@ -159,7 +159,7 @@ def test_noise_is_reproducible_under_a_seed():
     finals = []
     for seed, nu in [(11, 0.5), (11, 0.5), (12, 0.5), (11, 0.0)]:
         model = tiny_model(4)
-        opt = ECD(model.parameters(), lr=0.1, eta=4.0, F0=0.0, nu=nu, seed=seed)
+        opt = ECD(model.parameters(), lr=0.1, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=nu, optim_seed=seed)
         run_ecd(model, opt, 6)
         finals.append(flat(model.parameters()))
     assert np.array_equal(finals[0], finals[1])
@@ -176,7 +176,7 @@ def test_noise_does_not_depend_on_sharding():
 
 def test_loss_at_or_below_f0_leaves_state_unchanged_and_warns_once():
     model = tiny_model(5)
-    opt = ECD(model.parameters(), lr=0.1, eta=4.0, F0=0.0)
+    opt = ECD(model.parameters(), lr=0.1, ecd_eta=4.0, ecd_f0=0.0)
     run_ecd(model, opt, 3)
     before, pi_before = flat(model.parameters()), flat(opt.state_dict()["state"][i]["pi"] for i in range(4))
     with warnings.catch_warnings(record=True) as caught:
@@ -195,7 +195,7 @@ def test_loss_at_or_below_f0_leaves_state_unchanged_and_warns_once():
     assert not np.array_equal(before, flat(model.parameters()))  # the good step moved
 
     model2 = tiny_model(5)
-    opt2 = ECD(model2.parameters(), lr=0.1, eta=4.0, F0=0.0)
+    opt2 = ECD(model2.parameters(), lr=0.1, ecd_eta=4.0, ecd_f0=0.0)
     run_ecd(model2, opt2, 3)
     with pytest.warns(UserWarning, match="F0"):
         for _ in range(3):
@@ -208,7 +208,7 @@ def test_loss_at_or_below_f0_leaves_state_unchanged_and_warns_once():
 
 def test_first_call_below_f0_initialises_but_does_not_move():
     model = tiny_model(6)
-    opt = ECD(model.parameters(), lr=0.1, eta=4.0, F0=10.0)
+    opt = ECD(model.parameters(), lr=0.1, ecd_eta=4.0, ecd_f0=10.0)
     before = flat(model.parameters())
     loss = loss_of(model, 0)
     loss.backward()
@@ -224,7 +224,7 @@ def test_closure_form_equals_loss_form():
     finals = []
     for use_closure in (False, True):
         model = tiny_model(7)
-        opt = ECD(model.parameters(), lr=0.1, eta=4.0, F0=0.0)
+        opt = ECD(model.parameters(), lr=0.1, ecd_eta=4.0, ecd_f0=0.0)
         for step in range(4):
             def closure(step=step):
                 opt.zero_grad()
@@ -242,7 +242,7 @@ def test_closure_form_equals_loss_form():
 
 def test_unit_velocity_is_normalised_momentum_by_name():
     model = tiny_model(8)
-    opt = ECD(groups(model, 0.0), lr=0.1, eta=4.0, F0=0.0, nu=0.2)
+    opt = ECD(groups(model, 0.0), lr=0.1, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=0.2)
     run_ecd(model, opt, 3)
     u = opt.unit_velocity()
     assert set(u) == {n for n, _ in model.named_parameters()}

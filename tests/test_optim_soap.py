@@ -110,8 +110,8 @@ def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, m
 @pytest.mark.parametrize("merge", [False, True])
 def test_matches_numpy_transcription(merge):
     pre1d = False  # a 1-D factor g gᵀ has rank 1: its null-space basis is arbitrary (covered by the identity test)
-    settings = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, precondition_frequency=3, max_precond_dim=8,
-                    merge_dims=merge, precondition_1d=pre1d, shampoo_beta=0.9)
+    settings = dict(lr=0.02, beta1=0.9, beta2=0.95, eps=1e-8, soap_precondition_frequency=3, soap_max_precond_dim=8,
+                    soap_merge_dims=merge, soap_precondition_1d=pre1d, soap_shampoo_beta=0.9)
     model = Net(0)
     opt = SOAP(groups(model, 0.05), **settings)
     train(model, opt, 14)
@@ -128,7 +128,7 @@ def test_matches_numpy_transcription(merge):
         return [p.grad.numpy().copy() for p in order]
 
     start = [p.detach().numpy().copy() for p in order]
-    ref = reference_soap([a.copy() for a in start], grad_fn, 14, settings["lr"], settings["betas"], settings["eps"],
+    ref = reference_soap([a.copy() for a in start], grad_fn, 14, settings["lr"], (0.9, 0.95), settings["eps"],
                          wds, 3, 8, merge, pre1d, 0.9)
     got = [p.detach().numpy() for p in opt.params_in_order]
     moved = np.sqrt(sum(np.sum((r - s) ** 2) for r, s in zip(ref, start)))
@@ -144,7 +144,7 @@ def adam_reference(model: nn.Module, steps: int, lr: float, betas, eps: float) -
 
 def test_without_rotation_equals_adam():
     model, ref = Net(1), Net(1)
-    opt = SOAP(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-16, weight_decay=0.0, max_precond_dim=0)
+    opt = SOAP(model.parameters(), lr=0.01, beta1=0.9, beta2=0.99, eps=1e-16, weight_decay=0.0, soap_max_precond_dim=0)
     assert all(not r.tensor_owned for r in opt.regions)
     opt.zero_grad()
     loss_of(model, 0).backward()
@@ -159,8 +159,8 @@ def test_without_rotation_equals_adam():
 def test_basis_frozen_at_identity_equals_adam(monkeypatch):
     monkeypatch.setattr(optim.soap, "eigenbasis", lambda f: torch.eye(f.shape[0], dtype=f.dtype))
     model, ref = Net(2), Net(2)
-    opt = SOAP(model.parameters(), lr=0.01, betas=(0.9, 0.99), eps=1e-16, weight_decay=0.0,
-               precondition_frequency=10**9, max_precond_dim=100, precondition_1d=True)
+    opt = SOAP(model.parameters(), lr=0.01, beta1=0.9, beta2=0.99, eps=1e-16, weight_decay=0.0,
+               soap_precondition_frequency=10**9, soap_max_precond_dim=100, soap_precondition_1d=True)
     assert all(r.tensor_owned for r in opt.regions)
     train(model, opt, 1)
     train(model, opt, 8)

@@ -21,14 +21,16 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8))
 
 
-def make(name: str, model: nn.Module, state_dtype=None) -> torch.optim.Optimizer:
+def make(name: str, model: nn.Module, optim_state_dtype: str = "fp32") -> torch.optim.Optimizer:
     params = list(model.parameters())
     if name.startswith("ecd"):
-        return ECD(params, lr=0.05, eta=4.0, F0=0.0, nu=0.2 if name == "ecd_nu" else 0.0, state_dtype=state_dtype)
+        return ECD(params, lr=0.05, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=0.2 if name == "ecd_nu" else 0.0,
+                   optim_state_dtype=optim_state_dtype)
     if name == "soap":
-        return SOAP(params, lr=3e-3, state_dtype=state_dtype)
+        return SOAP(params, lr=3e-3, optim_state_dtype=optim_state_dtype)
     return Muon([{"params": [p for p in params if p.dim() == 2], "use_muon": True, "lr": 0.02},
-                 {"params": [p for p in params if p.dim() == 1], "use_muon": False}], lr=3e-3, state_dtype=state_dtype)
+                 {"params": [p for p in params if p.dim() == 1], "use_muon": False}], lr=3e-3,
+                optim_state_dtype=optim_state_dtype)
 
 
 def train(name: str, model: nn.Module, opt: torch.optim.Optimizer, steps: int, first: int = 0) -> float:
@@ -65,12 +67,12 @@ def test_zero_grad_clears_gradients_that_autograd_allocated_elsewhere(name):
 def test_bf16_state_stays_close_to_fp32_over_50_steps(name):
     start = flat(net())
     runs = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in ("fp32", "bf16"):
         model = net()
         opt = make(name, model, dtype)
         loss = train(name, model, opt, 50)
         runs[dtype] = (flat(model), loss)
-    (a, loss_a), (b, loss_b) = runs[torch.float32], runs[torch.bfloat16]
+    (a, loss_a), (b, loss_b) = runs["fp32"], runs["bf16"]
     assert (a - b).norm() / (a - start).norm() < BF16_TOLERANCE[name]
     assert loss_b == pytest.approx(loss_a, rel=0.01)
 
@@ -125,8 +127,8 @@ def test_circular_valley_sgdm_keeps_zero_angular_momentum_ecd_with_noise_gains_s
     sgdm = circular_valley_angular_momentum(
         lambda p: torch.optim.SGD([p], lr=0.01, momentum=0.9), lambda o, p: o.state[p]["momentum_buffer"])
     ecd_velocity = lambda o, p: next(iter(o.unit_velocity().values()))  # noqa: E731
-    quiet = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, eta=2.0, F0=-0.01), ecd_velocity)
-    noisy = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, eta=2.0, F0=-0.01, nu=1.0), ecd_velocity)
+    quiet = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01), ecd_velocity)
+    noisy = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01, ecd_nu=1.0), ecd_velocity)
     assert max(map(abs, sgdm)) < 1e-12
     assert max(map(abs, quiet)) < 1e-12  # ECD starts along −g: no angular momentum without noise either
     assert max(map(abs, noisy)) > 0.1

@@ -1,5 +1,5 @@
-"""ECD, SOAP and Muon inside train_gpt: resume reproduces the trajectory, and ECD under torchrun (2 gloo ranks,
-no DDP: the optimizer reduces its own gradients) matches one process."""
+"""ECD, SOAP, Muon and SGDM (from its random initial velocity) inside train_gpt: resume reproduces the trajectory,
+and ECD under torchrun (2 gloo ranks, no DDP: the optimizer reduces its own gradients) matches one process."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,8 @@ from data.shards import write_shard
 from tests.test_train import resume_in_new_directory
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = {"ecd": {"lr": 0.5, "ecd-f0": 0.0}, "soap": {"lr": 3e-3}, "muon": {"lr": 3e-3, "muon-lr": 0.01}}
+FLAGS = {"ecd": {"lr": 0.5, "ecd-f0": 0.0}, "soap": {"lr": 3e-3}, "muon": {"lr": 3e-3, "muon-lr": 0.01},
+         "sgdm": {"lr": 0.03, "initial-velocity-std": 0.1}}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
 
 
-@pytest.mark.parametrize("optimizer", ["ecd", "soap", "muon"])
+@pytest.mark.parametrize("optimizer", ["ecd", "soap", "muon", "sgdm"])
 def test_resume_reproduces_the_trajectory(corpus, tmp_path, optimizer):
     train_gpt.main(args(corpus, tmp_path, "straight", optimizer, **{"lr-schedule": "cosine", "warmup-steps": 2}))
     train_gpt.main(args(corpus, tmp_path, "halves", optimizer, **{"lr-schedule": "cosine", "warmup-steps": 2,

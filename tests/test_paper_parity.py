@@ -248,6 +248,31 @@ def test_soap_decaying_matrices_only_leaves_the_published_trajectory(soap_oracle
     assert drift(soap_run(eps_name, "--decay-groups", "matrices"), *oracle) > 1e-3
 
 
+def test_paper_sgdm_starts_from_a_seeded_random_velocity():
+    """Table 1's SGDM runs start with a nonzero velocity: the published GELU script's buffers ~ N(0, 0.1²)."""
+    model = tiny_gpt()
+    opt = paper_optimizer(model, "sgdm")
+    params = [p for group in opt.param_groups for p in group["params"]]
+    velocity = [opt.state[p]["momentum_buffer"].clone() for p in params]
+    flat = torch.cat([v.flatten() for v in velocity])
+    assert flat.numel() > 10_000 and abs(flat.std().item() - 0.1) < 0.005 and abs(flat.mean().item()) < 0.005
+    again = paper_optimizer(tiny_gpt(), "sgdm")
+    assert all(torch.equal(a.state[p]["momentum_buffer"], v) for a in [again] for p, v in
+               zip([p for g in again.param_groups for p in g["params"]], velocity))
+    other = paper_optimizer(tiny_gpt(), "sgdm", "--optim-seed", "1")
+    assert not torch.equal(other.state[next(iter(other.state))]["momentum_buffer"], velocity[0])
+    # torch's Nesterov SGD from that velocity: buf = μv + g, θ ← θ − lr (g + μ buf)
+    before = [p.detach().clone() for p in params]
+    opt.zero_grad()
+    loss_of(model, 0).backward()
+    grads = [p.grad.clone() for p in params]
+    opt.step()
+    for p, p0, g, v in zip(params, before, grads, velocity):
+        torch.testing.assert_close(p.detach(), p0 - 0.03 * (g + 0.95 * (0.95 * v + g)), rtol=0, atol=1e-12)
+    at_rest = paper_optimizer(tiny_gpt(), "sgdm", "--initial-velocity-std", "0")
+    assert not at_rest.state  # torch's SGD: the buffer starts at the first gradient
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The run records the published validation estimate and what differs
 

@@ -410,12 +410,16 @@ def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(co
         assert len(norms) == 3 and all(n > 0.1 for n in norms)  # the norm before clipping, which was active
 
 
-def test_sharded_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
+def test_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings", optimizer="soap",
                                            **{"grad-clip": 0.5, "overlap-reduce": False}))
     trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
     trainer.close()
-    assert [(opt.max_grad_norm, opt.overlap) for opt in trainer.optimizers] == [(0.5, False)]
+    assert [(opt.grad_clip, opt.overlap_reduce) for opt in trainer.optimizers] == [(0.5, False)]
+    cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings2", **{"grad-clip": 0.25}))
+    trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
+    trainer.close()
+    assert [opt.grad_clip for opt in trainer.optimizers] == [0.25]  # torch's AdamW clips inside step() too
 
 
 def test_help_shows_real_defaults_and_every_optimizer(capsys):
