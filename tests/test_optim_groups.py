@@ -1,6 +1,8 @@
 """Weight-decay parameter groups of the optimizer registry (docs/optimizers.md#weight-decay-groups)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from optim import OPTIMIZERS, OptimizerConfig, parameter_groups
@@ -52,3 +54,27 @@ def test_configs_saved_before_decay_groups_keep_their_meaning(embeddings, rest, 
     assert upgrade_saved_config(old)["decay_groups"] == meant
     assert upgrade_saved_config({"lr": 1.0})["decay_groups"] == "matrices"  # the old default
     assert upgrade_saved_config({"decay_groups": "all"}) == {"decay_groups": "all"}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_build_owns_every_parameter_once_and_refuses_a_build_that_does_not(name):
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    spec = OPTIMIZERS[name]
+    (opt,) = spec.build(model, spec.config())
+    owned = [p for group in opt.param_groups for p in group["params"]]
+    assert len(owned) == len({id(p) for p in owned}) == len(list(model.parameters()))
+
+    def dropping_one(model, cfg):
+        groups = spec.groups(model, cfg)
+        groups[0]["params"], groups[0]["names"] = groups[0]["params"][1:], groups[0]["names"][1:]
+        return groups
+
+    def repeating_one(model, cfg):
+        groups = spec.groups(model, cfg)
+        return groups + [{**groups[0], "params": groups[0]["params"][:1], "names": groups[0]["names"][:1]}]
+
+    # a missing parameter is caught by the ownership check; a repeated one already by the optimizer's constructor
+    for groups, problem in ((dropping_one, r"not owned: \['transformer"),
+                            (repeating_one, "twice|more than one parameter group")):
+        with pytest.raises((RuntimeError, ValueError), match=problem):
+            dataclasses.replace(spec, groups=groups).build(model, spec.config())
