@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -192,6 +193,14 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return link_tied(ckpt)
 
 
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """A run's checkpoints/step_XXXXXX.pt in step order, then latest.pt (if present)."""
+    folder = Path(run_dir) / "checkpoints"
+    steps = sorted(folder.glob("step_*.pt"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    latest = folder / "latest.pt"
+    return steps + ([latest] if latest.is_file() else [])
+
+
 def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
     """The checkpoint `--resume SOURCE` continues from, verified, and notes on what was passed over. A file is
     used as given; a run directory uses checkpoints/latest.pt, or when that is damaged the newest intact
@@ -202,7 +211,7 @@ def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
         load_checkpoint(path, mmap=True, verify=True)
         return path, []
     first = resolve_checkpoint_path(source)
-    candidates = [first, *sorted(first.parent.glob("step_*.pt"), reverse=True)]
+    candidates = [first, *reversed([p for p in run_checkpoints(source) if p != first])]
     notes = []
     for path in candidates:
         try:

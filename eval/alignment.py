@@ -38,10 +38,11 @@ from eval.common import (
     open_target,
     pyplot,
     record_outputs,
+    run_hyperparameters,
+    validation_files,
     write_json,
     write_text,
 )
-from eval.val_loss import run_hyperparameters, validation_files
 
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")

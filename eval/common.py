@@ -20,6 +20,8 @@ import torch
 
 import runs
 import train_gpt
+from config import config_from_dict
+from data.lookup import resolve_data_files
 from data.shards import atomic_write, atomic_writer, sha256_file
 
 EVAL_DIRNAME = "eval"
@@ -140,6 +142,17 @@ def stale_reason(out: Path, name: str, identity: dict) -> str | None:
 def write_text(path: Path, text: str) -> None:
     """Write a text file (Markdown) atomically."""
     atomic_write(path, text.encode())
+
+
+def validation_files(config: dict) -> str:
+    """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
+    hp = run_hyperparameters(config)
+    return resolve_data_files(hp.train_files, hp.val_files)[1]
+
+
+def run_hyperparameters(config: dict) -> train_gpt.TrainConfig:
+    """The run's TrainConfig (config "train" section over the trainer's defaults)."""
+    return config_from_dict(config.get("train", {}), train_gpt.TrainConfig)
 
 
 def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:

@@ -14,7 +14,6 @@ recorded with the target checkpoint (with `--run`: latest.pt) in `manifest.json`
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import torch
@@ -51,14 +50,6 @@ def checkpoint_dynamics(ckpt: dict) -> dict:
     summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
     return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), "summary": summary,
             "per_head": {key: value.tolist() for key, value in per_head.items()}}
-
-
-def run_checkpoints(run_dir: Path) -> list[Path]:
-    """checkpoints/step_XXXXXX.pt in step order, then latest.pt (if present)."""
-    folder = Path(run_dir) / "checkpoints"
-    steps = sorted(folder.glob("step_*.pt"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
-    latest = folder / "latest.pt"
-    return steps + ([latest] if latest.is_file() else [])
 
 
 def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
     out = output_dir(args, run_dir)
-    paths = run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
+    paths = runs.run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
         ckpt = runs.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)

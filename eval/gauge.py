@@ -33,8 +33,15 @@ import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
 from data.shards import atomic_write
-from eval.common import add_target_args, markdown_table, open_target, plot_head_maps, write_json
-from eval.val_loss import run_hyperparameters, validation_files
+from eval.common import (
+    add_target_args,
+    markdown_table,
+    open_target,
+    plot_head_maps,
+    run_hyperparameters,
+    validation_files,
+    write_json,
+)
 from optim import OPTIMIZERS
 from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 

@@ -25,7 +25,6 @@ from torch import Tensor
 import runs
 from data.shards import atomic_write, atomic_writer
 from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_device, resolve_target, write_json
-from eval.dynamics import run_checkpoints
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 
 CONVENTIONS = ("paper", "published")
@@ -169,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
     out, device = output_dir(args, run_dir), resolve_device(args.device)
-    paths = run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
+    paths = runs.run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
     results = []
     for i, path in enumerate(paths):
         try:

@@ -20,14 +20,14 @@ import torch
 
 import runs
 import train_gpt
-from config import config_from_dict
-from data.lookup import resolve_data_files
 from eval.common import (
     add_target_args,
     load_model,
     open_target,
     pyplot,
     record_outputs,
+    run_hyperparameters,
+    validation_files,
     write_json,
     write_text,
 )
@@ -41,17 +41,6 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
     loss = train_gpt.evaluate(model, files, num_tokens, seq_len, micro_batch, device=device, autocast=autocast)
     return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens // seq_len * seq_len,
             "seq_len": seq_len, "micro_batch": micro_batch}
-
-
-def validation_files(config: dict) -> str:
-    """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
-    hp = run_hyperparameters(config)
-    return resolve_data_files(hp.train_files, hp.val_files)[1]
-
-
-def run_hyperparameters(config: dict) -> train_gpt.TrainConfig:
-    """The run's TrainConfig (config "train" section over the trainer's defaults)."""
-    return config_from_dict(config.get("train", {}), train_gpt.TrainConfig)
 
 
 def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | None = None, title: str = "") -> None:
