@@ -527,6 +527,53 @@ class RunLog:
         self.text = self.records = self.tracker = None
 
 
+def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,
+                       rt: Runtime) -> RunDirectory:
+    """The directory of this run on every rank (a collective under torchrun). Rank 0 chooses it (the resumed run's
+    own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
+    config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, starts the optional tracker and
+    logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
+    run_dir = None
+    if rt.is_master:
+        run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
+        notes = [note] * bool(note) + run_dir.claim(new_run=continue_in is None)
+        run_dir.copy_code()
+        run_dir.write_json("config.json", record)
+        log.attach(run_dir.path, code)
+        if hp.wandb_project:
+            log.tracker = WandbTracker(hp.wandb_project, hp.wandb_run_name, run_dir.path, record)
+        for line in notes:
+            log.line(line)
+        gpu = f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else ""
+        log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}{gpu} | world "
+                 f"{rt.world}")
+        log.line(f"run directory {run_dir.path}")
+    path = [run_dir.path if run_dir else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(path)  # every rank names the run in its messages
+    return run_dir or RunDirectory(path[0])
+
+
+def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: int | None, resumed: dict | None,
+                            run_dir: Path) -> str:
+    """The line a run that met a non-finite `what` at `step` stops with: what exists (no checkpoint, the unchanged
+    checkpoint it resumed from, or a finite checkpoint of its own) and what to do in each case."""
+    advice = f"a lower --lr (now {lr:g}), more --warmup-steps or --grad-clip"
+    if checkpoint_step is None:
+        kept = (f"no checkpoint was written (the run diverged before its first); start a new run with {advice}"
+                + (" — at the first step, the flags themselves are the likely cause" if step <= 1 else ""))
+    elif resumed and checkpoint_step == resumed["step"]:
+        changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in resumed["changed"].items())
+        kept = (f"the checkpoint this run resumed from (step {checkpoint_step}, {resumed['resumed_from']}) is "
+                "unchanged and finite; " + (f"the flags changed on --resume ({changes}) are the first suspects; "
+                                            if changes else "")
+                + f"resume from it again with {advice}, or from an earlier step_XXXXXX.pt")
+    else:
+        kept = (f"the finite checkpoint of step {checkpoint_step} is kept in {run_dir / 'checkpoints'}; continue "
+                f"with --resume {run_dir} and {advice}")
+    return f"step {step}: {what} is not finite; stopping: {kept}."
+
+
 def format_duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)

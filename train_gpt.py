@@ -572,59 +572,25 @@ class Trainer:
 
     def stop_non_finite(self, what: str) -> None:
         """Stop every rank (exit 2), saying what exists and what to do."""
-        step, lr = self.progress.step, self.cfg.optim.lr
-        advice = f"a lower --lr (now {lr:g}), more --warmup-steps or --grad-clip"
-        if self.checkpoint_step is None:
-            kept = (f"no checkpoint was written (the run diverged before its first); start a new run with {advice}"
-                    + (" — at the first step, the flags themselves are the likely cause" if step <= 1 else ""))
-        elif self.resumed and self.checkpoint_step == self.resumed["step"]:
-            changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in self.resumed["changed"].items())
-            kept = (f"the checkpoint this run resumed from (step {self.checkpoint_step}, {self.resumed['resumed_from']}"
-                    f") is unchanged and finite; " + (f"the flags changed on --resume ({changes}) are the first "
-                                                      f"suspects; " if changes else "")
-                    + f"resume from it again with {advice}, or from an earlier step_XXXXXX.pt")
-        else:
-            kept = (f"the finite checkpoint of step {self.checkpoint_step} is kept in {self.run_dir.path / 'checkpoints'}"
-                    f"; continue with --resume {self.run_dir.path} and {advice}")
-        self.log.line(f"step {step}: {what} is not finite; stopping: {kept}.")
+        self.log.line(runs.non_finite_stop_message(what, self.progress.step, self.cfg.optim.lr, self.checkpoint_step,
+                                                   self.resumed, self.run_dir.path))
         raise TrainingStopped(2)
 
     # -- the run directory --------------------------------------------------------------------------------------
 
     def open_run(self) -> None:
-        """The run directory (new, or the resumed run's own), locked for this run; its code copy, config.json, the
-        log's header and the optional tracker."""
-        cfg, rt, log = self.cfg, self.rt, self.log
-        if rt.is_master:
-            hp = cfg.train
-            self.run_dir, note = runs.RunDirectory.choose(hp.run_dir, hp.run_name, f"{cfg.preset or 'custom'}-{hp.optimizer}",
-                                                     cfg.continue_in)
-            notes = [note] * bool(note) + self.run_dir.claim(new_run=cfg.continue_in is None)
-            path = self.run_dir.path
-            self.run_dir.copy_code()
-            layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
-            report = config.preset_report(cfg)
-            record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": report}
-            self.run_dir.write_json("config.json", record)
-            log.attach(path, Path(__file__).read_text())
-            if hp.wandb_project:
-                log.tracker = runs.WandbTracker(hp.wandb_project, hp.wandb_run_name, path, record)
-            for note in notes:
-                log.line(note)
-            log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}"
-                     + (f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else "")
-                     + f" | world {rt.world}")
-            log.line(f"run directory {path}")
-            log.line(config.preset_lines(report))
-            if self.resumed:
-                log.record(self.resumed)
-        path = [self.run_dir.path if self.run_dir else None]
-        if dist.is_initialized():
-            dist.broadcast_object_list(path)  # every rank names the run in its messages
-        self.run_dir = self.run_dir or runs.RunDirectory(path[0])
-        log.line(f"model: {self.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
-                 f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
-                 f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
+        """The run directory (runs.open_run_directory), its config.json and the log's header."""
+        cfg, rt = self.cfg, self.rt
+        layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
+        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": config.preset_report(cfg)}
+        self.run_dir = runs.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
+                                               cfg.continue_in, record, Path(__file__).read_text(), self.log, rt)
+        self.log.line(config.preset_lines(record["preset"]))
+        if self.resumed:
+            self.log.record(self.resumed)
+        self.log.line(f"model: {self.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
+                      f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
+                      f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
 
     def compile(self) -> None:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then

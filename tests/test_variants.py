@@ -233,6 +233,24 @@ def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
     assert losses[2] == pytest.approx(sum(by_hand) / len(by_hand), rel=1e-6)
 
 
+def test_mlm_single_batch_estimate_is_the_masked_loss(corpus, tmp_path):
+    """--val-batch-estimate under --objective mlm scores the validation stream's masked positions, as val_loss does
+    (it once reported the unmasked next-token loss)."""
+    train_gpt.main(tiny_args(corpus, tmp_path, "estimate", objective="mlm", steps=8, **{"val-every": 4}))
+    run = tmp_path / "estimate"
+    estimates = logged(run, "val_loss_batch")
+    assert sorted(estimates) == [4, 8]
+    model = train_gpt.model_from_checkpoint(runs.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens (8 rows of 32) validation tokens
+    (_, (x, y, first)) = validation_batches(str(corpus / "syn_val_*.bin"), 8, 32, 2 * 256)
+    assert first == 8
+    inputs, targets = variants.MaskedLM(model.config).batch(x, x, first_row=first)
+    with torch.no_grad():
+        masked, unmasked = model(inputs, targets)[1].item(), model(x, y)[1].item()
+    assert estimates[8] == pytest.approx(masked, rel=1e-6)
+    assert abs(masked - unmasked) > 0.05  # the two losses are far apart: the test tells them apart
+
+
 # ----- relational attention -----
 
 def random_orthogonal(n: int, seed: int) -> torch.Tensor:
