@@ -83,7 +83,8 @@ def add_flags(group: argparse._ActionsContainer, cls: type, defaults: dict[str, 
         kind, meta = types[f.name], f.metadata
         if kind not in (bool, int, float, str):
             raise TypeError(f"{cls.__name__}.{f.name}: a flag's type is bool, int, float or str, not {kind}")
-        help_text = meta.get("help", "") + (f" (allowed: {meta['bounds']})" if meta.get("bounds") else "")
+        help_text = (meta.get("help", "") + (f" (allowed: {meta['bounds']})" if meta.get("bounds") else "")
+                     + (" (fixed on --resume)" if meta.get("fixed_on_resume") else ""))
         kwargs: dict = {"default": defaults[f.name], "dest": f.name, "help": help_text}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

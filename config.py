@@ -281,9 +281,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
         return f"--seq-len {hp.seq_len} exceeds --block-size {model.block_size}"
     if hp.init_from and not hp.resume:
         try:
-            resolve_checkpoint_path(hp.init_from, flag="--init-from")
+            load_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), mmap=True, verify=True)
         except CheckpointError as exc:
-            return str(exc)
+            return str(exc) if str(exc).startswith("--init-from") else f"--init-from {exc}"
     problem = variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len)
     if problem:
         return problem

@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +44,12 @@ CODE_PACKAGES = ("", "kernels", "optim", "gauge", "data")  # what <run>/code kee
 
 
 class CheckpointError(ValueError):
-    """A checkpoint path that is missing, unreadable or damaged."""
+    """A checkpoint path that is missing, unreadable or damaged; `reason` says what is wrong with the file, without
+    the advice of the message."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class RunInUseError(RuntimeError):
@@ -168,7 +174,7 @@ def tensor_checksum(checkpoint: dict) -> str:
         elif torch.is_tensor(node):
             flat = node.detach().to("cpu").contiguous().reshape(-1)
             digest.update(f"{where}:{flat.dtype}:{tuple(node.shape)};".encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+            digest.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")  # the buffer, not a copy
 
     walk({k: v for k, v in checkpoint.items() if k != "checksum"}, "")
     return digest.hexdigest()
@@ -180,16 +186,19 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     recompute the tensors' sha256 and compare it with the stored one). A tied weight stored once (see
     checkpoint_model_state) is filled in under each of its names."""
     try:
+        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut one has no central directory
+            raise ValueError("not a complete torch.save archive: empty, truncated or another kind of file")
         ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as exc:  # torch reports a foreign or truncated file through several types, none naming it
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); give a file written by train_gpt.py "
-                              "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory") from exc
+                              "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory",
+                              reason=f"unreadable: {reason}") from exc
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint")
+        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint", reason=f"not {CHECKPOINT_FORMAT}")
     if verify and "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:
         raise CheckpointError(f"{path}: its tensors do not match the checksum written with them (the file was "
-                              "damaged after it was written)")
+                              "damaged after it was written)", reason="its tensors do not match its checksum")
     return link_tied(ckpt)
 
 
@@ -203,26 +212,33 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
 
 def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
     """The checkpoint `--resume SOURCE` continues from, verified, and notes on what was passed over. A file is
-    used as given; a run directory uses checkpoints/latest.pt, or when that is damaged the newest intact
-    step_XXXXXX.pt. Raises CheckpointError when nothing intact is found."""
+    used as given; a run directory uses checkpoints/latest.pt, or when that is missing or damaged the newest intact
+    step_XXXXXX.pt (--keep-checkpoints). Raises CheckpointError when nothing intact is found."""
     source = Path(source)
-    if not source.is_dir():
+    latest = source / "checkpoints" / "latest.pt"
+    steps = [p for p in reversed(run_checkpoints(source)) if p != latest] if source.is_dir() else []
+    if not steps:
         path = resolve_checkpoint_path(source)
-        load_checkpoint(path, mmap=True, verify=True)
-        return path, []
-    first = resolve_checkpoint_path(source)
-    candidates = [first, *reversed([p for p in run_checkpoints(source) if p != first])]
-    notes = []
-    for path in candidates:
         try:
             load_checkpoint(path, mmap=True, verify=True)
         except CheckpointError as exc:
-            notes.append(str(exc))
+            if not source.is_dir():
+                raise
+            raise CheckpointError(f"--resume {source}: {path} is damaged ({exc.reason}) and the run kept no "
+                                  "step_XXXXXX.pt to fall back on (--keep-checkpoints); start a new run") from exc
+        return path, []
+    passed = [] if latest.is_file() else [f"{latest} (missing)"]
+    for path in [latest] * latest.is_file() + steps:
+        try:
+            load_checkpoint(path, mmap=True, verify=True)
+        except CheckpointError as exc:
+            passed.append(f"{path} ({exc.reason})")
             continue
+        notes = [f"passed over {p}" for p in passed]
         if notes:
             notes.append(f"resuming from {path} instead, the newest intact checkpoint of {source}")
         return path, notes
-    raise CheckpointError("--resume: no intact checkpoint in " + str(source) + ": " + "; ".join(notes))
+    raise CheckpointError(f"--resume {source}: no intact checkpoint: {'; '.join(passed)}; start a new run")
 
 
 def link_tied(ckpt: dict) -> dict:
@@ -335,17 +351,35 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
+def cut_torn_line(path: Path) -> str:
+    """Remove an incomplete last line (no newline: a record a crash or a full disk cut short) from the log `path`,
+    so that the records appended after it stay readable; returns the removed text ("" when there was none)."""
+    if not path.is_file():
+        return ""
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return ""
+    keep = data.rfind(b"\n") + 1
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+    return data[keep:].decode(errors="replace")
+
+
 def run_holds_checkpoint(run_dir: Path) -> bool:
     checkpoints = run_dir / "checkpoints"
     return checkpoints.is_dir() and any(checkpoints.glob("*.pt"))
 
 
 def existing_run_problem(run_dir: Path) -> str | None:
-    """An error when a new run named --run-name would write into an earlier run's directory: one that holds a
-    checkpoint (a directory an earlier run left without any is reused; see RunDirectory.claim)."""
+    """An error when a new run named --run-name would write into an earlier run's directory (one that holds a
+    checkpoint; a directory an earlier run left without any is reused, see RunDirectory.claim) or into a directory
+    that holds other files (no run's .lock)."""
     if run_holds_checkpoint(run_dir):
         return (f"--run-name {run_dir.name}: {run_dir} already holds a run; continue it with --resume {run_dir}, or "
                 "choose another --run-name")
+    if run_dir.is_dir() and not (run_dir / ".lock").exists() and any(run_dir.iterdir()):
+        return (f"--run-name {run_dir.name}: {run_dir} exists and holds files that are not a run's; choose another "
+                "--run-name or --run-dir")
     return None
 
 
@@ -380,6 +414,8 @@ class RunDirectory:
         files dead writers left, and for a new run in a directory an earlier run left without a checkpoint, move
         that run's files aside. Returns what was done, for the log."""
         self.path.mkdir(parents=True, exist_ok=True)
+        if new_run and (problem := existing_run_problem(self.path)):  # another run's, or not a run's at all
+            raise RunInUseError(problem)
         handle = open(self.path / ".lock", "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -399,12 +435,14 @@ class RunDirectory:
             size = stale.stat().st_size
             stale.unlink()
             notes.append(f"removed {stale} ({size / 2**20:,.1f} MiB), left by an interrupted write")
-        if new_run and existing_run_problem(self.path):
+        if new_run and (problem := existing_run_problem(self.path)):  # a checkpoint written before we locked
             self.release()
-            raise RunInUseError(existing_run_problem(self.path))
-        leftovers = [p for p in self.path.iterdir() if p.name != ".lock"] if new_run else []
-        if leftovers:
-            aside = self.path / f"failed-{time.strftime('%Y%m%d-%H%M%S')}"
+            raise RunInUseError(problem)
+        leftovers = [p for p in self.path.iterdir() if p.name != ".lock" and not p.name.startswith("failed-")]
+        if new_run and leftovers:
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+            while (aside := self.path / (f"failed-{stamp}" + f"-{n}" * (n > 1))).exists():  # two in one second
+                n += 1
             aside.mkdir()
             for item in leftovers:
                 item.rename(aside / item.name)
@@ -482,14 +520,14 @@ class RunLog:
         if not self.is_master:
             return
         self.text = open(run_dir / "log.txt", "a")
-        records = run_dir / "log.jsonl"
-        torn = records.is_file() and records.stat().st_size and not records.read_bytes().endswith(b"\n")
-        self.records = open(records, "a")
-        if torn:  # a crash cut the last record short: start the next one on a line of its own
-            self.records.write("\n")
+        torn = cut_torn_line(run_dir / "log.jsonl")
+        self.records = open(run_dir / "log.jsonl", "a")
         self.text.write(code + "\n" + "=" * 100 + "\n")
         self.text.writelines(line + "\n" for line in self.pending)
         self.text.flush()
+        if torn:
+            self.line(f"{run_dir / 'log.jsonl'}: removed its incomplete last line, a record the previous run was "
+                      f"cut off while writing: {torn}")
 
     def line(self, text: str) -> None:
         if not self.is_master:

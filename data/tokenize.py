@@ -6,10 +6,12 @@ FineWeb-Edu ones): every document is <|endoftext|> followed by its tokens; the s
 the first `val_tokens` tokens being `<prefix>_val_000000.bin` and then `shard_tokens` per `<prefix>_train_%06d.bin`
 (a document may straddle two shards). Output depends only on the input (not on the number of workers), and a manifest
 `<prefix>_manifest.json` (sources, counts, tokenizer, sha256 of every shard) is written last: a directory without it
-is an interrupted run.
+is an interrupted run. Shards are written to a staging directory inside the output directory and replace earlier
+outputs of the prefix (--overwrite) only once the whole corpus is tokenized: a failed run leaves them as they were.
 
 Bad input is never dropped silently: empty files, invalid UTF-8 (`--utf8-errors replace|skip`), jsonl lines without
-the text field or that are not JSON, and unreadable parquet files are counted, reported and kept in the manifest.
+the text field or that are not JSON, and unreadable parquet files are counted, reported and kept in the manifest; a
+corpus of which nothing is left is an error that gives the counts per reason and the first problems.
 
     python -m data.tokenize corpus/*.txt --out data/mycorpus --prefix mycorpus --val-tokens 1000000
     python -m data.tokenize dump.jsonl --text-field content --out data/dump
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
+import errno
 import fnmatch
 import glob
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -32,13 +37,21 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.shards import EOT_TOKEN, atomic_write, sha256_file, shard_globs, shard_name, write_shard
+from data.shards import EOT_TOKEN, HEADER_BYTES, atomic_write, sha256_file, shard_globs, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_CHARS = 1 << 20  # text per worker task: large enough to amortise IPC, small enough to keep all cores busy
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 MAX_PROBLEMS_LISTED = 50
+DROPPED = {  # CorpusStats counters of input that yields no document, and what each counts
+    "empty_files": "empty files",
+    "empty_documents": "empty documents",
+    "invalid_utf8_skipped": "documents with invalid UTF-8 (--utf8-errors skip)",
+    "bad_json_lines": "jsonl lines that are not JSON",
+    "missing_field": "records without a string text field (see --text-field)",
+    "unreadable_files": "parquet files without the text column or unreadable",
+}
 
 
 class TokenizeError(ValueError):
@@ -72,6 +85,18 @@ class CorpusStats:
         total = sum(v for k, v in counts.items() if k not in ("files", "documents", "text_bytes"))
         if total > len(self.problems):
             lines.append(f"  ... {total - len(self.problems)} more problems not listed")
+        return "\n".join(lines)
+
+    def dropped(self, listed: int = 5) -> str:
+        """What was skipped, counted per reason, and the first `listed` problems (for an error message)."""
+        counts = [f"{getattr(self, counter):,} {what}" for counter, what in DROPPED.items() if getattr(self, counter)]
+        if not counts:
+            return ""
+        total = sum(getattr(self, counter) for counter in DROPPED) + self.invalid_utf8_replaced
+        lines = [f"read {self.files:,} file(s), {self.documents:,} document(s); skipped: {'; '.join(counts)}"]
+        lines += [f"  {problem}" for problem in self.problems[:listed]]
+        if total > listed:
+            lines.append(f"  ... and {total - min(listed, len(self.problems))} more")
         return "\n".join(lines)
 
 
@@ -136,8 +161,8 @@ def _batches(documents: Iterable[str]) -> Iterator[list[str]]:
 class _ShardWriter:
     """Cuts a token stream into `<prefix>_val_000000.bin` (val_tokens) and train shards (shard_tokens each)."""
 
-    def __init__(self, out_dir: Path, prefix: str, shard_tokens: int, val_tokens: int):
-        self.out_dir, self.prefix = out_dir, prefix
+    def __init__(self, out_dir: Path, prefix: str, shard_tokens: int, val_tokens: int, destination: Path):
+        self.out_dir, self.prefix, self.destination = out_dir, prefix, destination  # written to, then moved to
         self.shard_tokens, self.val_tokens = shard_tokens, val_tokens
         self.buffer = np.empty(max(shard_tokens, val_tokens), dtype=np.uint16)
         self.fill = 0
@@ -159,7 +184,9 @@ class _ShardWriter:
         index = len(self.records)
         split = "val" if index == 0 else "train"
         path = self.out_dir / shard_name(self.prefix, split, index)
-        write_shard(path, self.buffer[:self.fill])
+        size_flag = "--val-tokens or --val-fraction" if split == "val" else "--shard-tokens"
+        with named_write_errors(self.destination / path.name, size_flag, self.fill):
+            write_shard(path, self.buffer[:self.fill])
         self.records.append({"name": path.name, "split": split, "tokens": self.fill, "sha256": sha256_file(path)})
         self.fill = 0
 
@@ -169,10 +196,71 @@ class _ShardWriter:
         return self.records
 
 
+@contextlib.contextmanager
+def named_write_errors(path: Path, size_flag: str | None = None, tokens: int = 0) -> Iterator[None]:
+    """Turn an OSError while writing `path` (a full disk, the file-size limit of `ulimit -f`, no permission) into a
+    TokenizeError naming the file, the free space and what to do; a shard's `tokens` are set by data.tokenize's
+    `size_flag`."""
+    try:
+        yield
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        free = shutil.disk_usage(path.parent).free
+        fix = "free some space, or choose another --out"
+        if exc.errno == errno.EFBIG:
+            fix = "the file exceeds the file-size limit (`ulimit -f`) or the largest file of the filesystem: raise " \
+                  "the limit" + (f", or make smaller shards with data.tokenize's {size_flag} (this one: {tokens:,} "
+                                 f"tokens, {HEADER_BYTES + 2 * tokens:,} bytes)" if size_flag else "")
+        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            fix = "choose an --out you may write to"
+        raise TokenizeError(f"could not write {path}: {reason} ({free / 2**20:,.0f} MiB free there); {fix}; "
+                            "earlier outputs in --out are untouched") from exc
+
+
 def existing_outputs(out_dir: Path, prefix: str) -> list[Path]:
     """Shards and manifest of an earlier run with this prefix in `out_dir`."""
     names = [f"{prefix}_val_*.bin", f"{prefix}_train_*.bin", f"{prefix}_manifest.json"]
     return sorted(p for name in names for p in out_dir.glob(name))
+
+
+def _staging_dir(out_dir: Path, prefix: str) -> Path:
+    """Where this process writes the shards of `prefix` before they replace the outputs in `out_dir`; staging
+    directories of processes that no longer run (killed mid-run) are removed."""
+    for stale in out_dir.glob(f".{prefix}.*.tmp"):
+        pid = stale.name.removeprefix(f".{prefix}.").removesuffix(".tmp")
+        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = out_dir / f".{prefix}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def _replace_outputs(staging: Path, out_dir: Path, prefix: str, records: list[dict], manifest: dict) -> None:
+    """Move the finished shards from `staging` into `out_dir` in place of the prefix's earlier outputs, and write
+    the manifest last. The old manifest goes first, so a crash between the renames leaves a directory that reads as
+    interrupted (no manifest), never one whose manifest describes other shards."""
+    old = existing_outputs(out_dir, prefix)
+    (out_dir / f"{prefix}_manifest.json").unlink(missing_ok=True)
+    for record in records:
+        os.replace(staging / record["name"], out_dir / record["name"])
+    new = {record["name"] for record in records}
+    for path in old:
+        if path.name not in new:
+            path.unlink(missing_ok=True)
+    path = out_dir / f"{prefix}_manifest.json"
+    with named_write_errors(path):
+        atomic_write(path, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def documents_to_shards(
@@ -193,7 +281,9 @@ def documents_to_shards(
     The validation shard holds the first `val_tokens` tokens (default: one shard's worth, as llm.c), or, with
     `val_fraction`, that fraction of all tokens (this keeps the whole token stream in memory: small corpora only).
     `metadata()` (sources, counts, ...), called after the last document is read, is stored in the manifest. Earlier
-    outputs with this prefix are an error unless `overwrite`, which deletes them first.
+    outputs with this prefix are an error unless `overwrite`, which replaces them once the new shards are complete
+    (written to a staging directory in `out_dir` first: for a while both take disk space); a run that fails leaves
+    them untouched and removes what it wrote.
     """
     out_dir = Path(out_dir)
     if shard_tokens < 1:
@@ -210,44 +300,58 @@ def documents_to_shards(
             f"{out_dir} already holds {len(old)} '{prefix}' shard/manifest files (e.g. {old[0].name}); "
             "choose another --out/--prefix or pass --overwrite to replace them"
         )
-    for path in old:
-        path.unlink()
     ensure_gpt2_ranks()  # fetch once here, not in every worker
     workers = workers or default_workers()
-    chunks = parallel_map(encode_batch, _batches(documents), workers, initializer=_init_encoder)
-    bar = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress, file=sys.stderr)
-    chunks = _counted(chunks, bar)
-    if val_fraction is not None:
-        chunks = list(chunks)
-        total = sum(c.size for c in chunks)
-        val_tokens = max(1, round(total * val_fraction))
-    writer = _ShardWriter(out_dir, prefix, shard_tokens, val_tokens or shard_tokens)
+    created = not out_dir.exists()
+    staging = _staging_dir(out_dir, prefix)
     try:
-        for chunk in chunks:
-            writer.add(chunk)
-        records = writer.close()
+        chunks = parallel_map(encode_batch, _batches(documents), workers, initializer=_init_encoder)
+        bar = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress, file=sys.stderr)
+        chunks = _counted(chunks, bar)
+        if val_fraction is not None:
+            chunks = list(chunks)
+            total = sum(c.size for c in chunks)
+            val_tokens = max(1, round(total * val_fraction))
+        writer = _ShardWriter(staging, prefix, shard_tokens, val_tokens or shard_tokens, out_dir)
+        try:
+            for chunk in chunks:
+                writer.add(chunk)
+            records = writer.close()
+        finally:
+            bar.close()
+        total = sum(r["tokens"] for r in records)
+        if len(records) < 2:
+            raise TokenizeError(_too_small(total, writer.val_tokens, val_fraction))
+        manifest = {
+            "prefix": prefix,
+            "tokenizer": "r50k_base",
+            "tokenizer_sha256": GPT2_RANKS_SHA256,
+            "shard_tokens": shard_tokens,
+            "val_tokens": writer.val_tokens,
+            "tokens": total,
+            "shards": records,
+            **(metadata() if metadata else {}),
+        }
+        _replace_outputs(staging, out_dir, prefix, records, manifest)
     finally:
-        bar.close()
-    total = sum(r["tokens"] for r in records)
-    if len(records) < 2:
-        for r in records:
-            (out_dir / r["name"]).unlink()
-        raise TokenizeError(
-            f"the corpus has only {total} tokens, all of which went to the validation shard "
-            f"(val_tokens={writer.val_tokens}); pass a smaller --val-tokens (e.g. {max(1, total // 10)})"
-        )
-    manifest = {
-        "prefix": prefix,
-        "tokenizer": "r50k_base",
-        "tokenizer_sha256": GPT2_RANKS_SHA256,
-        "shard_tokens": shard_tokens,
-        "val_tokens": writer.val_tokens,
-        "tokens": total,
-        "shards": records,
-        **(metadata() if metadata else {}),
-    }
-    atomic_write(out_dir / f"{prefix}_manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()  # only when nothing was written: a failed run into a new directory leaves none
     return manifest
+
+
+def _too_small(total: int, val_tokens: int, val_fraction: float | None) -> str:
+    """Why a corpus of `total` tokens made no training shard, and a fix that works (none when no split can)."""
+    if total == 0:
+        return "no documents to tokenize: every input file was empty or every document in it was skipped"
+    if total < 2:
+        return f"the corpus has {total} token: a validation and a training shard need at least 2"
+    if val_fraction is not None:
+        return (f"the corpus has only {total:,} tokens and --val-fraction {val_fraction} puts all of them in the "
+                f"validation shard; pass a smaller --val-fraction (e.g. {1 / total:.2g}) or more text")
+    return (f"the corpus has only {total:,} tokens, all of which went to the validation shard (--val-tokens "
+            f"{val_tokens:,}); pass a smaller --val-tokens (e.g. {max(1, total // 10):,}) or more text")
 
 
 def _counted(chunks: Iterator[np.ndarray], bar: tqdm) -> Iterator[np.ndarray]:
@@ -318,7 +422,9 @@ def _read_jsonl(path: Path, text_field: str, utf8_errors: str, stats: CorpusStat
                 continue
             text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                stats.note("missing_field", f"{where}: no string field {text_field!r} (see --text-field)")
+                found = (f"fields: {', '.join(map(str, record)) or 'none'}" if isinstance(record, dict)
+                         else "not an object")
+                stats.note("missing_field", f"{where}: no string field {text_field!r} ({found}; see --text-field)")
                 continue
             yield text
 
@@ -433,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--utf8-errors", choices=("replace", "skip"), default="replace",
                         help="invalid UTF-8: replace bad bytes with U+FFFD, or skip the document (both counted)")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
-    parser.add_argument("--overwrite", action="store_true", help="replace earlier shards with this prefix in --out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace earlier shards with this prefix in --out (once the new ones are complete)")
     parser.add_argument("--hub-repo", default=None,
                         help="Hub dataset repo to fetch files from, e.g. HuggingFaceFW/fineweb-edu")
     parser.add_argument("--hub-pattern", default="*.parquet",
@@ -442,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hub-revision", default=None)
     parser.add_argument("--hub-endpoint", default=None, help="default: $HF_ENDPOINT or huggingface.co")
     args = parser.parse_args(argv)
+    stats = CorpusStats()
     try:
         paths = resolve_sources(args.inputs)
         sources = [str(p) for p in paths]
@@ -452,7 +560,6 @@ def main(argv: list[str] | None = None) -> None:
             sources += [f"hf://datasets/{args.hub_repo}/{name}" for name, _ in hub]
         if not paths:
             parser.error("give input files/globs or --hub-repo")
-        stats = CorpusStats()
         docs = iter_documents(paths, stats, text_field=args.text_field, utf8_errors=args.utf8_errors,
                               txt_split=args.txt_split)
         manifest = documents_to_shards(
@@ -461,8 +568,8 @@ def main(argv: list[str] | None = None) -> None:
             workers=args.workers, overwrite=args.overwrite, progress=True,
             metadata=lambda: {"sources": sources, "counts": dataclasses.asdict(stats)},
         )
-    except TokenizeError as e:
-        sys.exit(f"error: {e}")
+    except (TokenizeError, OSError) as e:  # an OSError of reading names its file
+        sys.exit("\n".join(filter(None, [f"error: {e}", stats.dropped()])))
     print(f"{manifest['tokens']:,} tokens from {stats.documents:,} documents in {len(manifest['shards'])} shards "
           f"-> {args.out}")
     print(f"read: {stats.summary()}")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 import typing
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from cli import option
 from config import preset_report, section_classes
 from eval import compare, report
 from optim import OPTIMIZERS
-from tests.test_train import ENV, ROOT, VOCAB, corpus, tiny_args, train_losses  # noqa: F401 (a fixture)
+from tests.test_train import ENV, ROOT, VOCAB, corpus, tiny_args, torchrun, train_losses  # noqa: F401 (a fixture)
 
 
 def run_in_background(args: list[str]) -> subprocess.Popen:
@@ -198,9 +200,29 @@ def test_a_name_whose_earlier_run_wrote_no_checkpoint_is_reused_and_its_files_ke
     assert "held an earlier run that wrote no checkpoint" in (tmp_path / "retry" / "log.txt").read_text()
 
 
+def test_failed_attempts_are_kept_side_by_side_and_a_directory_of_other_files_is_refused(corpus, tmp_path, capsys,
+                                                                                         monkeypatch):
+    args = tiny_args(corpus, tmp_path, "again", steps=2, **{"val-every": 0})
+    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")  # both set aside in one second
+    for _ in range(2):
+        with pytest.raises(SystemExit):
+            train_gpt.main([*args, "--lr", "1e6"])  # the second sets the first's files aside
+    train_gpt.main(args)  # sets the second's aside
+    aside = sorted(p.name for p in (tmp_path / "again").iterdir() if p.name.startswith("failed-"))
+    assert aside == ["failed-20260101-000000", "failed-20260101-000000-2"]  # side by side, not nested
+    assert all((tmp_path / "again" / name / "log.txt").is_file() for name in aside)
+    (tmp_path / "thesis").mkdir()
+    (tmp_path / "thesis" / "chapter1.tex").write_text("not a run")
+    with pytest.raises(SystemExit):
+        train_gpt.main(tiny_args(corpus, tmp_path, "thesis", steps=1))
+    assert (f"--run-name thesis: {tmp_path / 'thesis'} exists and holds files that are not a run's; choose another "
+            "--run-name or --run-dir") in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "thesis").iterdir()] == ["chapter1.tex"]
+
+
 # ----- 8. a torn last line in log.jsonl -----
 
-def test_a_torn_log_line_is_skipped_by_readers_and_the_writer_starts_a_fresh_line(corpus, tmp_path):
+def test_a_torn_log_line_is_skipped_by_readers_and_removed_by_the_next_writer(corpus, tmp_path):
     train_gpt.main(tiny_args(corpus, tmp_path, "torn", steps=2, **{"val-every": 0, "log-every": 1}))
     path = tmp_path / "torn" / "log.jsonl"
     whole = len(path.read_text().splitlines())
@@ -212,10 +234,15 @@ def test_a_torn_log_line_is_skipped_by_readers_and_the_writer_starts_a_fresh_lin
         report.main(["--run", str(tmp_path / "torn"), "--skip-missing"])
     with pytest.warns(UserWarning):
         compare.main([str(tmp_path / "torn"), "--out", str(tmp_path / "cmp")])
-    path.write_text(path.read_text().removesuffix('"train_lo'))  # torn after a comma: still no newline
     train_gpt.main(["--resume", str(tmp_path / "torn"), "--steps", "3"])
     lines = path.read_text().splitlines()
-    assert lines[whole] == '{"step": 3, ' and json.loads(lines[whole + 1])  # the next record on its own line
+    assert [json.loads(line)["step"] for line in lines[whole:whole + 2]] == [2, 3]  # the resume record, step 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the log reads whole again: the torn line is gone, not left inside
+        assert [r["step"] for r in runs.read_log(tmp_path / "torn") if "train_loss" in r] == [1, 2, 3]
+    assert f'{path}: removed its incomplete last line, a record the previous run was cut off while writing: ' \
+           '{"step": 3, "train_lo' in (tmp_path / "torn" / "log.txt").read_text()
+    path.write_text("\n".join(lines[:whole] + ['{"step": 3, '] + lines[whole:]) + "\n")
     with pytest.raises(ValueError, match=f"{path}: line {whole + 1} is not a JSON record"):
         runs.read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
 
@@ -246,6 +273,100 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus
     with pytest.raises(SystemExit):
         train_gpt.main(["--resume", str(checkpoints / "step_000002.pt")])  # a file named explicitly: no fallback
     assert "do not match the checksum" in capsys.readouterr().err
+
+
+def test_a_cut_or_missing_latest_checkpoint_falls_back_and_nothing_intact_is_an_error(corpus, tmp_path, capsys):
+    train_gpt.main(tiny_args(corpus, tmp_path, "cut", steps=4, **{"val-every": 0, "checkpoint-every": 2,
+                                                                  "keep-checkpoints": True}))
+    run = tmp_path / "cut"
+    latest, newest, oldest = (run / "checkpoints" / name for name in ("latest.pt", "step_000004.pt", "step_000002.pt"))
+    latest.write_bytes(latest.read_bytes()[:latest.stat().st_size // 2])  # what a copy or a full disk cut short
+    resumed_note = f"resuming from {newest} instead, the newest intact checkpoint of {run}"
+    assert runs.resolve_resume(run) == (newest, [
+        f"passed over {latest} (unreadable: not a complete torch.save archive: empty, truncated or another kind of "
+        "file)", resumed_note])
+    latest.unlink()
+    assert runs.resolve_resume(run) == (newest, [f"passed over {latest} (missing)", resumed_note])
+    newest.write_bytes(b"")
+    damage_a_tensor(oldest)
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--resume", str(run)])
+    assert (f"--resume {run}: no intact checkpoint: {latest} (missing); {newest} (unreadable: not a complete "
+            f"torch.save archive: empty, truncated or another kind of file); {oldest} (its tensors do not match its "
+            "checksum); start a new run") in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_and_init_from(corpus, tmp_path,
+                                                                                              capsys):
+    train_gpt.main(tiny_args(corpus, tmp_path, "lone", steps=2, **{"val-every": 0}))
+    run, latest = tmp_path / "lone", tmp_path / "lone" / "checkpoints" / "latest.pt"
+    damage_a_tensor(latest)
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--resume", str(run)])
+    assert (f"--resume {run}: {latest} is damaged (its tensors do not match its checksum) and the run kept no "
+            "step_XXXXXX.pt to fall back on (--keep-checkpoints); start a new run") in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--init-from", str(run), "--device", "cpu"])
+    assert f"--init-from {latest}: its tensors do not match the checksum" in capsys.readouterr().err
+
+
+def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_path):
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    opt.step()
+    runs.save_checkpoint(tmp_path / "a.pt", runs.model_checkpoint(model, {}, 1, optimizers=[opt.state_dict()]))
+    raw = torch.load(tmp_path / "a.pt", weights_only=False)
+    assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
+    assert runs.tensor_checksum(raw) == raw["checksum"]
+    loaded = runs.load_checkpoint(tmp_path / "a.pt", verify=True)
+    assert loaded["model"]["lm_head.weight"] is loaded["model"]["transformer.wte.weight"]  # filled in on load
+    runs.save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
+    assert torch.load(tmp_path / "b.pt", weights_only=False)["checksum"] == raw["checksum"]
+    raw["optimizers"][0]["state"][0]["exp_avg"].view(-1)[0] += 1e-3  # optimizer state counts too
+    assert runs.tensor_checksum(raw) != raw["checksum"]
+    del raw["checksum"]  # a checkpoint written before checksums loads (there is nothing to verify)
+    torch.save(raw, tmp_path / "old.pt")
+    assert runs.load_checkpoint(tmp_path / "old.pt", verify=True)["step"] == 1
+
+
+# ----- exact resume: the same number of processes and split continue bit for bit -----
+
+def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "straight", steps=4, **{"val-every": 0, "checkpoint-every": 2,
+                                                               "keep-checkpoints": True})
+    assert (result := torchrun(args)).returncode == 0, result.stderr[-3000:]
+    resumed = tmp_path / "resumed" / "checkpoints"
+    resumed.mkdir(parents=True)
+    (resumed / "latest.pt").write_bytes((tmp_path / "straight" / "checkpoints" / "step_000002.pt").read_bytes())
+    assert (result := torchrun(["--resume", str(resumed.parent)])).returncode == 0, result.stderr[-3000:]
+    straight, again = train_losses(tmp_path / "straight"), train_losses(resumed.parent)
+    assert sorted(again) == [3, 4] and all(again[step] == straight[step] for step in again)
+    ends = [runs.load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "straight", resumed.parent)]
+    for name, tensor in ends[0]["model"].items():
+        assert torch.equal(tensor, ends[1]["model"][name]), name
+    moments = [[t for state in end["optimizers"][0]["state"].values() for t in state.values()] for end in ends]
+    assert len(moments[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*moments, strict=True))
+
+
+def test_the_flags_fixed_on_resume_are_marked_in_help_and_listed_in_the_docs(capsys):
+    classes = section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, "adamw")
+    fixed = {section: [option(f.name) for f in dataclasses.fields(cls) if f.metadata.get("fixed_on_resume")]
+             for section, cls in classes.items()}
+    assert len(fixed["model"]) == len(dataclasses.fields(train_gpt.GPTConfig))  # the model, variants included
+    paragraph = next(p for p in (ROOT / "docs" / "runs.md").read_text().split("\n\n")
+                     if p.startswith("Fixed on resume:"))
+    assert "every flag of the model and model-variant groups" in paragraph
+    listed = set(re.findall(r"`(--[a-z0-9-]+)`", paragraph))
+    every_optimizer = {option(f.name) for spec in OPTIMIZERS.values() for f in dataclasses.fields(spec.config)
+                       if f.metadata.get("fixed_on_resume")}
+    outside_the_model = {name for section, names in fixed.items() if section != "model" for name in names}
+    assert listed == outside_the_model | every_optimizer
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("(fixed on --resume)") == sum(map(len, fixed.values()))
+    assert "--seed INT seed for initialisation and the bias sampler (allowed: >= 0) (fixed on --resume)" in text
 
 
 # ----- the presets' parity report ignores what only logs -----

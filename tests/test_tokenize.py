@@ -4,15 +4,21 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from data import embedded
 from data import tokenize as tok
 from data.shards import EOT_TOKEN, GPT2_VOCAB, find_shards
 from data.tokenize import CorpusStats, TokenizeError, documents_to_shards, iter_documents, resolve_sources
 from data.tokenizer import gpt2_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 WORDS = ["the", "gauge", "orbit", "bias", "Ω", "naïve", "日本語", "😀", "don't", "3.14", "\n", "\t", "  ",
          "<|endoftext|>"]
@@ -179,3 +185,87 @@ def test_hub_dataset_files(tmp_path):
             tok.fetch_hub_files(REPO, "nothing/*", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
     finally:
         hub.close()
+
+
+def good_run(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """Shards and manifest of a successful run in tmp_path/out (prefix "ow"), and their bytes."""
+    out = tmp_path / "out"
+    documents_to_shards(make_docs(7, 30), out, "ow", shard_tokens=400, val_tokens=200, workers=1)
+    return out, {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+def test_a_failed_overwrite_keeps_the_earlier_outputs_and_says_why_documents_were_dropped(tmp_path):
+    out, before = good_run(tmp_path)
+    assert len(before) > 3
+    records = tmp_path / "allmissing.jsonl"
+    records.write_text("".join(json.dumps({"id": i, "content": f"doc {i}"}) + "\n" for i in range(20)))
+    with pytest.raises(SystemExit) as excinfo:
+        tok.main([str(records), "--out", str(out), "--prefix", "ow", "--overwrite", "--workers", "1"])
+    message = str(excinfo.value.code)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing lost, nothing left over
+    assert "no documents to tokenize" in message and "--val-tokens" not in message  # no impossible advice
+    assert "skipped: 20 records without a string text field (see --text-field)" in message
+    assert f"{records}:1: no string field 'text' (fields: id, content; see --text-field)" in message
+    assert f"{records}:5:" in message and f"{records}:6:" not in message and "... and 15 more" in message
+
+    with pytest.raises(SystemExit, match="no documents to tokenize"):  # the same through data.embedded --text
+        embedded.main(["--text", str(records), "--out", str(out), "--workers", "1"])
+    documents_to_shards(make_docs(8, 30), out, "text", shard_tokens=400, val_tokens=200, workers=1)
+    texts = {p.name: p.read_bytes() for p in out.glob("text_*")}
+    with pytest.raises(SystemExit, match="no documents to tokenize"):
+        embedded.main(["--text", str(records), "--out", str(out), "--workers", "1"])
+    assert {p.name: p.read_bytes() for p in out.glob("text_*")} == texts and len(texts) > 2
+
+    (tmp_path / "fewer.txt").write_text("short text")  # a run that succeeds replaces the outputs, old shards and all
+    tok.main([str(tmp_path / "fewer.txt"), "--out", str(out), "--prefix", "ow", "--overwrite", "--val-tokens", "1",
+              "--workers", "1"])
+    assert sorted(p.name for p in out.glob("ow_*")) == ["ow_manifest.json", "ow_train_000001.bin", "ow_val_000000.bin"]
+
+
+def test_a_failed_run_into_a_new_directory_leaves_nothing(tmp_path):
+    with pytest.raises(TokenizeError, match="no documents to tokenize"):
+        documents_to_shards([], tmp_path / "new", "t", workers=1)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("val_flag", [["--val-tokens", "100000"], ["--val-fraction", "0.99"]])
+def test_a_corpus_too_small_for_the_split_gets_advice_that_works(tmp_path, val_flag):
+    (tmp_path / "tiny.txt").write_text("a few words of text")
+    args = [str(tmp_path / "tiny.txt"), "--out", str(tmp_path / "out"), "--workers", "1"]
+    with pytest.raises(SystemExit) as excinfo:
+        tok.main(args + val_flag)
+    message = str(excinfo.value.code)
+    flag, value = re.search(r"pass a smaller (--val-\w+) \(e\.g\. ([\d.e-]+)\)", message).groups()
+    assert flag == val_flag[0] and not (tmp_path / "out").exists()
+    tok.main(args + [flag, value])  # the advice is a fix that works
+    assert json.loads((tmp_path / "out" / "corpus_manifest.json").read_text())["shards"][1]["tokens"] >= 1
+
+
+def test_a_file_size_limit_names_the_file_and_the_flag_and_keeps_the_earlier_outputs(tmp_path):
+    resource = pytest.importorskip("resource")
+    out, before = good_run(tmp_path)
+    (tmp_path / "big.txt").write_text(" ".join(f"word{i}" for i in range(20_000)))
+    limit = 16 * 1024  # bytes: the 200-token validation shard fits, a 20,000-token training shard does not
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "data.tokenize", str(tmp_path / "big.txt"), "--out", str(out),
+                           "--prefix", "ow", "--overwrite", "--val-tokens", "200", "--shard-tokens", "20000",
+                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          preexec_fn=limit_file_size)
+    assert proc.returncode == 1, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: could not write {out / 'ow_train_000001.bin'}: File too large"), proc.stderr
+    assert "ulimit -f" in error and "--shard-tokens (this one: 20,000 tokens" in error
+    assert "Traceback" not in proc.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_staging_directory_of_a_killed_run_is_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".t.{int(dead.stdout)}.tmp"
+    stale.mkdir()
+    (stale / "t_train_000001.bin").write_bytes(b"x" * 4096)  # what SIGKILL in the middle of a run leaves
+    documents_to_shards(make_docs(9, 20), tmp_path, "t", shard_tokens=400, val_tokens=200, workers=1)
+    assert not stale.exists() and not list(tmp_path.glob(".t.*"))
