@@ -273,11 +273,15 @@ def model_checkpoint(model: nn.Module, config: dict, step: int, **training_state
             **training_state}
 
 
-def save_checkpoint(path: str | os.PathLike, checkpoint: dict) -> None:
-    """Write atomically with the tensors' checksum: a failure leaves the previous checkpoint intact and no
-    temporary file; the error names the file and the free space."""
-    path = Path(path)
+def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:
+    """Write to each of `paths` atomically with the tensors' checksum (computed once): a failure leaves the previous
+    checkpoint intact and no temporary file; the error names the file and the free space."""
     checkpoint["checksum"] = tensor_checksum(checkpoint)
+    for path in map(Path, paths if isinstance(paths, list) else [paths]):
+        _write_checkpoint(path, checkpoint)
+
+
+def _write_checkpoint(path: Path, checkpoint: dict) -> None:
     try:
         with atomic_writer(path) as f:
             torch.save(checkpoint, f)

@@ -563,9 +563,9 @@ class Trainer:
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
         ckpt = self.checkpoint()
         if ckpt is not None:
-            runs.save_checkpoint(self.run_dir.path / "checkpoints" / "latest.pt", ckpt)
-            if self.cfg.train.keep_checkpoints:
-                runs.save_checkpoint(self.run_dir.path / "checkpoints" / f"step_{self.progress.step:06d}.pt", ckpt)
+            folder = self.run_dir.path / "checkpoints"
+            runs.save_checkpoint([folder / "latest.pt"] + [folder / f"step_{self.progress.step:06d}.pt"]
+                                 * self.cfg.train.keep_checkpoints, ckpt)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
@@ -795,7 +795,7 @@ def main(argv: list[str] | None = None) -> dict:
         with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish()
-    except runs.RunInUseError as exc:  # another trainer owns the directory: nothing was written
+    except (runs.RunInUseError, runs.CheckpointError, DataChangedError) as exc:  # refused before any step
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except BaseException as exc:

@@ -380,3 +380,17 @@ def test_logging_flags_do_not_count_as_differences_from_the_paper():
         assert name not in differs
     moved = train_gpt.parse_config(["--preset", "gpt2-124m", "--device", "cpu", "--mean-q", "0.25"])
     assert "--mean-q 0.25 (gpt2-124m: 0.5)" in preset_report(moved)["differs"]
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_by_resume_with_a_clear_error(corpus, tmp_path, capsys):
+    train_gpt.main(tiny_args(corpus, tmp_path, "nan", steps=2, **{"val-every": 0}))
+    path = tmp_path / "nan" / "checkpoints" / "latest.pt"
+    raw = torch.load(path, weights_only=False)
+    raw["model"]["transformer.h.0.attn.c_attn.weight"][0, 0] = float("nan")
+    runs.save_checkpoint(path, raw)  # a consistent checksum: only the finiteness check can tell
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as excinfo:
+        train_gpt.main(["--resume", str(tmp_path / "nan"), "--steps", "3"])
+    error = capsys.readouterr().err
+    assert excinfo.value.code == 2 and "Traceback" not in error
+    assert f"--resume: {path} holds non-finite weights or optimizer state; resume from an earlier checkpoint" in error
