@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import export
+import kv_cache
 import sample
 import runs
 import train_gpt
@@ -70,6 +71,53 @@ def test_sampling_is_seeded_and_respects_top_k_and_vocab_limit(model):
     assert model_small_vocab.max() < 10
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(bias_per_head=True, key_bias=True), dict(bias_mode="learned"),
+                                       dict(activation="prelu", bias_mode="bv"), dict(bias_mode="none")])
+def test_the_kv_cache_gives_the_tokens_of_rerunning_the_window(overrides):
+    """Greedy and seeded sampling draw the same tokens with the cache as without, before and after the context
+    outgrows block_size (32: a 5-token prompt and 40 new tokens cross it)."""
+    model = tiny_model(**overrides)
+    idx = torch.randint(0, GPT2_VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    for kwargs in (dict(temperature=0), dict(temperature=1.0, top_k=50), dict(temperature=2.0)):
+        runs_ = [model.generate(idx, 40, vocab_limit=GPT2_VOCAB, generator=torch.Generator().manual_seed(5),
+                                use_cache=use_cache, **kwargs) for use_cache in (True, False)]
+        assert runs_[0].shape == (3, 45) and torch.equal(*runs_), kwargs
+    greedy = model.generate(idx, 40, temperature=0, vocab_limit=GPT2_VOCAB)
+    assert torch.equal(greedy, greedy_by_hand(model, idx, 40, GPT2_VOCAB))
+
+
+def test_the_kv_cache_reads_each_token_once_while_the_context_fits(model, monkeypatch):
+    """Forward passes see the prompt, then one token per step; past block_size, the whole window each step."""
+    seen = []
+    forward = train_gpt.GPT.forward
+    monkeypatch.setattr(train_gpt.GPT, "forward", lambda self, idx, *a, **kw: seen.append(idx.size(1))
+                        or forward(self, idx, *a, **kw))
+    model.generate(torch.zeros((1, 30), dtype=torch.long), 5, temperature=0)
+    assert seen == [30, 1, 1, 32, 32]
+    seen.clear()
+    model.generate(torch.zeros((1, 30), dtype=torch.long), 3, temperature=0, use_cache=False)
+    assert seen == [30, 31, 32]
+
+
+def test_cached_logits_equal_the_full_forward(model):
+    idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    full = model(idx)[0]
+    cache = kv_cache.for_model(model.config)
+    stepwise = torch.cat([model(idx[:, :4], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0]
+                                                                 for t in range(4, 12)], dim=1)
+    torch.testing.assert_close(stepwise, full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 12
+    with pytest.raises(ValueError, match="exceeds block_size 32"):
+        model(torch.zeros((2, 21), dtype=torch.long), cache=cache)
+
+
+def test_relational_attention_generates_without_a_cache():
+    model = tiny_model(attention="relational", bias_mode="none")
+    assert kv_cache.for_model(model.config) is None
+    idx = torch.randint(0, GPT2_VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(model.generate(idx, 3, temperature=0), greedy_by_hand(model, idx, 3, model.config.vocab_size))
+
+
 def test_cli_samples_from_a_run_directory_reproducibly(run_dir, capsys):
     args = ["--checkpoint", run_dir, "--prompt", "Hello world", "--max-new-tokens", "5", "--num-samples", "2",
             "--seed", "7", "--device", "cpu"]
@@ -128,6 +176,19 @@ def test_greedy_generation_on_cuda_matches_the_cpu(model):
         logits = model(on_gpu[:, :t])[0][:, -1, :GPT2_VOCAB]
         chosen = logits.gather(1, on_gpu[:, t:t + 1]).squeeze(1)
         assert (logits.max(dim=-1).values - chosen).max() < 1e-4
+
+
+@pytest.mark.cuda
+def test_kv_cache_on_cuda_in_bf16_matches_the_full_forward():
+    """The first step runs the Triton kernel (d = 64, as many keys as queries), later ones SDPA against the cache."""
+    model = tiny_model(n_embd=128, n_head=2).to("cuda")
+    idx = torch.randint(0, GPT2_VOCAB, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    cache = kv_cache.for_model(model.config)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        full = model(idx)[0].float()
+        stepwise = torch.cat([model(idx[:, :4], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0]
+                                                                     for t in range(4, 12)], dim=1).float()
+    torch.testing.assert_close(stepwise, full, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.cuda
