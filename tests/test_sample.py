@@ -161,6 +161,24 @@ def test_bad_flags_are_named(run_dir, flags, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_prompt_file_that_is_not_utf8_is_named(run_dir, tmp_path, capsys):
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(SystemExit) as exc:
+        sample.main(["--checkpoint", run_dir, "--prompt-file", str(prompt)])
+    assert exc.value.code == 2
+    assert f"--prompt-file {prompt}: not UTF-8 text (invalid continuation byte at byte 3); save it as UTF-8" in (
+        capsys.readouterr().err)
+
+
+def test_run_is_another_spelling_of_checkpoint(run_dir, capsys):
+    args = ["--prompt", "Hi", "--max-new-tokens", "3", "--temperature", "0"]
+    assert sample.main(["--run", run_dir, *args]) == sample.main(["--checkpoint", run_dir, *args])
+    with pytest.raises(SystemExit):
+        sample.main(["--run", run_dir, "--checkpoint", run_dir, *args])
+    assert "--checkpoint / --run given twice; name one model" in capsys.readouterr().err
+
+
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at"):
         sample.main(["--checkpoint", str(tmp_path / "nothing")])
