@@ -145,6 +145,8 @@ class TrainConfig:
     wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
                                   "(needs `pip install wandb`; empty: off)")
     wandb_run_name: str = logs("", "Weights & Biases run name (default: the run directory's name)")
+    tensorboard: str = logs("", "also write log.jsonl's numbers as TensorBoard scalars to DIR/<run name> (needs `pip "
+                                "install tensorboard`; empty: off)")
 
 
 def parse_config(argv: list[str] | None = None) -> config.RunConfig:
@@ -607,7 +609,7 @@ class Trainer:
 
     def open_run(self) -> None:
         """The run directory (new, or the resumed run's own), locked for this run; its code copy, config.json, the
-        log's header and the optional tracker."""
+        log's header and the optional trackers."""
         cfg, rt, log = self.cfg, self.rt, self.log
         if rt.is_master:
             hp = cfg.train
@@ -621,8 +623,7 @@ class Trainer:
             record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": report}
             self.run_dir.write_json("config.json", record)
             log.attach(path, Path(__file__).read_text())
-            if hp.wandb_project:
-                log.tracker = runs.WandbTracker(hp.wandb_project, hp.wandb_run_name, path, record)
+            log.trackers = runs.open_trackers(hp, path, record, self.progress.step)
             for note in notes:
                 log.line(note)
             log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}"
