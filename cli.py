@@ -121,4 +121,4 @@ def add_model_flag(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> N
     """`--checkpoint PATH` (alias `--run`): the model every CLI that reads one takes (sample, export to-hf, the
     evaluations), a run directory, a checkpoint file or an exported directory (export.model_file)."""
     parser.add_argument("--checkpoint", "--run", dest="checkpoint", required=True, metavar="PATH",
-                        action=_GivenOnce, help=help)
+                        default=argparse.SUPPRESS, action=_GivenOnce, help=help)
