@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=_HelpFormatter)
     add_model_flag(parser)
     parser.add_argument("--prompt", default="", help="text to continue (default: start after <|endoftext|>)")
-    parser.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this UTF-8 text file instead")
+    parser.add_argument("--prompt-file", type=Path, default=None,
+                        help="read the prompt from this UTF-8 text file instead")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples (one batch)")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy decoding")
