@@ -1,7 +1,7 @@
 """Take models elsewhere: our checkpoints to Hugging Face directories, and GPT-2 weights into our checkpoints
 (docs/export.md#hugging-face).
 
-    python -m export to-hf --checkpoint RUN_OR_FILE --out DIR        # GELU: GPT-2; PReLU: GPT-2 + remote code
+    python -m export to-hf --checkpoint RUN_FILE_OR_DIR --out DIR    # GELU: GPT-2; PReLU: GPT-2 + remote code
     python -m export from-hf --source DIR_OR_HUB_ID --out FILE.pt    # e.g. the original GPT-2 124M ("gpt2")
 
 Both directions use GPT-2's tensor layout and names (Conv1D weights stored (in, out), the transpose of our
@@ -157,6 +157,7 @@ def write_tokenizer(out_dir: Path, config: train_gpt.GPTConfig) -> str | None:
 
 
 def current_umask() -> int:
+    """The process's umask (os.umask reads it only by setting it, so it is set back at once)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
