@@ -20,6 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
 from eval.common import (
     add_target_args,
@@ -106,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
     target = ["--checkpoint", str(args.checkpoint)]
     results, failures, status = {}, {}, {}
     for name in EVALUATIONS:
+        if name == "dynamics" and export.is_exported(ckpt_path):
+            status[name] = "not applicable: an exported model keeps no optimizer state"
+            continue
         reason = stale_reason(eval_dir, name, identity)
         if reason is not None and not args.skip_missing:
             print(f"report: {name}: {reason}")

@@ -191,6 +191,9 @@ def test_an_exported_directory_is_evaluated_like_a_checkpoint(runs, tmp_path, ca
     assert [c["step"] for c in summary["checkpoints"]] == [0]
     with pytest.raises(SystemExit, match="is an exported model, which keeps no optimizer state"):
         dynamics.main(["--checkpoint", str(exported)])
+    index = report.main(["--checkpoint", str(exported), "--skip-missing"])
+    assert index["evaluations"]["val_loss"] == {"status": "current", "step": 0}
+    assert index["evaluations"]["dynamics"]["status"].startswith("not applicable: an exported model")
     with pytest.raises(SystemExit):
         val_loss.main(["--run", str(broken), "--checkpoint", str(exported)])
     assert "--checkpoint / --run given twice" in capsys.readouterr().err
