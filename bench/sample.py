@@ -3,16 +3,19 @@ KV cache, and whether both give the same tokens.
 
     python -m bench.sample                                    # smoke and gpt2-124m shapes, CPU
     python -m bench.sample --shapes gpt2-124m --max-new-tokens 100 --repeats 1
+    python -m bench.sample --device cuda --max-new-tokens 400     # bf16 autocast, as sample on CUDA
 
 Each shape is a preset's model (random weights from seed 0; the speed does not depend on them) generating
 --max-new-tokens after <|endoftext|> (sample's empty prompt) with sample's defaults: temperature 0.8, top-k 200,
 seed 1337, the 50257-token vocabulary limit. Reported: the median over --repeats of new tokens per second of the
-generate call alone (model loading excluded), and a digest of the generated ids, equal for equal token streams.
+generate call alone (model loading excluded), and a digest of the generated ids, equal for equal token streams (on
+CUDA in bf16 the two paths may round differently and part ways at a near tie).
 With the cache, tokens past the block size rerun the whole window (positions are absolute), as without it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -44,23 +47,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: under bf16 autocast")
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
     has_cache = "use_cache" in inspect.signature(train_gpt.GPT.generate).parameters
-    print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | {args.max_new_tokens} new tokens "
-          f"x {args.num_samples} samples | median of {args.repeats}")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__} | {where} | {args.max_new_tokens} new tokens x {args.num_samples} samples | "
+          f"median of {args.repeats}")
+    autocast = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     for name in args.shapes.split(","):
-        model = preset_model(name)
-        idx = torch.full((args.num_samples, 1), EOT_TOKEN, dtype=torch.long)
+        model = preset_model(name).to(device)
+        idx = torch.full((args.num_samples, 1), EOT_TOKEN, dtype=torch.long, device=device)
         for use_cache in (False, True) if has_cache else (False,):
             times, digests = [], set()
             for _ in range(args.repeats):
-                generator = torch.Generator().manual_seed(1337)
+                generator = torch.Generator(device).manual_seed(1337)
                 kwargs = {"use_cache": use_cache} if has_cache else {}
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 start = time.perf_counter()
-                out = model.generate(idx, args.max_new_tokens, temperature=0.8, top_k=200, vocab_limit=GPT2_VOCAB,
-                                     generator=generator, **kwargs)
+                with autocast:
+                    out = model.generate(idx, args.max_new_tokens, temperature=0.8, top_k=200,
+                                         vocab_limit=GPT2_VOCAB, generator=generator, **kwargs)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)
-                digests.add(hashlib.sha256(out.numpy().tobytes()).hexdigest()[:12])
+                digests.add(hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:12])
             rate = args.num_samples * args.max_new_tokens / statistics.median(times)
             cfg = model.config
             print(f"{name:>10} ({cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}C, block {cfg.block_size}) "
