@@ -128,7 +128,16 @@ def test_gelu_export_is_stock_gpt2_without_remote_code(tmp_path):
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gelu")) is transformers.GPT2LMHeadModel
 
 
-def test_the_exported_tokenizer_is_gpt2s(tmp_path):
+@pytest.fixture
+def gpt2_ranks() -> None:
+    """The GPT-2 BPE ranks in the local cache, from which the export writes the tokenizer (fetched if absent, as
+    every tokenizer test does)."""
+    from data.tokenizer import gpt2_tokenizer
+
+    gpt2_tokenizer()
+
+
+def test_the_exported_tokenizer_is_gpt2s(tmp_path, gpt2_ranks):
     transformers = pytest.importorskip("transformers", reason="loads the tokenizer with transformers")
     from data.tokenizer import gpt2_tokenizer
 
@@ -165,7 +174,7 @@ print(json.dumps(results))
 """
 
 
-def test_exports_load_offline_without_this_repository_and_generate_as_sample_does(tmp_path):
+def test_exports_load_offline_without_this_repository_and_generate_as_sample_does(tmp_path, gpt2_ranks):
     """A fresh interpreter outside the repository, offline: AutoModelForCausalLM, AutoTokenizer and the
     text-generation pipeline; their greedy text equals `python -m sample --temperature 0`."""
     pytest.importorskip("transformers", reason="loads the exports with transformers")
@@ -190,7 +199,7 @@ def test_exports_load_offline_without_this_repository_and_generate_as_sample_doe
 
 
 @pytest.mark.parametrize("activation", ["prelu", "gelu"])
-def test_export_from_hf_export_is_bit_identical(tmp_path, activation):
+def test_export_from_hf_export_is_bit_identical(tmp_path, activation, gpt2_ranks):
     """to-hf, from-hf into a checkpoint, to-hf again: every file of the two directories is byte for byte the same."""
     model = random_model(activation=activation, **BIAS_CASES["learned-per-head"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
@@ -221,7 +230,7 @@ def test_directories_of_the_earlier_prelu_format_still_load(tmp_path):
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
-def test_the_exported_directory_respects_the_umask(tmp_path, umask):
+def test_the_exported_directory_respects_the_umask(tmp_path, umask, gpt2_ranks):
     previous = os.umask(umask)
     try:
         export.export_model(random_model(activation="prelu"), tmp_path / "out")
