@@ -103,3 +103,23 @@ def _converter(kind: type, flag_name: str):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag_name} expects {kind.__name__}, got {text!r}") from None
     return convert
+
+
+MODEL_HELP = ("run directory (its checkpoints/latest.pt), checkpoint file, or directory written by `python -m export "
+              "to-hf`; --run is the same flag")
+
+
+class _GivenOnce(argparse.Action):
+    """Store a flag's value, refusing a second one (the flag's other spelling included)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{' / '.join(self.option_strings)} given twice; name one model")
+        setattr(namespace, self.dest, values)
+
+
+def add_model_flag(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    """`--checkpoint PATH` (alias `--run`): the model every CLI that reads one takes (sample, export to-hf, the
+    evaluations), a run directory, a checkpoint file or an exported directory (export.model_file)."""
+    parser.add_argument("--checkpoint", "--run", dest="checkpoint", required=True, metavar="PATH",
+                        default=argparse.SUPPRESS, action=_GivenOnce, help=help)

@@ -292,6 +292,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     if hp.wandb_project and not module_available("wandb"):
         return (f"--wandb-project {hp.wandb_project}: the wandb package is not installed; `pip install wandb` "
                 "(then `wandb login`), or leave --wandb-project empty")
+    if hp.tensorboard and not module_available("tensorboard"):
+        return (f"--tensorboard {hp.tensorboard}: the tensorboard package is not installed (torch.utils.tensorboard "
+                "writes through it); `pip install tensorboard`, or leave --tensorboard empty")
     try:
         batch_layout(hp, world)
     except ValueError as exc:

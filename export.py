@@ -1,7 +1,7 @@
-"""Take models elsewhere: our checkpoints to Hugging Face GPT-2 directories, and GPT-2 weights into our checkpoints
+"""Take models elsewhere: our checkpoints to Hugging Face directories, and GPT-2 weights into our checkpoints
 (docs/export.md#hugging-face).
 
-    python -m export to-hf --checkpoint RUN_OR_FILE --out DIR        # GELU: a GPT2LMHeadModel directory
+    python -m export to-hf --checkpoint RUN_FILE_OR_DIR --out DIR    # GELU: GPT-2; PReLU: GPT-2 + remote code
     python -m export from-hf --source DIR_OR_HUB_ID --out FILE.pt    # e.g. the original GPT-2 124M ("gpt2")
 
 Both directions use GPT-2's tensor layout and names (Conv1D weights stored (in, out), the transpose of our
@@ -11,9 +11,13 @@ and a learned model's b_q, b_v; b_K changes no output and is dropped. The export
 biases and matches our logits with the mean biases. The vocabulary is cut to GPT-2's 50257 tokens: our padded
 rows are never real tokens, and the logits of every real token stay the same.
 
-Stock GPT-2 has no PReLU: a PReLU model is written in the same layout plus one slope vector per block
-(`h.N.mlp.act.weight`) with our own config.json, which transformers refuses to load; `load_exported` (or
-`from-hf`) reads it back into our GPT.
+A GELU model is a stock GPT2LMHeadModel directory. Stock GPT-2 has no PReLU: a PReLU model is written in the
+same layout plus one slope vector per block (`h.N.mlp.act.weight`), with config model_type "symgpt" whose auto_map
+names the classes of modeling_symgpt.py, copied beside the weights (transformers' convention for architectures of
+its own: `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`). Every directory also holds the
+GPT-2 tokenizer (vocab.json, merges.txt) and generation_config.json with sample's defaults. `load_exported` (or
+`from-hf`) reads any of them back into our GPT. --checkpoint, here and in sample and the evaluations, takes a run
+directory, a checkpoint file or such a directory (`model_file`).
 """
 from __future__ import annotations
 
@@ -21,22 +25,30 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import runs
 import train_gpt
+from cli import add_model_flag
 from config import config_from_dict
-from data.shards import GPT2_VOCAB, atomic_write
+from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write
+from data.tokenizer import ENDOFTEXT, gpt2_bpe_files
 from optim import OPTIMIZERS
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-PRELU_FORMAT = "symgpt-prelu-gpt2-v1"
+GENERATION_FILE = "generation_config.json"
+MODELING_FILE = Path(__file__).with_name("modeling_symgpt.py")  # the remote code of PReLU exports
+MODEL_TYPE = "symgpt"
+AUTO_MAP = {"AutoConfig": "modeling_symgpt.SymGPTConfig", "AutoModelForCausalLM": "modeling_symgpt.SymGPTForCausalLM"}
+PRELU_FORMAT = "symgpt-prelu-gpt2-v1"  # PReLU directories written before the remote-code format; still read
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which our model uses
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older GPT-2 files
@@ -96,59 +108,107 @@ def exported_model_config(config: train_gpt.GPTConfig) -> train_gpt.GPTConfig:
                                vocab_size=min(config.vocab_size, GPT2_VOCAB))
 
 
-def gpt2_config(config: train_gpt.GPTConfig) -> dict:
-    """A transformers GPT2Config (as JSON) for a GELU model: exact-erf GELU, no dropout, tied embeddings, and
-    <|endoftext|> as BOS/EOS when the vocabulary is GPT-2's."""
+def hf_config(config: train_gpt.GPTConfig) -> dict:
+    """transformers' config.json for the exported model: a GPT2Config for GELU (exact-erf GELU), our SymGPTConfig
+    with its auto_map for PReLU; no dropout, tied embeddings, and <|endoftext|> as BOS/EOS when the vocabulary is
+    GPT-2's."""
     vocab = min(config.vocab_size, GPT2_VOCAB)
-    special = {"bos_token_id": GPT2_VOCAB - 1, "eos_token_id": GPT2_VOCAB - 1} if vocab == GPT2_VOCAB else {}
+    special = {"bos_token_id": EOT_TOKEN, "eos_token_id": EOT_TOKEN} if vocab == GPT2_VOCAB else {}
+    kind = ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"} if config.activation == "gelu" else
+            {"architectures": ["SymGPTForCausalLM"], "model_type": MODEL_TYPE, "auto_map": AUTO_MAP})
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
-        "n_head": config.n_head, "n_inner": 4 * config.n_embd, "activation_function": "gelu",
-        "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": 0.02, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-        "attn_pdrop": 0.0, "scale_attn_weights": True, "tie_word_embeddings": True, **special,
+        **kind, "vocab_size": vocab, "n_positions": config.block_size, "n_embd": config.n_embd,
+        "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": 4 * config.n_embd,
+        "activation_function": config.activation, "layer_norm_epsilon": LAYER_NORM_EPS, "initializer_range": 0.02,
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+        "tie_word_embeddings": True, **special,
     }
 
 
-def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> Path:
-    """Write `model` to `out_dir` as model.safetensors + config.json (see the module docstring); a GELU model is a
-    GPT2LMHeadModel directory, a PReLU model our own format for `load_exported`. The directory appears whole or
-    not at all."""
+def generation_config(config: train_gpt.GPTConfig) -> dict:
+    """generation_config.json: `python -m sample`'s sampling defaults (temperature, top-k) and, for GPT-2's
+    vocabulary, <|endoftext|> as BOS, EOS and padding."""
+    import sample  # sample imports this module
+
+    defaults = sample.build_parser()
+    special = ({"bos_token_id": EOT_TOKEN, "eos_token_id": EOT_TOKEN, "pad_token_id": EOT_TOKEN}
+               if config.vocab_size >= GPT2_VOCAB else {})
+    return {"do_sample": True, "temperature": defaults.get_default("temperature"),
+            "top_k": defaults.get_default("top_k"), **special}
+
+
+def write_tokenizer(out_dir: Path, config: train_gpt.GPTConfig) -> str | None:
+    """GPT-2's tokenizer files (vocab.json, merges.txt, tokenizer_config.json for GPT2Tokenizer) from the local
+    tiktoken ranks; a note saying why instead when there are none, or the vocabulary is not GPT-2's."""
+    if config.vocab_size < GPT2_VOCAB:
+        return (f"no tokenizer written: the model's vocabulary of {config.vocab_size} tokens is not GPT-2's "
+                f"{GPT2_VOCAB}")
+    files = gpt2_bpe_files()
+    if files is None:
+        return ("no tokenizer written: the GPT-2 BPE ranks are not in the local cache; run `python -m data.tokenizer` "
+                "and export again, or load the same tokenizer with GPT2TokenizerFast.from_pretrained('gpt2')")
+    tokenizer = {"tokenizer_class": "GPT2Tokenizer", "bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT,
+                 "unk_token": ENDOFTEXT, "add_prefix_space": False, "add_bos_token": False,
+                 "clean_up_tokenization_spaces": False, "model_max_length": config.block_size}
+    for name, text in (("vocab.json", files[0]), ("merges.txt", files[1]),
+                       ("tokenizer_config.json", json.dumps(tokenizer, indent=2) + "\n")):
+        atomic_write(out_dir / name, text.encode())
+    return None
+
+
+def current_umask() -> int:
+    """The process's umask (os.umask reads it only by setting it, so it is set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
+    """Write `model` to `out_dir` (see the module docstring): model.safetensors, config.json,
+    generation_config.json, the tokenizer and, for PReLU, modeling_symgpt.py. The directory appears whole or not
+    at all, readable as the umask allows (like a directory made by mkdir). Returns notes for the user."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"--out {out_dir} exists and is not empty; choose a new directory")
-    if model.config.attention != "standard" or model.config.objective != "clm":
-        raise ExportError(f"--attention {model.config.attention} --objective {model.config.objective}: only standard "
-                          "attention trained as a causal LM (clm) maps onto GPT-2's layout")
+    if model.config.attention != "standard":
+        raise ExportError(f"--attention {model.config.attention}: relational attention (a score MLP over the Gram "
+                          "matrix, no query/key/value projections) has no GPT-2 layout to export to; sample and "
+                          "evaluate the checkpoint itself (python -m sample, python -m eval.*)")
+    if model.config.objective != "clm":
+        raise ExportError(f"--objective {model.config.objective}: a masked LM attends in both directions and does not "
+                          "predict the next token, so GPT-2's causal classes and text-generation tools would run it "
+                          "wrongly; evaluate the checkpoint itself (python -m eval.*)")
     config = exported_model_config(model.config)
-    if config.activation == "gelu":
-        meta = gpt2_config(config)
-    else:
-        meta = {"format": PRELU_FORMAT, "model": dataclasses.asdict(config),
-                "note": "GPT-2 with per-feature PReLU MLP slopes (h.N.mlp.act.weight); stock GPT-2 has no PReLU. "
-                        "Load with symgpt's export.load_exported."}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         save_file(hf_state_dict(model), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
-        atomic_write(staging / CONFIG_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+        atomic_write(staging / CONFIG_FILE, (json.dumps(hf_config(config), indent=2) + "\n").encode())
+        atomic_write(staging / GENERATION_FILE, (json.dumps(generation_config(config), indent=2) + "\n").encode())
+        if config.activation == "prelu":
+            shutil.copyfile(MODELING_FILE, staging / MODELING_FILE.name)
+        note = write_tokenizer(staging, config)
+        mask = current_umask()
+        for path in staging.iterdir():
+            path.chmod(0o666 & ~mask)
+        staging.chmod(0o777 & ~mask)  # mkdtemp made it 0700
         if out_dir.exists():
             out_dir.rmdir()
         staging.rename(out_dir)
     except BaseException:
-        for path in staging.iterdir():
-            path.unlink()
-        staging.rmdir()
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir
+    return [note] if note else []
 
 
 def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
-    """Our GPTConfig for a directory's config.json: our PReLU format, or a GPT-2 GPT2Config."""
+    """Our GPTConfig for a directory's config.json: a GPT2Config, our SymGPTConfig (PReLU), or the PReLU format
+    written before it."""
     if meta.get("format") == PRELU_FORMAT:
         return config_from_dict(meta["model"], train_gpt.GPTConfig)
-    if meta.get("model_type") != "gpt2":
-        raise ExportError(f"{source / CONFIG_FILE}: neither a GPT-2 config (model_type 'gpt2') nor {PRELU_FORMAT}")
+    if meta.get("model_type") not in ("gpt2", MODEL_TYPE):
+        raise ExportError(f"{source / CONFIG_FILE}: neither a GPT-2 config (model_type 'gpt2') nor one of ours "
+                          f"(model_type '{MODEL_TYPE}'); its model_type is {meta.get('model_type')!r}")
     n_embd = meta.get("n_embd", 768)
     unsupported = {
         "n_inner": (meta.get("n_inner") or 4 * n_embd, 4 * n_embd),
@@ -161,11 +221,13 @@ def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
         if value != ours:
             raise ExportError(f"{source / CONFIG_FILE}: {key} = {value!r}; our GPT supports only {ours!r}")
     activation = meta.get("activation_function", "gelu_new")
-    if activation not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
-        raise ExportError(f"{source / CONFIG_FILE}: activation_function {activation!r}; our GPT has gelu and prelu")
+    supported = ("prelu",) if meta["model_type"] == MODEL_TYPE else ("gelu", "gelu_new", "gelu_pytorch_tanh")
+    if activation not in supported:
+        raise ExportError(f"{source / CONFIG_FILE}: activation_function {activation!r}; model_type "
+                          f"{meta['model_type']!r} supports {', '.join(supported)} here")
     return train_gpt.GPTConfig(vocab_size=meta.get("vocab_size", GPT2_VOCAB), block_size=meta.get("n_positions", 1024),
                                n_layer=meta.get("n_layer", 12), n_head=meta.get("n_head", 12), n_embd=n_embd,
-                               activation="gelu", bias_mode="none")
+                               activation="prelu" if activation == "prelu" else "gelu", bias_mode="none")
 
 
 def model_from_hf_state_dict(state: dict[str, torch.Tensor], config: train_gpt.GPTConfig) -> train_gpt.GPT:
@@ -214,13 +276,56 @@ def load_exported(source: str | os.PathLike) -> train_gpt.GPT:
         if not (path / name).is_file():
             raise ExportError(f"{path}: no {name}; give a directory written by `python -m export to-hf` or a "
                               "Hugging Face GPT-2 directory with safetensors weights")
-    meta = json.loads((path / CONFIG_FILE).read_text())
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ExportError(f"{path / CONFIG_FILE}: not a JSON config ({exc}); the file is damaged: export or "
+                          "download the directory again") from None
+    if not isinstance(meta, dict):
+        raise ExportError(f"{path / CONFIG_FILE}: holds a JSON {type(meta).__name__}, not a config object")
     config = config_from_exported(meta, path)
     activation = meta.get("activation_function", "gelu")
-    if meta.get("format") != PRELU_FORMAT and activation != "gelu":
+    if activation in ("gelu_new", "gelu_pytorch_tanh"):
         print(f"note: {path} uses activation_function {activation!r} (the tanh approximation of GELU); our GPT "
               "uses exact GELU, so logits differ slightly from the original", file=sys.stderr)
-    return model_from_hf_state_dict(load_file(str(path / WEIGHTS_FILE)), config)
+    try:
+        state = load_file(str(path / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as exc:
+        raise ExportError(f"{path / WEIGHTS_FILE}: not a readable safetensors file ({exc}); it is truncated or "
+                          "damaged: export or download the directory again") from None
+    return model_from_hf_state_dict(state, config)
+
+
+def model_file(source: str | os.PathLike, flag: str = "--checkpoint") -> Path:
+    """The file behind a --checkpoint value: a run directory's checkpoints/latest.pt, a checkpoint file, or the
+    model.safetensors of a directory written by `python -m export to-hf` (or any GPT-2 directory)."""
+    path = Path(source)
+    if path.is_dir() and (path / WEIGHTS_FILE).is_file():
+        return path / WEIGHTS_FILE
+    try:
+        return runs.resolve_checkpoint_path(path, flag=flag)
+    except runs.CheckpointError as exc:
+        raise runs.CheckpointError(f"{exc}. {flag} takes a run directory, a checkpoint file, or a directory written "
+                                   "by `python -m export to-hf` (model.safetensors + config.json)") from None
+
+
+def is_exported(file: Path) -> bool:
+    """Whether a file from model_file is an exported directory's weights (else one of our checkpoints)."""
+    return file.suffix == ".safetensors"
+
+
+def load_model(source: str | os.PathLike, flag: str = "--checkpoint") -> train_gpt.GPT:
+    """The model a --checkpoint value names (see model_file), in eval mode on the CPU."""
+    file = model_file(source, flag)
+    if is_exported(file):
+        return load_exported(file.parent)
+    return train_gpt.model_from_checkpoint(runs.load_checkpoint(file, mmap=True))
+
+
+def load_as_checkpoint(file: Path) -> dict:
+    """A model_file as our checkpoint dict: the checkpoint itself (mapped), or an exported model at step 0."""
+    return checkpoint_of(load_exported(file.parent), str(file.parent)) if is_exported(file) else (
+        runs.load_checkpoint(file, mmap=True))
 
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
@@ -236,8 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    to_hf = commands.add_parser("to-hf", help="checkpoint -> model.safetensors + config.json (GPT-2 layout)")
-    to_hf.add_argument("--checkpoint", required=True, help="checkpoint file or run directory (its latest.pt)")
+    to_hf = commands.add_parser("to-hf", help="checkpoint -> a Hugging Face directory (GPT-2 layout, safetensors)")
+    add_model_flag(to_hf)
     to_hf.add_argument("--out", required=True, type=Path, help="new output directory")
     from_hf = commands.add_parser("from-hf", help="GPT-2 directory or hub id -> our checkpoint (for sample/eval)")
     from_hf.add_argument("--source", required=True,
@@ -246,12 +351,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "to-hf":
-            path = runs.resolve_checkpoint_path(args.checkpoint, flag="--checkpoint")
-            model = train_gpt.model_from_checkpoint(runs.load_checkpoint(path, mmap=True))
-            export_model(model, args.out)
-            kind = ("a GPT2LMHeadModel directory" if model.config.activation == "gelu" else
-                    "a PReLU model (stock GPT-2 has no PReLU; load it with export.load_exported)")
-            print(f"wrote {args.out}: {kind}, mean biases folded into c_attn.bias")
+            model = load_model(args.checkpoint)
+            notes = export_model(model, args.out)
+            how = (f'GPT2LMHeadModel.from_pretrained("{args.out}")' if model.config.activation == "gelu" else
+                   f'AutoModelForCausalLM.from_pretrained("{args.out}", trust_remote_code=True) (GPT-2 with a '
+                   f'per-feature PReLU; the model class is {MODELING_FILE.name}, beside the weights)')
+            print(f"wrote {args.out}: mean biases folded into c_attn.bias; load it with {how}")
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
         else:
             if args.out.exists():
                 raise ExportError(f"--out {args.out} exists; choose a new file")

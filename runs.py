@@ -498,8 +498,7 @@ class WandbTracker:
         id_file.write_text(run_id + "\n")
 
     def record(self, record: dict) -> None:
-        numbers = {k: v for k, v in record.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        numbers = record_numbers(record)
         if record.get("summary"):
             self.run.summary.update(numbers)
         elif numbers and "step" in record:
@@ -509,15 +508,55 @@ class WandbTracker:
         self.run.finish(exit_code=exit_code)
 
 
+def record_numbers(record: dict) -> dict[str, float]:
+    """The numbers of a log.jsonl record that trackers plot: ints and floats, not flags, not the step itself."""
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+
+
+class TensorBoardTracker:
+    """TensorBoard event files for a run (--tensorboard DIR; master rank only), in DIR/<run directory name> so that
+    `tensorboard --logdir DIR` shows runs side by side: the config once, as text, then the numbers of every
+    log.jsonl record as scalars at its step, and the final summary's under summary/. A resumed run writes to the
+    same folder, and TensorBoard drops the earlier events from its resumed step on (purge_step), so no stretch of
+    a curve is doubled. torch.utils.tensorboard (which needs the tensorboard package) is imported only here."""
+
+    def __init__(self, log_dir: Path, config: dict, step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # the config check made sure it is installed
+
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=step or None)
+        self.step = step
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", step)
+
+    def record(self, record: dict) -> None:
+        self.step = record.get("step", self.step)
+        prefix = "summary/" if record.get("summary") else ""
+        for name, value in record_numbers(record).items():
+            self.writer.add_scalar(prefix + name, value, self.step)
+        self.writer.flush()
+
+    def close(self, exit_code: int = 0) -> None:
+        self.writer.close()
+
+
+def open_trackers(hp, run_dir: Path, config: dict, step: int) -> list:
+    """The trackers the flags ask for (--wandb-project, --tensorboard), opened for the run in `run_dir` at `step`."""
+    trackers = []
+    if hp.wandb_project:
+        trackers.append(WandbTracker(hp.wandb_project, hp.wandb_run_name, run_dir, config))
+    if hp.tensorboard:
+        trackers.append(TensorBoardTracker(Path(hp.tensorboard) / run_dir.name, config, step))
+    return trackers
+
+
 class RunLog:
     """What the master rank reports: stdout, and once the run directory exists, log.txt (which starts with the
-    trainer's code), log.jsonl and the optional tracker (WandbTracker). Lines printed before the directory exists
-    are written to log.txt when it does."""
+    trainer's code), log.jsonl and the optional trackers (WandbTracker, TensorBoardTracker). Lines printed before
+    the directory exists are written to log.txt when it does."""
 
     def __init__(self, is_master: bool) -> None:
         self.is_master = is_master
         self.text = self.records = None
-        self.tracker: WandbTracker | None = None
+        self.trackers: list[WandbTracker | TensorBoardTracker] = []
         self.pending: list[str] = []
 
     def attach(self, run_dir: Path, code: str) -> None:
@@ -547,34 +586,35 @@ class RunLog:
         if self.records is not None:
             self.records.write(json.dumps(record) + "\n")
             self.records.flush()
-        if self.tracker is not None:
-            self.tracker.record(record)
+        for tracker in self.trackers:
+            tracker.record(record)
 
     def error(self, exc: BaseException) -> None:
         """Write an error that ends the run to log.txt (it is printed by Python as it propagates); the tracker's
-        run ends as failed."""
+        runs end as failed."""
         if self.text is not None:
             self.text.write("".join(traceback.format_exception(exc)))
             self.text.flush()
-        if self.tracker is not None:
-            self.tracker.close(exit_code=1)
-            self.tracker = None
+        for tracker in self.trackers:
+            tracker.close(exit_code=1)
+        self.trackers = []
 
     def close(self) -> None:
         for handle in (self.text, self.records):
             if handle is not None:
                 handle.close()
-        if self.tracker is not None:
-            self.tracker.close()
-        self.text = self.records = self.tracker = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.text = self.records = None
+        self.trackers = []
 
 
 def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,
-                       rt: Runtime) -> RunDirectory:
+                       rt: Runtime, step: int) -> RunDirectory:
     """The directory of this run on every rank (a collective under torchrun). Rank 0 chooses it (the resumed run's
     own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
-    config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, starts the optional tracker and
-    logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
+    config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, opens the optional trackers at
+    `step` and logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
     run_dir = None
     if rt.is_master:
         run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
@@ -582,8 +622,7 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
         run_dir.copy_code()
         run_dir.write_json("config.json", record)
         log.attach(run_dir.path, code)
-        if hp.wandb_project:
-            log.tracker = WandbTracker(hp.wandb_project, hp.wandb_run_name, run_dir.path, record)
+        log.trackers = open_trackers(hp, run_dir.path, record, step)
         for line in notes:
             log.line(line)
         gpu = f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else ""

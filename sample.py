@@ -3,8 +3,8 @@
     python -m sample --checkpoint runs/NAME --prompt "The meaning of life is" --max-new-tokens 100
     python -m sample --checkpoint gpt2.pt --num-samples 3 --temperature 0.8 --top-k 200 --seed 1
 
---checkpoint takes a run directory (its checkpoints/latest.pt), a checkpoint file, or a directory written by
-`python -m export` (model.safetensors + config.json).
+--checkpoint (or --run) takes a run directory (its checkpoints/latest.pt), a checkpoint file, or a directory written
+by `python -m export to-hf` (model.safetensors + config.json). Generation keeps a KV cache (GPT.generate).
 """
 from __future__ import annotations
 
@@ -15,26 +15,19 @@ from pathlib import Path
 
 import torch
 
+import export
 import runs
 import train_gpt
+from cli import add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 
 
 def load_model(source: str) -> train_gpt.GPT:
     """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
-    path = Path(source)
-    if (path / "model.safetensors").is_file():
-        import export  # an exported directory
-
-        try:
-            return export.load_exported(path)
-        except export.ExportError as exc:
-            raise SystemExit(f"error: {exc}") from None
     try:
-        checkpoint = runs.load_checkpoint(runs.resolve_checkpoint_path(path, flag="--checkpoint"), mmap=True)
-    except runs.CheckpointError as exc:
+        return export.load_model(source)
+    except (export.ExportError, runs.CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    return train_gpt.model_from_checkpoint(checkpoint)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -52,9 +45,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=_HelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="run directory, checkpoint file or exported directory")
+    add_model_flag(parser)
     parser.add_argument("--prompt", default="", help="text to continue (default: start after <|endoftext|>)")
-    parser.add_argument("--prompt-file", type=Path, default=None, help="read the prompt from this file instead")
+    parser.add_argument("--prompt-file", type=Path, default=None,
+                        help="read the prompt from this UTF-8 text file instead")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples (one batch)")
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy decoding")
@@ -76,15 +70,23 @@ def input_problem(args: argparse.Namespace) -> str | None:
         return f"--temperature must be >= 0 (0: greedy), got {args.temperature}"
     if args.top_k < 0:
         return f"--top-k must be >= 0 (0: no cut), got {args.top_k}"
-    if args.prompt_file is not None and not args.prompt_file.is_file():
-        return f"--prompt-file {args.prompt_file}: no such file"
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            return f"--prompt-file {args.prompt_file}: no such file"
+        try:
+            read_prompt(args)
+        except UnicodeDecodeError as exc:
+            return (f"--prompt-file {args.prompt_file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it "
+                    "as UTF-8")
+        except OSError as exc:
+            return f"--prompt-file {args.prompt_file}: cannot be read ({exc.strerror})"
     if args.dtype == "bf16" and args.device == "cpu":
         return "--dtype bf16 runs on CUDA only (use --dtype fp32 on the CPU)"
     return None
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    return args.prompt_file.read_text() if args.prompt_file is not None else args.prompt
+    return args.prompt_file.read_text(encoding="utf-8") if args.prompt_file is not None else args.prompt
 
 
 def sample(args: argparse.Namespace) -> list[str]:

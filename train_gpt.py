@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import config
+import kv_cache
 import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
@@ -144,6 +145,8 @@ class TrainConfig:
     wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
                                   "(needs `pip install wandb`; empty: off)")
     wandb_run_name: str = logs("", "Weights & Biases run name (default: the run directory's name)")
+    tensorboard: str = logs("", "also write log.jsonl's numbers as TensorBoard scalars to DIR/<run name> (needs `pip "
+                                "install tensorboard`; empty: off)")
 
 
 def parse_config(argv: list[str] | None = None) -> config.RunConfig:
@@ -172,7 +175,7 @@ class CausalSelfAttention(nn.Module):
             self.b_v = nn.Parameter(torch.empty(shape))
 
     def forward(self, x: torch.Tensor, b_q: torch.Tensor | None, b_k: torch.Tensor | None,
-                b_v: torch.Tensor | None) -> torch.Tensor:
+                b_v: torch.Tensor | None, cache=None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in self.c_attn(x).split(C, dim=2))
@@ -180,7 +183,9 @@ class CausalSelfAttention(nn.Module):
             b_q, b_v = self.b_q, self.b_v
         if b_k is not None:  # cancels in the softmax (constant per query row); kept only for parity checks
             k = k + (b_k if b_k.dim() == 1 else b_k.unsqueeze(1)).to(k.dtype)
-        y = attention(q, k, v, b_q, b_v, causal=self.causal)
+        if cache is not None:  # generation: the keys and values of the tokens read before (kv_cache.py)
+            k, v = cache.update(k, v)
+        y = attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -214,8 +219,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, b_q=None, b_k=None, b_v=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), b_q, b_k, b_v)
+    def forward(self, x: torch.Tensor, b_q=None, b_k=None, b_v=None, cache=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), b_q, b_k, b_v, cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -269,19 +274,20 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, biases: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, biases: torch.Tensor | None = None,
+                cache: kv_cache.KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        start = 0 if cache is None else cache.length  # with a cache, idx continues the tokens it holds
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
         if biases is None:
             biases = self.mean_biases
         use_q, use_k, use_v = self.config.sampled_biases
-        pos = torch.arange(T, device=idx.device)
+        pos = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for i, block in enumerate(self.transformer.h):
             x = block(x, biases[i, 0] if use_q else None, biases[i, 1] if use_k else None,
-                      biases[i, 2] if use_v else None)
+                      biases[i, 2] if use_v else None, None if cache is None else cache[i])
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)
         loss = None
@@ -291,16 +297,22 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 vocab_limit: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                 vocab_limit: int | None = None, generator: torch.Generator | None = None, use_cache: bool = True
+                 ) -> torch.Tensor:
         """Continue each row of idx (B, T) by max_new_tokens sampled tokens, with the mean biases, as nanoGPT does:
         the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the `top_k`
         most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the vocabulary
-        is padded (docs/export.md#sampling)."""
+        is padded. A KV cache reads each token once while the context fits block_size (standard attention,
+        use_cache); past it, and without the cache, every token reruns the window (docs/export.md#sampling)."""
         if self.config.objective != "clm":
             raise ValueError(f"this model was trained with --objective {self.config.objective}: it predicts masked "
                              "tokens from both sides, not the next token, so it cannot generate text")
+        cache = kv_cache.for_model(self.config) if use_cache else None
         for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.config.block_size:])[0][:, -1, :vocab_limit].float()
+            if idx.size(1) > self.config.block_size:
+                cache = None  # positions are absolute: once the context outgrows them, each token reruns the window
+            context = idx[:, -self.config.block_size:] if cache is None else idx[:, cache.length:]
+            logits = self(context, cache=cache)[0][:, -1, :vocab_limit].float()
             if temperature == 0:
                 next_token = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -584,7 +596,8 @@ class Trainer:
         layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
         record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": config.preset_report(cfg)}
         self.run_dir = runs.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
-                                               cfg.continue_in, record, Path(__file__).read_text(), self.log, rt)
+                                               cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
+                                               self.progress.step)
         self.log.line(config.preset_lines(record["preset"]))
         if self.resumed:
             self.log.record(self.resumed)

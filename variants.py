@@ -100,7 +100,9 @@ class RelationalAttention(nn.Module):
             nn.init.zeros_(layer.bias)
         nn.init.constant_(self.mix, 0.02 * 0.02 / math.sqrt(2 * config.n_layer) * config.n_embd / config.n_head)
 
-    def forward(self, x: Tensor, b_q=None, b_k=None, b_v=None) -> Tensor:
+    def forward(self, x: Tensor, b_q=None, b_k=None, b_v=None, cache=None) -> Tensor:
+        if cache is not None:
+            raise ValueError("relational attention keeps no KV cache (kv_cache.for_model gives it none)")
         B, T, C = x.shape
         gram = x @ x.transpose(1, 2) / C
         norms = gram.diagonal(dim1=1, dim2=2)

@@ -23,3 +23,4 @@ export PYTHONUNBUFFERED=1
     python -m bench.optim --optimizers ecd,ecd:unfused,soap,muon,adamw,sgdm
     python -m bench.optim --optimizers ecd,ecd:unfused --state-dtype bf16
 } 2>&1 | tee "$OUT/optim.txt"
+python -m bench.sample --device cuda --max-new-tokens 400 --repeats 3 2>&1 | tee "$OUT/sample.txt"  # KV cache

@@ -16,6 +16,7 @@ import argparse
 import base64
 import functools
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -44,11 +45,16 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _from_tiktoken_cache() -> bytes | None:
-    """The rank file from tiktoken's download cache (same lookup rules as tiktoken.load.read_file_cached)."""
+def _tiktoken_cache_path() -> Path:
+    """Where tiktoken's download cache keeps the rank file (same lookup rules as tiktoken.load.read_file_cached)."""
     base = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
     base = base or os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    path = Path(base) / hashlib.sha1(GPT2_RANKS_URL.encode()).hexdigest()
+    return Path(base) / hashlib.sha1(GPT2_RANKS_URL.encode()).hexdigest()
+
+
+def _from_tiktoken_cache() -> bytes | None:
+    """The rank file from tiktoken's download cache, if it holds one."""
+    path = _tiktoken_cache_path()
     return path.read_bytes() if path.is_file() else None
 
 
@@ -120,12 +126,63 @@ def load_gpt2_ranks(path: Path) -> dict[bytes, int]:
     data = Path(path).read_bytes()
     if _sha256(data) != GPT2_RANKS_SHA256:
         raise TokenizerSetupError(f"{path}: sha256 mismatch; not the GPT-2 rank file — delete it and rerun")
+    return _parse_ranks(data)
+
+
+def local_gpt2_ranks_file() -> Path | None:
+    """The rank file in our cache, else in tiktoken's download cache; None when neither holds one (nothing is
+    downloaded: `python -m data.tokenizer` does that)."""
+    return next((path for path in (cache_root() / "tiktoken" / RANKS_FILENAME, _tiktoken_cache_path())
+                 if path.is_file()), None)
+
+
+def _parse_ranks(data: bytes) -> dict[bytes, int]:
     ranks = {}
     for line in data.splitlines():
         if line:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
     return ranks
+
+
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters, in which vocab.json and merges.txt
+    spell byte-level tokens (printable Latin-1 bytes stand for themselves, the others take chr(256 + i))."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def gpt2_bpe_files() -> tuple[str, str] | None:
+    """The texts of GPT-2's vocab.json and merges.txt (the files Hugging Face's GPT2Tokenizer reads), rebuilt from
+    the local tiktoken ranks (local_gpt2_ranks_file, verified); None when there are none."""
+    path = local_gpt2_ranks_file()
+    return None if path is None else _bpe_files(path)
+
+
+@functools.cache
+def _bpe_files(path: Path) -> tuple[str, str]:
+    """A token's id is its rank; each token of two or more bytes is the merge of the two parts that byte-level BPE
+    leaves it in when only lower ranks may merge, and merges.txt lists these merges in rank order."""
+    ranks = load_gpt2_ranks(path)
+    alphabet = byte_alphabet()
+    spell = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = [bytes([b]) for b in token]
+        while True:  # BPE of `token` with the ranks below its own
+            merged = [ranks.get(a + b, rank) for a, b in zip(parts, parts[1:])]
+            best = min(range(len(merged)), key=merged.__getitem__)
+            if merged[best] >= rank:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        if len(parts) != 2:
+            raise TokenizerSetupError(f"rank {rank}: BPE leaves {len(parts)} parts, not 2; not a BPE rank file")
+        merges.append(f"{spell(parts[0])} {spell(parts[1])}")
+    vocab = {spell(token): rank for token, rank in ranks.items()} | {ENDOFTEXT: EOT_TOKEN}
+    return json.dumps(vocab, ensure_ascii=False), "#version: 0.2\n" + "\n".join(merges) + "\n"
 
 
 @functools.cache

@@ -1,7 +1,8 @@
-"""What every evaluation CLI shares: `--run DIR | --checkpoint FILE`, model loading, output files keyed by
-checkpoint, plots, intervals.
+"""What every evaluation CLI shares: `--checkpoint PATH` (alias `--run`: a run directory, a checkpoint file or an
+exported directory), model loading, output files keyed by checkpoint, plots, intervals.
 
-Outputs go to `<run>/eval/` (override with `--out`); a checkpoint outside a run directory writes next to itself.
+Outputs go to `<run>/eval/` (override with `--out`); a checkpoint outside a run directory writes next to itself, an
+exported directory (`python -m export to-hf`, read as a step-0 checkpoint of its model) into its own eval/.
 Every evaluation records what it wrote and from which checkpoint (path, step, sha256 of the file) in
 `<out>/manifest.json` with `record_outputs`; `eval.report` reruns an evaluation whose record is missing or names
 another checkpoint (`stale_reason`). See docs/evaluation.md#outputs-and-reports.
@@ -18,8 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import export
 import runs
 import train_gpt
+from cli import MODEL_HELP, add_model_flag
 from config import config_from_dict
 from data.lookup import resolve_data_files
 from data.shards import atomic_write, atomic_writer, sha256_file
@@ -30,23 +33,34 @@ MANIFEST = "manifest.json"
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     """The flags naming what to evaluate and where to write."""
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--run", type=Path, help="run directory (uses checkpoints/latest.pt)")
-    target.add_argument("--checkpoint", type=Path, help="checkpoint file (its run directory gets the outputs)")
+    add_model_flag(parser, MODEL_HELP + " (a run directory: eval.dynamics and eval.structure read every checkpoint "
+                                        "of the run, the others its latest.pt)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: <run>/eval)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
 
-def resolve_target(run: Path | None, checkpoint: Path | None) -> tuple[Path, Path]:
-    """(run directory, checkpoint file) from `--run` or `--checkpoint` (train_gpt's rules: a run's checkpoint is
-    checkpoints/latest.pt; a checkpoint's run is the directory above checkpoints/, else its own folder)."""
+def resolve_target(source: str | Path) -> tuple[Path, Path, bool]:
+    """(run directory, model file, whether `source` is a run directory) for a --checkpoint value: a run directory
+    and its checkpoints/latest.pt; a checkpoint file and its run (the directory above checkpoints/, else its own
+    folder); an exported directory as its own run, with its model.safetensors."""
     try:
-        if run is not None:
-            return Path(run), runs.resolve_checkpoint_path(Path(run) / "checkpoints" / "latest.pt", flag="--run")
-        checkpoint = runs.resolve_checkpoint_path(checkpoint, flag="--checkpoint")
+        file = export.model_file(source)
     except runs.CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
-    return runs.run_dir_of(checkpoint) or checkpoint.parent, checkpoint
+    if export.is_exported(file):
+        return file.parent, file, False
+    if Path(source).is_dir():
+        return Path(source), file, True
+    return runs.run_dir_of(file) or file.parent, file, False
+
+
+def load_target_checkpoint(file: Path) -> dict:
+    """The checkpoint of a model file from resolve_target (an exported model as a step-0 checkpoint); an error
+    naming the file when it cannot be read."""
+    try:
+        return export.load_as_checkpoint(file)
+    except (runs.CheckpointError, export.ExportError) as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
@@ -74,13 +88,10 @@ class Target:
 
 
 def open_target(args: argparse.Namespace) -> Target:
-    """Resolve `--run/--checkpoint`, `--out` and `--device` (see add_target_args) and map the checkpoint (mmap: the
+    """Resolve `--checkpoint`, `--out` and `--device` (see add_target_args) and map the checkpoint (mmap: the
     optimizer state, which these evaluations never touch, is not read)."""
-    run_dir, checkpoint_path = resolve_target(args.run, args.checkpoint)
-    try:
-        checkpoint = runs.load_checkpoint(checkpoint_path, mmap=True)
-    except runs.CheckpointError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    run_dir, checkpoint_path, _ = resolve_target(args.checkpoint)
+    checkpoint = load_target_checkpoint(checkpoint_path)
     return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device),
                   checkpoint_identity(checkpoint_path, checkpoint.get("step")))
 

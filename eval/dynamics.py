@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+import export
 import runs
 from eval.common import (
     add_target_args,
@@ -91,9 +92,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(parser)
     args = parser.parse_args(argv)
-    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
+    run_dir, ckpt_path, whole_run = resolve_target(args.checkpoint)
+    if export.is_exported(ckpt_path):
+        raise SystemExit(f"error: --checkpoint {args.checkpoint} is an exported model, which keeps no optimizer "
+                         "state: eval.dynamics needs a run directory or a checkpoint written by the trainer")
     out = output_dir(args, run_dir)
-    paths = runs.run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
+    paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
         ckpt = runs.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)

@@ -20,11 +20,12 @@ import sys
 import traceback
 from pathlib import Path
 
-import runs
+import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
 from eval.common import (
     add_target_args,
     checkpoint_identity,
+    load_target_checkpoint,
     markdown_table,
     output_dir,
     read_config,
@@ -99,16 +100,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-missing", action="store_true",
                         help="run no evaluation: report the outputs that exist, marking those of another checkpoint")
     args = parser.parse_args(argv)
-    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
+    run_dir, ckpt_path, _ = resolve_target(args.checkpoint)
     eval_dir = output_dir(args, run_dir)
-    try:
-        step = runs.load_checkpoint(ckpt_path, mmap=True).get("step")
-    except runs.CheckpointError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    step = load_target_checkpoint(ckpt_path).get("step")
     identity = checkpoint_identity(ckpt_path, step)
-    target = ["--run", str(run_dir)] if args.run is not None else ["--checkpoint", str(ckpt_path)]
+    target = ["--checkpoint", str(args.checkpoint)]
     results, failures, status = {}, {}, {}
     for name in EVALUATIONS:
+        if name == "dynamics" and export.is_exported(ckpt_path):
+            status[name] = "not applicable: an exported model keeps no optimizer state"
+            continue
         reason = stale_reason(eval_dir, name, identity)
         if reason is not None and not args.skip_missing:
             print(f"report: {name}: {reason}")

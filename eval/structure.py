@@ -24,7 +24,8 @@ from torch import Tensor
 
 import runs
 from data.shards import atomic_write, atomic_writer
-from eval.common import add_target_args, markdown_table, output_dir, pyplot, resolve_device, resolve_target, write_json
+from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, pyplot, resolve_device,
+                         resolve_target, write_json)
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 
 CONVENTIONS = ("paper", "published")
@@ -166,15 +167,12 @@ def main(argv: list[str] | None = None) -> dict:
                         help="paper: the paper's definitions; published: the numbers of the authors' code")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="directionality threshold: mean + gamma * std")
     args = parser.parse_args(argv)
-    run_dir, ckpt_path = resolve_target(args.run, args.checkpoint)
+    run_dir, ckpt_path, whole_run = resolve_target(args.checkpoint)
     out, device = output_dir(args, run_dir), resolve_device(args.device)
-    paths = runs.run_checkpoints(run_dir) if args.run is not None else [ckpt_path]
+    paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results = []
     for i, path in enumerate(paths):
-        try:
-            ckpt = runs.load_checkpoint(path, mmap=True)
-        except runs.CheckpointError as exc:
-            raise SystemExit(f"error: {exc}") from None
+        ckpt = load_target_checkpoint(path)
         if results and results[-1]["step"] == ckpt.get("step"):
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_structure(ckpt, args.convention, args.gamma, device)

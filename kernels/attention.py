@@ -661,11 +661,11 @@ def attention(
 ) -> torch.Tensor:
     """Attention with optional symmetry-breaking biases; the model's only attention call.
 
-    CUDA fp16/bf16 inputs with d in {64, 128} run the Triton kernel; everything else (CPU, fp32, other head
-    dims) runs the SDPA reference.
+    CUDA fp16/bf16 inputs with d in {64, 128} and as many keys as queries run the Triton kernel; everything else
+    (CPU, fp32, other head dims, a generation step's queries against its KV cache) runs the SDPA reference.
     """
     use_kernel = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
-                  and k.dtype == q.dtype and v.dtype == q.dtype)
+                  and k.shape == q.shape and k.dtype == q.dtype and v.dtype == q.dtype)
     if use_kernel:
         return attention_triton(q, k, v, b_q, b_v, causal)
     return attention_reference(q, k, v, b_q, b_v, causal)

@@ -169,3 +169,31 @@ def test_module_entry_point_and_clear_errors(runs, tmp_path):
     not_a_checkpoint.write_text("not a checkpoint")
     with pytest.raises(SystemExit, match=r"notes\.pt: not a readable checkpoint"):
         val_loss.main(["--checkpoint", str(not_a_checkpoint)])
+
+
+def test_an_exported_directory_is_evaluated_like_a_checkpoint(runs, tmp_path, capsys):
+    """--checkpoint (or --run) takes a directory written by `python -m export to-hf`: it is read as a step-0
+    checkpoint of its model and gets its own eval/; eval.dynamics, which needs optimizer state, says so."""
+    import export
+    from eval import structure
+
+    root, broken, _ = runs
+    exported = tmp_path / "exported"
+    export.export_model(train_gpt.model_from_checkpoint(broken / "checkpoints" / "latest.pt"), exported)
+    flags = ["--val-files", str(root / "tiny_val_000000.bin"), "--seq-len", "32", "--micro-batch", "2",
+             "--val-tokens", "256"]
+    result = val_loss.main(["--run", str(exported), *flags])
+    check_outputs(exported / "eval", ["val_loss.json", "val_loss.png", "val_loss.md"])
+    original = json.loads((broken / "eval" / "val_loss.json").read_text())
+    assert result["step"] == 0 and result["checkpoint"]["path"] == str(exported / "model.safetensors")
+    assert abs(result["val_loss"] - original["val_loss"]) < 0.05  # the 47 padded logits are gone from the softmax
+    summary = structure.main(["--checkpoint", str(exported), "--out", str(tmp_path / "structure")])
+    assert [c["step"] for c in summary["checkpoints"]] == [0]
+    with pytest.raises(SystemExit, match="is an exported model, which keeps no optimizer state"):
+        dynamics.main(["--checkpoint", str(exported)])
+    index = report.main(["--checkpoint", str(exported), "--skip-missing"])
+    assert index["evaluations"]["val_loss"] == {"status": "current", "step": 0}
+    assert index["evaluations"]["dynamics"]["status"].startswith("not applicable: an exported model")
+    with pytest.raises(SystemExit):
+        val_loss.main(["--run", str(broken), "--checkpoint", str(exported)])
+    assert "--checkpoint / --run given twice" in capsys.readouterr().err

@@ -1,9 +1,13 @@
-"""Hugging Face export and import (docs/export.md#hugging-face): GELU models load as GPT2LMHeadModel with our
-mean-bias logits, PReLU models come back through export.load_exported, GPT-2 directories import into our GPT,
-round trips keep the weights, and bad input gets a clear error."""
+"""Hugging Face export and import (docs/export.md#hugging-face): GELU models load as GPT2LMHeadModel and PReLU
+models with AutoModelForCausalLM and the remote code written beside them, both with our mean-bias logits and greedy
+text, offline and without this repository; the tokenizer is GPT-2's; GPT-2 directories import into our GPT, round
+trips are bit-identical, the directory is as readable as the umask allows, and bad input gets a clear error."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -77,23 +81,176 @@ def test_bias_folding_is_needed(tmp_path):
     assert (unfolded_logits - folded_logits).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("case", ["bqbv-per-head", "learned-shared"])
-def test_prelu_export_round_trips_through_our_loader(tmp_path, case):
+@pytest.mark.parametrize("case", sorted(BIAS_CASES))
+def test_prelu_export_loads_with_auto_model_and_remote_code_with_our_logits(tmp_path, case):
+    transformers = pytest.importorskip("transformers", reason="the AutoModelForCausalLM check needs transformers")
     model = random_model(activation="prelu", **BIAS_CASES[case])
     export.export_model(model, tmp_path / "prelu")
     meta = json.loads((tmp_path / "prelu" / "config.json").read_text())
-    assert meta["format"] == export.PRELU_FORMAT and "model_type" not in meta
-    loaded = export.load_exported(tmp_path / "prelu")
-    assert loaded.config.activation == "prelu" and loaded.config.bias_mode == "none"
+    assert meta["model_type"] == "symgpt" and meta["activation_function"] == "prelu"
+    assert meta["auto_map"]["AutoModelForCausalLM"] == "modeling_symgpt.SymGPTForCausalLM"
+    assert (tmp_path / "prelu" / "modeling_symgpt.py").read_bytes() == export.MODELING_FILE.read_bytes()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prelu", trust_remote_code=True).eval()
+    assert type(hf).__name__ == "SymGPTForCausalLM" and hf.config.vocab_size == GPT2_VOCAB
     idx = tokens()
+    with torch.no_grad():
+        theirs = hf(idx).logits
+    torch.testing.assert_close(theirs, our_logits(model, idx), rtol=1e-5, atol=1e-5)
+    loaded = export.load_exported(tmp_path / "prelu")  # and back into our GPT
+    assert loaded.config.activation == "prelu" and loaded.config.bias_mode == "none"
     torch.testing.assert_close(our_logits(loaded, idx), our_logits(model, idx), rtol=1e-5, atol=1e-5)
 
 
-def test_prelu_export_is_refused_by_stock_gpt2(tmp_path):
-    transformers = pytest.importorskip("transformers", reason="checks transformers' behaviour")
+def test_the_prelu_slopes_are_per_feature_and_needed(tmp_path):
+    """The check above can fail: GPT-2's own one-slope PReLU (what the config alone would build) or GELU in place of
+    the per-feature slopes give other logits."""
+    transformers = pytest.importorskip("transformers", reason="builds GPT-2 models with transformers")
+    model = random_model(activation="prelu")
+    export.export_model(model, tmp_path / "prelu")
+    state = export.hf_state_dict(model)
+    assert state["h.0.mlp.act.weight"].shape == (4 * TINY["n_embd"],)
+    idx = tokens()
+    for activation in ("prelu", "gelu"):
+        config = transformers.GPT2Config(**{**json.loads((tmp_path / "prelu" / "config.json").read_text()),
+                                            "activation_function": activation, "model_type": "gpt2"})
+        stock = transformers.GPT2LMHeadModel(config).eval()
+        stock.load_state_dict({k: v for k, v in state.items() if ".mlp.act." not in k}, strict=False)
+        with torch.no_grad():
+            assert (stock(idx).logits - our_logits(model, idx)).abs().max() > 1e-3, activation
+
+
+def test_gelu_export_is_stock_gpt2_without_remote_code(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the AutoModelForCausalLM check needs transformers")
+    export.export_model(random_model(activation="gelu"), tmp_path / "gelu")
+    assert not (tmp_path / "gelu" / "modeling_symgpt.py").exists()
+    meta = json.loads((tmp_path / "gelu" / "config.json").read_text())
+    assert meta["model_type"] == "gpt2" and "auto_map" not in meta
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gelu")) is transformers.GPT2LMHeadModel
+
+
+@pytest.fixture
+def gpt2_ranks() -> None:
+    """The GPT-2 BPE ranks in the local cache, from which the export writes the tokenizer (fetched if absent, as
+    every tokenizer test does)."""
+    from data.tokenizer import gpt2_tokenizer
+
+    gpt2_tokenizer()
+
+
+def test_the_exported_tokenizer_is_gpt2s(tmp_path, gpt2_ranks):
+    transformers = pytest.importorskip("transformers", reason="loads the tokenizer with transformers")
+    from data.tokenizer import gpt2_tokenizer
+
     export.export_model(random_model(activation="prelu"), tmp_path / "prelu")
-    with pytest.raises(Exception):
-        transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "prelu")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "prelu", trust_remote_code=True)
+    ours = gpt2_tokenizer()
+    text = ("Hello world!  Two  spaces, tabs\t\tand\nnew lines\n\n<|endoftext|>naïve café, 日本語, emoji 🤖, "
+            "numbers 1234567 and don't stop; SHOUTING ÀÉÎ.")
+    ids = tokenizer(text)["input_ids"]
+    assert ids == ours.encode(text, allowed_special={"<|endoftext|>"}) and len(ids) > 40
+    assert tokenizer.decode(ids) == text and tokenizer.eos_token_id == GPT2_VOCAB - 1
+    assert json.loads((tmp_path / "prelu" / "generation_config.json").read_text()) == {
+        "do_sample": True, "temperature": 0.8, "top_k": 200, "bos_token_id": 50256, "eos_token_id": 50256,
+        "pad_token_id": 50256}
+
+
+STANDALONE = """
+import json, sys
+for name in ("train_gpt", "export", "runs", "sample", "config", "cli", "variants", "kv_cache", "kernels", "data",
+             "modeling_symgpt"):
+    sys.modules[name] = None  # nothing of the repository can be imported here
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+results = {}
+for directory in sys.argv[1:]:
+    model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=True)
+    ids = tokenizer("The cat", return_tensors="pt")["input_ids"]
+    greedy = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, ids.size(1):].tolist()
+    generator = pipeline("text-generation", model=directory, trust_remote_code=True)
+    text = generator("The cat", max_new_tokens=6, min_new_tokens=6, do_sample=False, return_full_text=False)
+    results[directory] = {"greedy": greedy, "pipeline": text[0]["generated_text"]}
+print(json.dumps(results))
+"""
+
+
+def test_exports_load_offline_without_this_repository_and_generate_as_sample_does(tmp_path, gpt2_ranks):
+    """A fresh interpreter outside the repository, offline: AutoModelForCausalLM, AutoTokenizer and the
+    text-generation pipeline; their greedy text equals `python -m sample --temperature 0`."""
+    pytest.importorskip("transformers", reason="loads the exports with transformers")
+    models = {act: random_model(activation=act, **BIAS_CASES["bqbv-shared"]) for act in ("prelu", "gelu")}
+    for act, model in models.items():
+        export.export_model(model, tmp_path / act)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf_home"))
+    proc = subprocess.run([sys.executable, "-c", STANDALONE, *(str(tmp_path / act) for act in models)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from data.tokenizer import gpt2_tokenizer
+
+    for act, model in models.items():
+        texts = sample.main(["--checkpoint", str(tmp_path / act), "--prompt", "The cat", "--max-new-tokens", "6",
+                             "--temperature", "0"])
+        result = results[str(tmp_path / act)]
+        assert result["pipeline"] == texts[0] and gpt2_tokenizer().decode(result["greedy"]) == texts[0], act
+        prompt = torch.tensor([gpt2_tokenizer().encode("The cat")])
+        assert result["greedy"] == model.generate(prompt, 6, temperature=0, vocab_limit=GPT2_VOCAB)[0, 2:].tolist()
+
+
+@pytest.mark.parametrize("activation", ["prelu", "gelu"])
+def test_export_from_hf_export_is_bit_identical(tmp_path, activation, gpt2_ranks):
+    """to-hf, from-hf into a checkpoint, to-hf again: every file of the two directories is byte for byte the same."""
+    model = random_model(activation=activation, **BIAS_CASES["learned-per-head"])
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "first")])
+    export.main(["from-hf", "--source", str(tmp_path / "first"), "--out", str(tmp_path / "back.pt")])
+    export.main(["to-hf", "--run", str(tmp_path / "back.pt"), "--out", str(tmp_path / "second")])
+    names = sorted(p.name for p in (tmp_path / "first").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "second").iterdir()) and "model.safetensors" in names
+    for name in names:
+        assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
+    export.main(["to-hf", "--checkpoint", str(tmp_path / "second"), "--out", str(tmp_path / "third")])  # a directory
+    assert (tmp_path / "third" / "model.safetensors").read_bytes() == (tmp_path / "first" / "model.safetensors"
+                                                                         ).read_bytes()
+
+
+def test_directories_of_the_earlier_prelu_format_still_load(tmp_path):
+    from safetensors.torch import save_file
+
+    model = random_model(activation="prelu", **BIAS_CASES["bqbv-shared"])
+    (tmp_path / "old").mkdir()
+    save_file(export.hf_state_dict(model), str(tmp_path / "old" / "model.safetensors"))
+    meta = {"format": export.PRELU_FORMAT, "model": {**vars(export.exported_model_config(model.config))}}
+    (tmp_path / "old" / "config.json").write_text(json.dumps(meta))
+    idx = tokens()
+    torch.testing.assert_close(our_logits(export.load_exported(tmp_path / "old"), idx), our_logits(model, idx),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_the_exported_directory_respects_the_umask(tmp_path, umask, gpt2_ranks):
+    previous = os.umask(umask)
+    try:
+        export.export_model(random_model(activation="prelu"), tmp_path / "out")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+    files = list((tmp_path / "out").iterdir())
+    assert len(files) == 7 and {f.stat().st_mode & 0o777 for f in files} == {0o666 & ~umask}
+
+
+def test_without_local_ranks_the_export_notes_the_missing_tokenizer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "empty_cache"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_tiktoken"))
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt",
+                         export.checkpoint_of(random_model(activation="gelu"), "test"))
+    export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    assert "no tokenizer written: the GPT-2 BPE ranks are not in the local cache" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                    "model.safetensors"]
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_new"])
@@ -138,7 +295,7 @@ def test_cli_exports_a_run_and_imports_it_back_as_a_checkpoint(tmp_path, capsys)
     runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     export.main(["from-hf", "--source", str(tmp_path / "hf"), "--out", str(tmp_path / "imported.pt")])
-    assert "GPT2LMHeadModel" in capsys.readouterr().out
+    assert 'GPT2LMHeadModel.from_pretrained("' in capsys.readouterr().out
     imported = train_gpt.model_from_checkpoint(tmp_path / "imported.pt")
     idx = tokens()
     torch.testing.assert_close(our_logits(imported, idx), our_logits(model, idx), rtol=1e-5, atol=1e-5)
@@ -162,7 +319,7 @@ def test_errors_name_the_problem(tmp_path):
     (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
     with pytest.raises(export.ExportError, match="neither a GPT-2 config"):
         export.load_exported(tmp_path / "empty")
-    with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at"):
+    with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at .* or a directory written by"):
         export.main(["to-hf", "--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "x")])
     with pytest.raises(export.ExportError, match="does not fit|shape"):
         state = export.hf_state_dict(model)
@@ -234,8 +391,38 @@ def test_small_vocabulary_exports_without_gpt2_special_tokens(tmp_path):
     assert "eos_token_id" not in json.loads((tmp_path / "hf" / "config.json").read_text())
 
 
-@pytest.mark.parametrize("overrides", [dict(objective="mlm"), dict(attention="relational", bias_mode="none")])
-def test_models_without_gpt2_layout_are_refused(tmp_path, overrides):
-    with pytest.raises(export.ExportError, match="--attention .* --objective"):
+@pytest.mark.parametrize("overrides, message", [
+    (dict(objective="mlm"), "--objective mlm: a masked LM attends in both directions"),
+    (dict(attention="relational", bias_mode="none"), "--attention relational: relational attention .* has no GPT-2 "
+                                                     "layout"),
+])
+def test_models_without_gpt2_layout_are_refused(tmp_path, overrides, message):
+    with pytest.raises(export.ExportError, match=message):
         export.export_model(random_model(**overrides), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def gpt2_directory(tmp_path) -> str:
+    export.export_model(random_model(activation="gelu"), tmp_path / "hf")
+    return str(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
+     r"hf/model.safetensors: not a readable safetensors file .* truncated or damaged"),
+    (lambda d: (d / "config.json").write_text('{"model_type": "gpt2", '), r"hf/config.json: not a JSON config"),
+    (lambda d: (d / "config.json").write_bytes(b"\xff\xfe{}"), r"hf/config.json: not a JSON config"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), r"hf/config.json: holds a JSON list"),
+])
+def test_from_hf_names_a_damaged_file(tmp_path, damage, message):
+    source = gpt2_directory(tmp_path)
+    damage(tmp_path / "hf")
+    with pytest.raises(SystemExit, match=message):
+        export.main(["from-hf", "--source", source, "--out", str(tmp_path / "x.pt")])
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_checkpoint_and_run_are_one_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        export.main(["to-hf", "--run", "a", "--checkpoint", "b", "--out", str(tmp_path / "x")])
+    assert "--checkpoint / --run given twice" in capsys.readouterr().err

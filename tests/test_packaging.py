@@ -58,8 +58,9 @@ def test_wheel_holds_every_module_and_imports_outside_the_repository(source, tmp
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
-    for module in ("train_gpt.py", "cli.py", "sample.py", "export.py", "kernels/attention.py", "optim/__init__.py",
-                   "data/shards.py", "eval/suites/logic_fixed.json", "bench/e2e.py"):
+    for module in ("train_gpt.py", "cli.py", "sample.py", "export.py", "modeling_symgpt.py", "kv_cache.py",
+                   "kernels/attention.py", "optim/__init__.py", "data/shards.py", "eval/suites/logic_fixed.json",
+                   "bench/e2e.py"):
         assert module in names, module
     assert not any(n.startswith("tests/") for n in names)
     requirements = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist")]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import export
+import kv_cache
 import sample
 import runs
 import train_gpt
@@ -70,6 +71,53 @@ def test_sampling_is_seeded_and_respects_top_k_and_vocab_limit(model):
     assert model_small_vocab.max() < 10
 
 
+@pytest.mark.parametrize("overrides", [dict(), dict(bias_per_head=True, key_bias=True), dict(bias_mode="learned"),
+                                       dict(activation="prelu", bias_mode="bv"), dict(bias_mode="none")])
+def test_the_kv_cache_gives_the_tokens_of_rerunning_the_window(overrides):
+    """Greedy and seeded sampling draw the same tokens with the cache as without, before and after the context
+    outgrows block_size (16: a 5-token prompt and 14 new tokens cross it)."""
+    model = tiny_model(block_size=16, **overrides)
+    idx = torch.randint(0, GPT2_VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    greedy = model.generate(idx, 14, temperature=0, vocab_limit=GPT2_VOCAB)
+    assert greedy.shape == (3, 19) and torch.equal(greedy, greedy_by_hand(model, idx, 14, GPT2_VOCAB))
+    for kwargs in (dict(temperature=1.0, top_k=50), dict(temperature=2.0)):
+        cached, rerun = (model.generate(idx, 14, vocab_limit=GPT2_VOCAB, generator=torch.Generator().manual_seed(5),
+                                        use_cache=use_cache, **kwargs) for use_cache in (True, False))
+        assert torch.equal(cached, rerun), kwargs
+
+
+def test_the_kv_cache_reads_each_token_once_while_the_context_fits(model, monkeypatch):
+    """Forward passes see the prompt, then one token per step; past block_size, the whole window each step."""
+    seen = []
+    forward = train_gpt.GPT.forward
+    monkeypatch.setattr(train_gpt.GPT, "forward", lambda self, idx, *a, **kw: seen.append(idx.size(1))
+                        or forward(self, idx, *a, **kw))
+    model.generate(torch.zeros((1, 30), dtype=torch.long), 5, temperature=0)
+    assert seen == [30, 1, 1, 32, 32]
+    seen.clear()
+    model.generate(torch.zeros((1, 30), dtype=torch.long), 3, temperature=0, use_cache=False)
+    assert seen == [30, 31, 32]
+
+
+def test_cached_logits_equal_the_full_forward(model):
+    idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    full = model(idx)[0]
+    cache = kv_cache.for_model(model.config)
+    stepwise = torch.cat([model(idx[:, :4], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0]
+                                                                 for t in range(4, 12)], dim=1)
+    torch.testing.assert_close(stepwise, full, rtol=1e-5, atol=1e-5)
+    assert cache.length == 12
+    with pytest.raises(ValueError, match="exceeds block_size 32"):
+        model(torch.zeros((2, 21), dtype=torch.long), cache=cache)
+
+
+def test_relational_attention_generates_without_a_cache():
+    model = tiny_model(attention="relational", bias_mode="none")
+    assert kv_cache.for_model(model.config) is None
+    idx = torch.randint(0, GPT2_VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(model.generate(idx, 3, temperature=0), greedy_by_hand(model, idx, 3, model.config.vocab_size))
+
+
 def test_cli_samples_from_a_run_directory_reproducibly(run_dir, capsys):
     args = ["--checkpoint", run_dir, "--prompt", "Hello world", "--max-new-tokens", "5", "--num-samples", "2",
             "--seed", "7", "--device", "cpu"]
@@ -113,6 +161,24 @@ def test_bad_flags_are_named(run_dir, flags, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_prompt_file_that_is_not_utf8_is_named(run_dir, tmp_path, capsys):
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("caf\xe9 au lait".encode("latin-1"))
+    with pytest.raises(SystemExit) as exc:
+        sample.main(["--checkpoint", run_dir, "--prompt-file", str(prompt)])
+    assert exc.value.code == 2
+    assert f"--prompt-file {prompt}: not UTF-8 text (invalid continuation byte at byte 3); save it as UTF-8" in (
+        capsys.readouterr().err)
+
+
+def test_run_is_another_spelling_of_checkpoint(run_dir, capsys):
+    args = ["--prompt", "Hi", "--max-new-tokens", "3", "--temperature", "0"]
+    assert sample.main(["--run", run_dir, *args]) == sample.main(["--checkpoint", run_dir, *args])
+    with pytest.raises(SystemExit):
+        sample.main(["--run", run_dir, "--checkpoint", run_dir, *args])
+    assert "--checkpoint / --run given twice; name one model" in capsys.readouterr().err
+
+
 def test_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(SystemExit, match="--checkpoint: no checkpoint at"):
         sample.main(["--checkpoint", str(tmp_path / "nothing")])
@@ -128,6 +194,19 @@ def test_greedy_generation_on_cuda_matches_the_cpu(model):
         logits = model(on_gpu[:, :t])[0][:, -1, :GPT2_VOCAB]
         chosen = logits.gather(1, on_gpu[:, t:t + 1]).squeeze(1)
         assert (logits.max(dim=-1).values - chosen).max() < 1e-4
+
+
+@pytest.mark.cuda
+def test_kv_cache_on_cuda_in_bf16_matches_the_full_forward():
+    """The first step runs the Triton kernel (d = 64, as many keys as queries), later ones SDPA against the cache."""
+    model = tiny_model(n_embd=128, n_head=2).to("cuda")
+    idx = torch.randint(0, GPT2_VOCAB, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    cache = kv_cache.for_model(model.config)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        full = model(idx)[0].float()
+        stepwise = torch.cat([model(idx[:, :4], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0]
+                                                                     for t in range(4, 12)], dim=1).float()
+    torch.testing.assert_close(stepwise, full, rtol=5e-2, atol=5e-2)
 
 
 @pytest.mark.cuda

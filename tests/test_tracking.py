@@ -1,5 +1,7 @@
-"""Optional experiment tracking (--wandb-project): off by default and never imported then, a clear error when the
-package is missing, and the same records as log.jsonl, sent through a fake `wandb` module (no network)."""
+"""Optional experiment tracking (--wandb-project, --tensorboard): off by default and never imported then, a clear
+error when the package is missing, and the same records as log.jsonl, sent through fake `wandb` and
+`torch.utils.tensorboard` modules (no network, no tensorboard package needed), and through the real TensorBoard
+writer where the package is installed."""
 from __future__ import annotations
 
 import json
@@ -38,6 +40,37 @@ def fake_wandb(calls: list) -> types.ModuleType:
 
     module.init = init
     return module
+
+
+class FakeSummaryWriter:
+    calls: list = []
+
+    def __init__(self, log_dir: str, purge_step: int | None = None) -> None:
+        self.calls.append(("init", log_dir, purge_step))
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self.calls.append(("text", tag, text, step))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.calls.append(("scalar", tag, value, step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+
+def fake_tensorboard(calls: list, monkeypatch) -> None:
+    """torch.utils.tensorboard with FakeSummaryWriter, and a `tensorboard` module for the installation check."""
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = type("SummaryWriter", (FakeSummaryWriter,), {"calls": calls})
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+
+
+def numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
 
 
 @pytest.fixture
@@ -113,4 +146,56 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     train_gpt.Trainer.open_run(trainer)
     log.record({"step": 1, "train_loss": 1.0})
     log.close()
-    assert calls == [] and log.tracker is None and not (tmp_path / "runs").exists()
+    assert calls == [] and log.trackers == [] and not (tmp_path / "runs").exists()
+
+
+def test_records_go_to_tensorboard_as_to_log_jsonl(args, tmp_path, monkeypatch):
+    calls: list = []
+    fake_tensorboard(calls, monkeypatch)
+    train_gpt.main([*args, "--tensorboard", str(tmp_path / "tb"), "--checkpoint-every", "2", "--steps", "2"])
+    run = tmp_path / "runs" / "tracked"
+    assert calls[0] == ("init", str(tmp_path / "tb" / "tracked"), None) and calls[-1] == ("close",)
+    kind, tag, text, step = calls[1]
+    assert (kind, tag, step) == ("text", "config", 0)
+    assert json.loads(text.strip("`\n")) == json.loads((run / "config.json").read_text())
+    records = runs.read_log(run)
+    expected = [("scalar", k, v, r["step"]) for r in records if not r.get("summary") for k, v in numbers(r).items()]
+    expected += [("scalar", f"summary/{k}", v, 2) for k, v in numbers(records[-1]).items()]
+    assert [c for c in calls if c[0] == "scalar"] == expected and records[-1]["summary"]
+    assert len(expected) > 10 and ("scalar", "val_loss", records[-1]["val_loss"], 2) in expected
+    calls.clear()
+    train_gpt.main(["--resume", str(run), "--steps", "4"])  # the same folder; TensorBoard drops events from step 2 on
+    assert calls[0] == ("init", str(tmp_path / "tb" / "tracked"), 2)
+    assert min(c[3] for c in calls if c[0] == "scalar") == 2 and calls[-1] == ("close",)
+
+
+def test_wandb_and_tensorboard_together(args, tmp_path, monkeypatch):
+    wandb_calls, tb_calls = [], []
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb(wandb_calls))
+    fake_tensorboard(tb_calls, monkeypatch)
+    train_gpt.main([*args, "--wandb-project", "p", "--tensorboard", str(tmp_path / "tb"), "--steps", "1"])
+    logged = [c[2] for c in wandb_calls if c[0] == "log"]
+    assert logged and {c[1] for c in tb_calls if c[0] == "scalar" and "/" not in c[1]} == set().union(*logged)
+
+
+def test_a_missing_tensorboard_names_the_flag_and_the_install_command(args, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(SystemExit):
+        train_gpt.main([*args, "--tensorboard", str(tmp_path / "tb")])
+    error = capsys.readouterr().err
+    assert f"--tensorboard {tmp_path / 'tb'}: the tensorboard package is not installed" in error
+    assert "`pip install tensorboard`, or leave --tensorboard empty" in error
+    assert not (tmp_path / "runs" / "tracked").exists() and not (tmp_path / "tb").exists()
+
+
+def test_tensorboard_event_files_hold_the_logged_scalars(args, tmp_path):
+    """With the tensorboard package installed: the real writer's event files read back as log.jsonl's numbers."""
+    pytest.importorskip("tensorboard", reason="the optional tensorboard package is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train_gpt.main([*args, "--tensorboard", str(tmp_path / "tb"), "--steps", "2"])
+    events = EventAccumulator(str(tmp_path / "tb" / "tracked")).Reload()
+    records = [r for r in runs.read_log(tmp_path / "runs" / "tracked") if "train_loss" in r]
+    assert [(e.step, e.value) for e in events.Scalars("train_loss")] == pytest.approx(
+        [(r["step"], r["train_loss"]) for r in records])
+    assert "summary/val_loss" in events.Tags()["scalars"]
