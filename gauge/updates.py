@@ -11,7 +11,10 @@ U = θ_after − θ_before of the attention parameters and rewrites them (docs/g
 
 Each head's sector is handled as one factor pair (A, B) with M = ABᵀ: QK: (Â_Q, Â_K); VO: (Â_V, B_Oᵀ), with the
 learned attention biases as augmented rows (gauge.dynamics.head_factors). The gauge acts as (A, B) → (AS, BS⁻ᵀ).
-All math is float64, batched over layers and heads (d×d work per head), without host synchronisation.
+correct, project and dress work on the factors of the model as evaluated: the mean of each sampled bias joins the
+linear-bias row (c + μ), so the gauge they assume is an exact symmetry of the forward pass at the mean biases under
+every --bias-mode (docs/gauge.md#the-biases). All math is float64, batched over layers and heads (d×d work per
+head), without host synchronisation.
 """
 from __future__ import annotations
 
@@ -122,22 +125,51 @@ def gram_imbalance(a: Tensor, b: Tensor) -> Tensor:
 # Named tensors ↔ stacked factor pairs.
 
 
-def factor_pairs(tensors: Mapping[str, Tensor], n_head: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """{"QK": (Â_Q, Â_K), "VO": (Â_V, B_Oᵀ)}, each (L, H, rows, d) float64, from named attention tensors."""
-    layers = [head_factors(tensors, layer, n_head) for layer in range(num_attention_layers(tensors))]
+def mean_bias_rows(model: nn.Module) -> dict[str, Tensor]:
+    """{"Q", "K", "V": (L, H, d) float64}: the mean sampled bias that the evaluated model adds to each head's
+    queries, keys or values, for the sectors its --bias-mode samples (none for `none` and `learned`). It is what
+    `factor_pairs` adds to the linear-bias rows (docs/gauge.md#the-biases)."""
+    config, means = model.config, model.mean_biases.double()  # (L, 3, d) or, per head, (L, 3, H, d)
+    if means.dim() == 3:
+        means = means.unsqueeze(2).expand(-1, -1, config.n_head, -1)
+    return {sector: means[:, i] for i, (sector, sampled) in enumerate(zip("QKV", config.sampled_biases)) if sampled}
+
+
+def _shift_bias_rows(factors: dict[str, Tensor], tensors: Mapping[str, Tensor], layer: int,
+                     shift: Mapping[str, Tensor], sign: float) -> None:
+    """Add sign · shift[sector][layer] to the linear-bias row (row C) of the named sectors' factors, in place."""
+    if shift and f"transformer.h.{layer}.attn.c_attn.bias" not in tensors:
+        raise ValueError("the mean biases fold into the attention's linear bias (c_attn.bias), which these tensors "
+                         "lack")
+    for sector, rows in shift.items():
+        factors[sector] = factors[sector].clone()
+        factors[sector][:, factors["O"].shape[-1]] += sign * rows[layer].to(factors[sector])
+
+
+def factor_pairs(tensors: Mapping[str, Tensor], n_head: int,
+                 shift: Mapping[str, Tensor] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """{"QK": (Â_Q, Â_K), "VO": (Â_V, B_Oᵀ)}, each (L, H, rows, d) float64, from named attention tensors. `shift`
+    (`mean_bias_rows`) is added to the linear-bias rows: the factors of the model as evaluated (parameters only;
+    increments and optimizer moments take no shift)."""
+    layers = []
+    for layer in range(num_attention_layers(tensors)):
+        factors = head_factors(tensors, layer, n_head)
+        _shift_bias_rows(factors, tensors, layer, shift or {}, 1.0)
+        layers.append(factors)
     return {sector: (torch.stack([f[x] for f in layers]),
                      torch.stack([f[y].mT if y == "O" else f[y] for f in layers]))
             for sector, (x, y) in SECTORS.items()}
 
 
-def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str, Tensor],
-                  n_head: int) -> dict[str, Tensor]:
-    """The inverse of `factor_pairs` (dtype and device of `like`). A learned bias shared by all heads, shape (d,),
-    takes the mean over heads of its per-head rows."""
+def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str, Tensor], n_head: int,
+                  shift: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The inverse of `factor_pairs` (dtype and device of `like`; `shift` is subtracted again). A learned bias
+    shared by all heads, shape (d,), takes the mean over heads of its per-head rows."""
     out = {}
     for layer in range(pairs["QK"][0].shape[0]):
         factors = {"Q": pairs["QK"][0][layer], "K": pairs["QK"][1][layer], "V": pairs["VO"][0][layer],
                    "O": pairs["VO"][1][layer].mT}
+        _shift_bias_rows(factors, like, layer, shift or {}, -1.0)
         for sector, name in (("Q", "b_q"), ("V", "b_v")):
             learned = like.get(f"transformer.h.{layer}.attn.{name}")
             if learned is not None and learned.dim() == 1:
@@ -190,16 +222,19 @@ class GaugeUpdates:
                    step: int, lr_scale: float = 1.0) -> None:
         """Post-process the step that led to `step` (steps counted from 1); lr_scale: the schedule's factor."""
         params = attention_parameters(model)
+        # correct, project and dress act on the factors of the model as evaluated; hyperball constrains the stored
+        # parameters' norms (docs/gauge.md#the-biases).
+        shift = {} if self.mode == "hyperball" else mean_bias_rows(model)
         if self.mode == "dress":
             if step % self.every == 0:
-                self.dress(params, optimizers)
+                self.dress(params, optimizers, shift)
             return
         if not self.acts_on_updates:
             return
-        old, new = factor_pairs(before, self.n_head), factor_pairs(params, self.n_head)
+        old, new = factor_pairs(before, self.n_head, shift), factor_pairs(params, self.n_head, shift)
         result = {sector: self._processed(sector, a, b, new[sector][0] - a, new[sector][1] - b, step, lr_scale)
                   for sector, (a, b) in old.items()}
-        for name, value in named_tensors(result, params, self.n_head).items():
+        for name, value in named_tensors(result, params, self.n_head, shift).items():
             params[name].copy_(value)
 
     def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
@@ -218,19 +253,21 @@ class GaugeUpdates:
         return a + u_a, b + u_b
 
     @torch.no_grad()
-    def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer]) -> None:
+    def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
+              shift: Mapping[str, Tensor] | None = None) -> None:
         """Move every head to its Gram-balanced representative and transport the optimizers' first moments
         (FIRST_MOMENTS, except SOAP's, which live in its eigenbasis) like the factors' increments; second moments
-        and SOAP's state are kept (docs/gauge.md#dressed-representatives)."""
+        and SOAP's state are kept (docs/gauge.md#dressed-representatives). shift: `mean_bias_rows` of the model,
+        without which a model with sampled bias means would change (docs/gauge.md#the-biases)."""
         pairs, gauges = {}, {}
-        for sector, (a, b) in factor_pairs(params, self.n_head).items():
+        for sector, (a, b) in factor_pairs(params, self.n_head, shift).items():
             a, b, s, s_inv_t = balancing_gauge(a, b)
             pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
         for opt in optimizers:
             saved = opt.state_dict()  # a collective for the sharded optimizers
             if self._transport(saved, params, gauges, keep_all=isinstance(opt, SOAP)):
                 opt.load_state_dict(saved)
-        for name, value in named_tensors(pairs, params, self.n_head).items():
+        for name, value in named_tensors(pairs, params, self.n_head, shift).items():
             params[name].copy_(value)
 
     def _transport(self, saved: dict, params: Mapping[str, Tensor], gauges: dict, keep_all: bool) -> bool:
