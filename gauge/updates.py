@@ -4,7 +4,9 @@ Any optimizer of the registry takes its step; `GaugeUpdates` then reads the per-
 U = θ_after − θ_before of the attention parameters and rewrites them (docs/gauge.md#quotient-aware-updates):
 
 - correct: opposite-Gram correction ΔA = U_A (BᵀB + λI)⁻¹, ΔB = U_B (AᵀA + λI)⁻¹ (full, diagonal or periodic);
-- project: remove the update's component along the GL(d) or O(d) gauge orbit (docs/gauge.md#projection);
+- project: remove the update's component along the GL(d) or O(d) gauge orbit, and the same component of the
+  optimizer's first moment (its velocity), so that the motion is redirected rather than dropped
+  (docs/gauge.md#projection);
 - dress: every k steps move each head to its Gram-balanced representative, forward pass unchanged, and transport
   the optimizer's first-moment state with it (docs/gauge.md#dressed-representatives);
 - hyperball: a step of fixed relative length on each factor's Frobenius sphere (docs/gauge.md#hyperball).
@@ -18,7 +20,7 @@ head), without host synchronisation.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +36,8 @@ from optim.soap import SOAP
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
-# Optimizer states that move like the parameters' increments and are transported by dressing (docs/gauge.md).
+# Optimizer states that move like the parameters' increments: transported by dressing, projected by project
+# (docs/gauge.md). SOAP's live in its eigenbasis and are left alone.
 FIRST_MOMENTS = ("pi", "momentum_buffer", "exp_avg")
 
 
@@ -199,11 +202,12 @@ class GaugeUpdates:
     """
 
     def __init__(self, mode: str, n_head: int, correction: str = "full", every: int = 10, damping: float = 1e-3,
-                 group: str = "gl", hyperball_lr: float = 0.01) -> None:
+                 group: str = "gl", hyperball_lr: float = 0.01, project_velocity: bool = True) -> None:
         if mode not in GAUGE_MODES:
             raise ValueError(f"--gauge must be one of {', '.join(GAUGE_MODES)}, got {mode!r}")
         self.mode, self.n_head, self.correction, self.every = mode, n_head, correction, every
         self.damping, self.group, self.hyperball_lr = damping, group, hyperball_lr
+        self.project_velocity = project_velocity
         self.radii: dict[str, Tensor] = {}  # hyperball: each head factor's Frobenius norm at the first step
 
     @property
@@ -236,6 +240,10 @@ class GaugeUpdates:
                   for sector, (a, b) in old.items()}
         for name, value in named_tensors(result, params, self.n_head, shift).items():
             params[name].copy_(value)
+        if self.mode == "project" and self.project_velocity:
+            # The velocity at the new point loses its orbit component too (docs/gauge.md#projection).
+            self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: orbit_projection(
+                *result[sector], u_a, u_b, self.group))
 
     def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
                    lr_scale: float) -> tuple[Tensor, Tensor]:
@@ -263,18 +271,27 @@ class GaugeUpdates:
         for sector, (a, b) in factor_pairs(params, self.n_head, shift).items():
             a, b, s, s_inv_t = balancing_gauge(a, b)
             pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
-        for opt in optimizers:
-            saved = opt.state_dict()  # a collective for the sharded optimizers
-            if self._transport(saved, params, gauges, keep_all=isinstance(opt, SOAP)):
-                opt.load_state_dict(saved)
+        self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: (u_a @ gauges[sector][0],
+                                                                               u_b @ gauges[sector][1]))
         for name, value in named_tensors(pairs, params, self.n_head, shift).items():
             params[name].copy_(value)
 
-    def _transport(self, saved: dict, params: Mapping[str, Tensor], gauges: dict, keep_all: bool) -> bool:
-        """Transform the first-moment tensors of the attention parameters in a state dict in place (U_A → U_A S,
-        U_B → U_B S⁻ᵀ); returns whether anything changed."""
-        if keep_all:
-            return False
+    def _move_first_moments(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
+                            move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
+        """Rewrite the first moments (FIRST_MOMENTS) of the attention parameters in every optimizer but SOAP:
+        move(sector, U_A, U_B) -> (U_A', U_B') per sector, stacked like `factor_pairs`. Through state_dict() /
+        load_state_dict(), which are collectives for the sharded optimizers."""
+        for opt in optimizers:
+            if isinstance(opt, SOAP):
+                continue
+            saved = opt.state_dict()
+            if self._transport(saved, params, move):
+                opt.load_state_dict(saved)
+
+    def _transport(self, saved: dict, params: Mapping[str, Tensor],
+                   move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> bool:
+        """Apply `move` to the first-moment tensors of the attention parameters in a state dict, in place; returns
+        whether anything changed."""
         index = {plain_name(name): i for group in saved["param_groups"]
                  for i, name in zip(group["params"], group["names"])}
         changed = False
@@ -284,8 +301,7 @@ class GaugeUpdates:
             if not present:
                 continue
             full = {name: present.get(name, torch.zeros_like(p)) for name, p in params.items()}
-            moved = {sector: (u_a @ gauges[sector][0], u_b @ gauges[sector][1])
-                     for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
+            moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
             for name, value in named_tensors(moved, full, self.n_head).items():
                 if name in present:
                     present[name].copy_(value)

@@ -24,6 +24,7 @@ from gauge.updates import (
     mean_bias_rows,
     named_tensors,
     opposite_gram_correction,
+    orbit_generator,
     orbit_projection,
     solve_sylvester_spd,
 )
@@ -338,6 +339,41 @@ def test_corrected_gradient_step_moves_every_representative_to_the_same_model_un
     after = evaluated_logits(model)
     assert (after - start).norm() / start.norm() > 1e-3  # the step moved the model
     torch.testing.assert_close(evaluated_logits(gauged), after, rtol=1e-8, atol=1e-8)
+
+
+def orbit_share(pairs: dict, moments: dict, sector: str) -> float:
+    """‖orbit component‖/‖moment‖ of a first moment (U_A, U_B) at the factors (A, B): (Aξ, −Bξᵀ) with the
+    least-squares GL(d) generator ξ."""
+    (a, b), (u_a, u_b) = pairs[sector], moments[sector]
+    xi = orbit_generator(a, b, u_a, u_b, "gl")
+    along = torch.cat([(a @ xi).flatten(), (b @ xi.mT).flatten()])
+    return (along.norm() / torch.cat([u_a.flatten(), u_b.flatten()]).norm()).item()
+
+
+@pytest.mark.parametrize("project_velocity", [True, False])
+@pytest.mark.parametrize("optimizer,key", [("ecd", "pi"), ("sgdm", "momentum_buffer"), ("adamw", "exp_avg")])
+def test_projection_removes_the_orbit_component_of_the_velocity_too(optimizer, key, project_velocity):
+    """docs/gauge.md#projection: with sampled biases the gradients have orbit components, which the velocity
+    accumulates; --gauge project removes them from the step and (by default) from the velocity itself."""
+    model = tiny_model("bqbv", bias_per_head=False)
+    sampler = train_gpt.BiasSampler(model.config, seed=0)
+    spec = OPTIMIZERS[optimizer]
+    opt = spec.build(model, spec.config())[0]
+    updates = GaugeUpdates("project", n_head=2, project_velocity=project_velocity)
+    for step in range(3):
+        before = updates.snapshot(model)
+        loss = model(TOKENS, TOKENS, sampler.sample(step).double())[1]
+        loss.backward()
+        opt.step(loss.detach()) if spec.needs_loss else opt.step()
+        opt.zero_grad()
+        updates.after_step(model, [opt], before, step + 1)
+    params = attention_parameters(model)
+    names = {i: n for g in opt.state_dict()["param_groups"] for i, n in zip(g["params"], g["names"])}
+    moment = {names[i]: state[key] for i, state in opt.state_dict()["state"].items() if names[i] in params}
+    pairs, moments = factor_pairs(params, 2, mean_bias_rows(model)), factor_pairs(moment, 2)
+    for sector in pairs:
+        share = orbit_share(pairs, moments, sector)
+        assert share < 1e-10 if project_velocity else share > 1e-3, (sector, share)
 
 
 # ---------------------------------------------------------------------------------------------------------------
