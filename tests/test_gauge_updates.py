@@ -376,6 +376,28 @@ def test_projection_removes_the_orbit_component_of_the_velocity_too(optimizer, k
         assert share < 1e-10 if project_velocity else share > 1e-3, (sector, share)
 
 
+def test_weight_decay_changes_a_hyperball_step():
+    """docs/gauge.md#hyperball: decoupled decay points into the sphere, yet it changes the step along it: the
+    factor shrinks before the retraction rescales it, so the same tangential step turns it further."""
+    factors = []
+    for weight_decay in (0.0, 0.1):
+        model = tiny_model("bqbv", bias_per_head=False)
+        spec = OPTIMIZERS["adamw"]
+        opt = spec.build(model, spec.config(lr=1e-2, weight_decay=weight_decay))[0]
+        updates = GaugeUpdates("hyperball", n_head=2)
+        before = updates.snapshot(model)
+        model(TOKENS, TOKENS)[1].backward()
+        opt.step()
+        updates.after_step(model, [opt], before, step=1)
+        pairs = factor_pairs(attention_parameters(model), 2)
+        for sector, (a, b) in pairs.items():  # on the sphere either way
+            torch.testing.assert_close(torch.linalg.matrix_norm(a), updates.radii[f"{sector}.A"])
+        factors.append(pairs["QK"][0])
+    start = factor_pairs(before, 2)["QK"][0]
+    moved = [(f - start).norm().item() for f in factors]
+    assert moved[1] > moved[0] * (1 + 1e-5)  # 1.0004 measured: first order in lr·λ
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The trainer.
 
