@@ -60,6 +60,9 @@ class ResearchConfig:
     gauge_damping: float = flag(1e-3, "--gauge correct: damping λ added to the opposite Gram", bounds=">= 0")
     gauge_group: str = flag("gl", "--gauge project: remove motion along GL(d) (gl) or only O(d) rotations (o)",
                             choices=("gl", "o"))
+    gauge_project_velocity: bool = flag(True, "--gauge project: also remove the orbit component of the optimizer's "
+                                              "velocity (ECD's Π, momentum buffers, AdamW's first moment), which "
+                                              "redirects its motion instead of dropping it (docs/gauge.md#projection)")
     hyperball_lr: float = flag(0.01, "--gauge hyperball: step length η relative to each head factor's norm (times "
                                      "the learning-rate schedule)", bounds="> 0")
     dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; "
@@ -230,7 +233,7 @@ class GaugeStep(TrainingHook):
 
     def __init__(self, cfg: ResearchConfig, n_head: int) -> None:
         self.updates = GaugeUpdates(cfg.gauge, n_head, cfg.gauge_correction, cfg.gauge_every, cfg.gauge_damping,
-                                    cfg.gauge_group, cfg.hyperball_lr)
+                                    cfg.gauge_group, cfg.hyperball_lr, cfg.gauge_project_velocity)
         self.before = None
 
     def before_step(self, model: nn.Module) -> None:

@@ -2,12 +2,17 @@
 top-1 / top-5, and its cross-entropy ("logic loss"), per category and overall, with 95% intervals.
 
     python -m eval.logic_puzzles --run runs/NAME [--suite my_suite.json ...] [--per-category 250] [--seed 0]
+    python -m eval.logic_puzzles --run runs/NAME --protocol paper     # the paper's 14 items, scored its way
 
-Suites are JSON files {"name", "items": [{"id", "category", "prompt", "expected"}]} where `expected` is one GPT-2
-token (with its leading space). Default: our hand-written suite (eval/suites/logic_fixed.json) plus a generated suite
-(`generate_suite`: templates with random names, items, sequences and distractor sentences, reproducible from the
-seed; it is also written to the output directory). Each prompt is preceded by <|endoftext|> (a document start, as
-in training); top-k and the loss use the 50257 real GPT-2 tokens only (padding ids excluded). Symmetry-broken models
+Suites are JSON files {"name", "protocol"?, "items": [{"id", "category", "prompt", "expected"}]}. Built in: `fixed`
+(eval/suites/logic_fixed.json, our hand-written items), `paper` (eval/suites/logic_paper.json, the paper's 14 items)
+and a generated suite (`generate_suite`: templates with random names, items, sequences and distractor sentences,
+reproducible from the seed; it is also written to the output directory). Two scoring protocols (PROTOCOLS):
+  ours (default): each prompt is preceded by <|endoftext|> (a document start, as in training), the distribution is
+      taken over the 50257 real GPT-2 tokens (padding ids excluded), and `expected` must be one token;
+  paper: the published evaluation's: the prompt alone, the distribution over every logit of the model (50304 with
+      padding), and a multi-token answer scored by its first token.
+A suite is scored with its own "protocol" (default ours) unless --protocol says otherwise. Symmetry-broken models
 run with the mean biases (docs/model.md). Intervals: Wilson for accuracies, normal for the mean loss.
 Writes `logic_puzzles.json`, `logic_puzzles.png`, `logic_puzzles.md`, recorded with the checkpoint in `manifest.json`.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
@@ -40,7 +46,25 @@ from eval.common import (
 )
 
 CATEGORIES = ("pattern_numeric", "pattern_alpha", "retrieval_near", "retrieval_far", "simple_inference", "copy")
-FIXED_SUITE = Path(__file__).resolve().parent / "suites" / "logic_fixed.json"
+SUITES_DIR = Path(__file__).resolve().parent / "suites"
+FIXED_SUITE = SUITES_DIR / "logic_fixed.json"
+PAPER_SUITE = SUITES_DIR / "logic_paper.json"  # the paper's 14 items, from its published code
+BUILTIN_SUITES = {"fixed": FIXED_SUITE, "paper": PAPER_SUITE}
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a prompt is fed and its answer scored (docs/evaluation.md#scoring-protocols)."""
+
+    document_start: bool  # precede the prompt with <|endoftext|>
+    real_tokens_only: bool  # rank and normalise over the 50257 GPT-2 tokens, not the padded vocabulary
+    first_token_of_answer: bool  # score a multi-token answer by its first token (else refuse it)
+
+
+PROTOCOLS = {
+    "ours": Protocol(document_start=True, real_tokens_only=True, first_token_of_answer=False),
+    "paper": Protocol(document_start=False, real_tokens_only=False, first_token_of_answer=True),
+}
 
 # Word pools for the generated suite; every entry is one GPT-2 token with a leading space (tests check this).
 NAMES = ("Alice Bob Carol Dave Emma Frank Grace Henry Jack Kate Leo Mary Nick Olivia Paul Rose Sam Tom Anna Ben "
@@ -187,6 +211,8 @@ def load_suite(path: str | Path) -> dict:
     items = suite.get("items") if isinstance(suite, dict) else None
     if not isinstance(items, list) or not items:
         raise ValueError(f"--suite {path}: expected an object with a non-empty 'items' list")
+    if suite.get("protocol", "ours") not in PROTOCOLS:
+        raise ValueError(f"--suite {path}: protocol {suite['protocol']!r} is not one of {', '.join(PROTOCOLS)}")
     for i, item in enumerate(items):
         missing = {"category", "prompt", "expected"} - set(item)
         if missing:
@@ -195,23 +221,31 @@ def load_suite(path: str | Path) -> dict:
     return suite
 
 
-def encode_items(items: list[dict], enc: tiktoken.Encoding, suite_name: str = "suite") -> list[tuple[list[int], int]]:
-    """(<|endoftext|> + prompt tokens, expected token id) per item; the expected answer must be one token."""
+def encode_items(items: list[dict], enc: tiktoken.Encoding, suite_name: str = "suite",
+                 protocol: str = "ours") -> list[tuple[list[int], int]]:
+    """(prompt tokens, expected token id) per item under `protocol` (PROTOCOLS): ours puts <|endoftext|> first and
+    needs a one-token answer; paper takes the prompt alone and the answer's first token."""
+    rules = PROTOCOLS[protocol]
     encoded = []
     for item in items:
         expected = enc.encode(item["expected"])
-        if len(expected) != 1:
+        if len(expected) != 1 and not (rules.first_token_of_answer and expected):
             raise ValueError(f"{suite_name}: item {item.get('id', item['prompt'][:30])!r}: expected answer "
-                             f"{item['expected']!r} is {len(expected)} GPT-2 tokens; use a single token "
-                             "(the answer's first one)")
-        encoded.append(([EOT_TOKEN] + enc.encode(item["prompt"]), expected[0]))
+                             f"{item['expected']!r} is {len(expected)} GPT-2 tokens; use a single token (the "
+                             "answer's first one), or --protocol paper, which scores an answer by its first token")
+        prompt = enc.encode(item["prompt"])
+        if not prompt and not rules.document_start:
+            raise ValueError(f"{suite_name}: item {item.get('id', '')!r} has an empty prompt")
+        encoded.append((([EOT_TOKEN] if rules.document_start else []) + prompt, expected[0]))
     return encoded
 
 
 @torch.no_grad()
 def score_items(model: train_gpt.GPT, encoded: list[tuple[list[int], int]], device: torch.device,
-                batch_size: int = 32) -> list[dict]:
-    """Rank (1 = top-1), log-probability and top-5 ids of the expected token after each prompt."""
+                batch_size: int = 32, protocol: str = "ours") -> list[dict]:
+    """Rank (1 = top-1), log-probability and top-5 ids of the expected token after each prompt, over the
+    vocabulary of `protocol` (ours: the 50257 real tokens; paper: every logit)."""
+    vocabulary = GPT2_VOCAB if PROTOCOLS[protocol].real_tokens_only else None
     model.eval()
     block = model.config.block_size
     results = []
@@ -225,7 +259,7 @@ def score_items(model: train_gpt.GPT, encoded: list[tuple[list[int], int]], devi
             idx[row, :len(tokens)] = torch.tensor(tokens)
         logits, _ = model(idx.to(device))
         last = torch.tensor([len(tokens) - 1 for tokens, _ in chunk], device=device)
-        final = logits[torch.arange(len(chunk), device=device), last, :GPT2_VOCAB].float()
+        final = logits[torch.arange(len(chunk), device=device), last, :vocabulary].float()
         logp = F.log_softmax(final, dim=-1)
         expected = torch.tensor([target for _, target in chunk], device=device)
         target_logp = logp.gather(1, expected[:, None]).squeeze(1)
@@ -254,15 +288,19 @@ def summarize(items: list[dict], scores: list[dict]) -> dict:
     return {"overall": overall, "categories": categories}
 
 
-def evaluate_suite(model: train_gpt.GPT, suite: dict, device: torch.device, batch_size: int = 32) -> dict:
-    """Score one suite: summary plus per-item results (prompt, expected, rank, log-prob, top-5 tokens)."""
+def evaluate_suite(model: train_gpt.GPT, suite: dict, device: torch.device, batch_size: int = 32,
+                   protocol: str | None = None) -> dict:
+    """Score one suite under `protocol` (None: the suite's own, default ours): summary plus per-item results
+    (prompt, expected, rank, log-prob, top-5 tokens; a padding id shows as <padding N>)."""
+    protocol = protocol or suite.get("protocol", "ours")
     enc = gpt2_tokenizer()
-    encoded = encode_items(suite["items"], enc, suite["name"])
-    scores = score_items(model, encoded, device, batch_size)
+    encoded = encode_items(suite["items"], enc, suite["name"], protocol)
+    scores = score_items(model, encoded, device, batch_size, protocol)
     details = [{"id": item.get("id"), "category": item["category"], "prompt": item["prompt"],
                 "expected": item["expected"], "rank": s["rank"], "logprob": s["logprob"],
-                "top5": [enc.decode([t]) for t in s["top5"]]} for item, s in zip(suite["items"], scores)]
-    return {"name": suite["name"], **summarize(suite["items"], scores), "items": details}
+                "top5": [enc.decode([t]) if t < enc.n_vocab else f"<padding {t}>" for t in s["top5"]]}
+               for item, s in zip(suite["items"], scores)]
+    return {"name": suite["name"], "protocol": protocol, **summarize(suite["items"], scores), "items": details}
 
 
 def plot_suites(results: list[dict], path: Path, title: str = "") -> None:
@@ -279,7 +317,7 @@ def plot_suites(results: list[dict], path: Path, title: str = "") -> None:
         ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=8)
         ax.set_ylim(0, 105)
         ax.set_ylabel("accuracy (%)")
-        ax.set_title(f"{result['name']} (n={result['overall']['n']})")
+        ax.set_title(f"{result['name']} (n={result['overall']['n']}, protocol {result['protocol']})")
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
@@ -302,16 +340,22 @@ def markdown_summary(results: list[dict], title: str, step: int | None = None) -
         for name, b in list(r["categories"].items()) + [("**overall**", r["overall"])]:
             rows.append([name, b["n"], _percent_with_ci(b, "top1"), _percent_with_ci(b, "top5"),
                          f"{b['logic_loss']:.3f}"])
-        lines += [f"## Suite `{r['name']}`", "", markdown_table(["category", "n", "top-1 %", "top-5 %", "logic loss"],
-                                                               rows), ""]
+        lines += [f"## Suite `{r['name']}` (protocol `{r['protocol']}`)", "",
+                  markdown_table(["category", "n", "top-1 %", "top-5 %", "logic loss"], rows),
+                  f"Mean of the per-category accuracies: top-1 {100 * r['overall']['top1_category_mean']:.1f}%, "
+                  f"top-5 {100 * r['overall']['top5_category_mean']:.1f}%.", ""]
     return "\n".join(lines + ["![logic puzzles](logic_puzzles.png)", ""])
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(parser)
-    parser.add_argument("--suite", type=Path, action="append", default=None,
-                        help="suite JSON file (repeatable; default: the fixed suite plus a generated one)")
+    parser.add_argument("--suite", action="append", default=None,
+                        help="suite JSON file, or a built-in suite: fixed, paper (repeatable; default: fixed, or "
+                             "paper with --protocol paper; a generated suite is added unless --no-generated)")
+    parser.add_argument("--protocol", choices=sorted(PROTOCOLS), default=None,
+                        help="scoring protocol for every suite (default: each suite's own, ours unless the suite "
+                             "says otherwise): ours or paper (docs/evaluation.md#scoring-protocols)")
     parser.add_argument("--per-category", type=int, default=250, help="generated prompts per category")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated suite")
     parser.add_argument("--no-generated", action="store_true", help="skip the generated suite")
@@ -320,12 +364,13 @@ def main(argv: list[str] | None = None) -> dict:
     target = open_target(args)
     run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
     model = load_model(ckpt, device)
-    suites = [load_suite(p) for p in (args.suite or [FIXED_SUITE])]
+    default = "paper" if args.protocol == "paper" else "fixed"
+    suites = [load_suite(BUILTIN_SUITES.get(name, name)) for name in (args.suite or [default])]
     if not args.no_generated:
         generated = generate_suite(args.seed, args.per_category)
         write_json(out / "logic_generated_suite.json", generated)
         suites.append(generated)
-    results = [evaluate_suite(model, suite, device, args.batch_size) for suite in suites]
+    results = [evaluate_suite(model, suite, device, args.batch_size, args.protocol) for suite in suites]
     summary = {"checkpoint": target.identity, "step": target.identity["step"], "suites": results}
     write_json(out / "logic_puzzles.json", summary)
     plot_suites(results, out / "logic_puzzles.png", title=f"{run_dir.name} — step {summary['step']}")
@@ -335,8 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
                    + ([] if args.no_generated else ["logic_generated_suite.json"]))
     for r in results:
         o = r["overall"]
-        print(f"{r['name']}: top-1 {100 * o['top1']:.1f}%  top-5 {100 * o['top5']:.1f}%  "
-              f"logic loss {o['logic_loss']:.3f}  (n={o['n']})")
+        print(f"{r['name']} ({r['protocol']}): top-1 {100 * o['top1']:.1f}%  top-5 {100 * o['top5']:.1f}%  "
+              f"(category mean {100 * o['top5_category_mean']:.1f}%)  logic loss {o['logic_loss']:.3f}  (n={o['n']})")
     return summary
 
 

@@ -2,14 +2,18 @@
 
     python -m eval.structure --run runs/NAME                 # every checkpoint of the run, tracked over steps
     python -m eval.structure --checkpoint FILE               # one checkpoint
-    python -m eval.structure --run runs/NAME --convention published
+    python -m eval.structure --run runs/NAME --convention paper
 
 Per layer M = Σ_h A_Q^h A_K^hᵀ = W_Qᵀ W_K (C×C, rows: the query side's input, columns: the key side's; nn.Linear
-stores W_Q as (out, in)) and per head M^h = A_Q^h A_K^hᵀ (learned bias rows left out). Scores (docs/structure.md):
-  paper:     s = (‖M_s‖² − ‖M_n‖²)/‖M‖² ∈ [−1, 1];  d = (r̄ − c̄)/(r̄ + c̄), r̄ (c̄) the sum of the row (column) norms
-             above mean + γ·std of the row (column) norms; d > 0: rows dominate, d < 0: columns dominate.
-  published: ‖M_s‖²/‖M‖² ∈ [0, 1] (= (s + 1)/2) and (col_excess − row_excess)/(col_excess + row_excess) with the
-             excess of each norm over its threshold (so the sign is flipped: d > 0 means columns dominate).
+stores W_Q as (out, in)) and per head M^h = A_Q^h A_K^hᵀ (learned bias rows left out). With M_s, M_n the symmetric
+and skew parts, r_i, c_j the row and column norms, t_r, t_c their thresholds mean + γ·std, and
+r̄ = Σ_{r_i > t_r} r_i, r_exc = Σ_{r_i > t_r} (r_i − t_r) (c̄, c_exc likewise), the conventions (docs/structure.md):
+  figures (default): s = (‖M_s‖² − ‖M_n‖²)/‖M‖² ∈ [−1, 1], d = (r_exc − c_exc)/(r_exc + c_exc): what the paper's
+             figures and tables show (its plotting code maps the published scores to 2s − 1 and −d); d > 0: rows
+             dominate, d < 0: columns dominate.
+  paper:     the same s, d = (r̄ − c̄)/(r̄ + c̄): Definition 3.2 as printed (whole norms), sign as figures.
+  published: ‖M_s‖²/‖M‖² ∈ [0, 1] and (c_exc − r_exc)/(c_exc + r_exc): what the authors' score functions return
+             (d > 0: columns dominate).
 Medians across layers are what the paper reports. Writes structure_<convention>.json, .md and .png (medians vs
 step, and the per-layer scores of the last checkpoint).
 """
@@ -28,7 +32,7 @@ from eval.common import (add_target_args, load_target_checkpoint, markdown_table
                          resolve_target, write_json)
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 
-CONVENTIONS = ("paper", "published")
+CONVENTIONS = ("figures", "paper", "published")  # docs/structure.md#conventions; the first is the default
 GAMMA = 2.0  # threshold = mean + GAMMA · std of the norms
 
 
@@ -37,11 +41,11 @@ def _check_convention(convention: str) -> None:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
 
 
-def symmetry_score(m: Tensor, convention: str = "paper") -> Tensor:
+def symmetry_score(m: Tensor, convention: str = "figures") -> Tensor:
     """Symmetry score of square matrices m (..., n, n) (docs/structure.md#symmetry-and-directionality-scores).
 
-    paper: (‖M_s‖² − ‖M_n‖²)/‖M‖² with M_s = (M + Mᵀ)/2, M_n = (M − Mᵀ)/2: +1 symmetric, −1 skew, → 0 random.
-    published: ‖M_s‖²/‖M‖² = (s + 1)/2. A zero matrix scores 0 (paper) or 1/2 (published).
+    figures, paper: (‖M_s‖² − ‖M_n‖²)/‖M‖² with M_s = (M + Mᵀ)/2, M_n = (M − Mᵀ)/2: +1 symmetric, −1 skew, → 0
+    random. published: ‖M_s‖²/‖M‖² = (s + 1)/2. A zero matrix scores 0 (figures, paper) or 1/2 (published).
     """
     _check_convention(convention)
     m = m.double()
@@ -49,31 +53,32 @@ def symmetry_score(m: Tensor, convention: str = "paper") -> Tensor:
     sym = (0.5 * (m + m.mT)).square().sum(dim=(-2, -1))
     skew = (0.5 * (m - m.mT)).square().sum(dim=(-2, -1))
     score = torch.where(total > 0, (sym - skew) / total.clamp_min(1e-300), 0.0)
-    return score if convention == "paper" else 0.5 * (score + 1.0)
+    return 0.5 * (score + 1.0) if convention == "published" else score
 
 
-def _outliers(norms: Tensor, gamma: float, convention: str) -> Tensor:
-    """Σ over the norms above mean + γ·std (unbiased std, as torch.std) of the norm (paper) or of its excess over
-    the threshold (published), over the last dim."""
+def _outliers(norms: Tensor, gamma: float, excess: bool) -> Tensor:
+    """Σ over the norms above their threshold mean + γ·std (unbiased std, as torch.std) of the norm itself, or of
+    its excess over the threshold, over the last dim."""
     threshold = norms.mean(-1, keepdim=True) + gamma * norms.std(-1, keepdim=True)
     above = norms > threshold
-    values = norms if convention == "paper" else norms - threshold
+    values = norms - threshold if excess else norms
     return torch.where(above, values, 0.0).sum(-1)
 
 
-def directionality_score(m: Tensor, convention: str = "paper", gamma: float = GAMMA) -> Tensor:
+def directionality_score(m: Tensor, convention: str = "figures", gamma: float = GAMMA) -> Tensor:
     """Directionality score of square matrices m (..., n, n) (docs/structure.md#symmetry-and-directionality-scores).
 
-    paper: (r̄ − c̄)/(r̄ + c̄) with r̄ (c̄) the sum of row (column) L2 norms above mean + γ·std of the row (column)
-    norms; positive: high-norm rows dominate, negative: columns dominate. published: (col_excess − row_excess) /
-    (col_excess + row_excess), summing each norm's excess over the threshold (opposite sign). 0 when nothing is above
-    either threshold.
+    Row norms r_i and column norms c_j, each set with the threshold mean + γ·std. figures: (r_exc − c_exc) /
+    (r_exc + c_exc), summing each norm's excess over its threshold; paper: (r̄ − c̄)/(r̄ + c̄), summing the whole
+    norms above the threshold; published: (c_exc − r_exc)/(c_exc + r_exc) = −figures. figures and paper: positive
+    when high-norm rows dominate, negative when columns do. 0 when nothing is above either threshold.
     """
     _check_convention(convention)
     m = m.double()
-    rows = _outliers(torch.linalg.vector_norm(m, dim=-1), gamma, convention)
-    cols = _outliers(torch.linalg.vector_norm(m, dim=-2), gamma, convention)
-    first, second = (rows, cols) if convention == "paper" else (cols, rows)
+    excess = convention != "paper"
+    rows = _outliers(torch.linalg.vector_norm(m, dim=-1), gamma, excess)
+    cols = _outliers(torch.linalg.vector_norm(m, dim=-2), gamma, excess)
+    first, second = (cols, rows) if convention == "published" else (rows, cols)
     total = rows + cols
     return torch.where(total > 0, (first - second) / total.clamp_min(1e-300), 0.0)
 
@@ -87,7 +92,7 @@ def query_key_matrices(tensors: dict[str, Tensor], layer: int, n_head: int) -> t
     return per_head.sum(0), per_head
 
 
-def structure_scores(tensors: dict[str, Tensor], n_head: int, convention: str = "paper",
+def structure_scores(tensors: dict[str, Tensor], n_head: int, convention: str = "figures",
                      gamma: float = GAMMA) -> dict:
     """Scores of every layer ("layers": {"symmetry", "directionality"}: lists of L) and head ("heads": L×H lists)
     and their medians across layers ("median")."""
@@ -138,14 +143,22 @@ def plot(results: list[dict], path: Path, title: str, convention: str) -> None:
     plt.close(fig)
 
 
+CONVENTION_NOTES = {
+    "figures": "Symmetry in [−1, 1] (+1 symmetric, −1 skew); directionality (row − column excess over the thresholds) "
+               "> 0: rows dominate, < 0: columns dominate. The sign and scale of the paper's figures and tables.",
+    "paper": "Symmetry in [−1, 1] (+1 symmetric, −1 skew); directionality (row − column sums of the whole norms above "
+             "the thresholds) > 0: rows dominate, < 0: columns dominate. Definition 3.2 as printed.",
+    "published": "Symmetry ‖M_s‖²/‖M‖² in [0, 1]; directionality (column − row excess) > 0: columns dominate. What "
+                 "the authors' score functions return, before their figures flip and rescale them.",
+}
+
+
 def report(results: list[dict], run_name: str, convention: str, gamma: float, stem: str) -> str:
     last = results[-1]
     lines = [f"# W_QK structure ({convention} convention) — {run_name}", "",
              "Per layer M = W_Qᵀ W_K (C×C); per head M^h = A_Q^h A_K^hᵀ. Threshold of the directionality score: "
              f"mean + {gamma:g}·std of the norms. "
-             + ("Symmetry in [−1, 1] (+1 symmetric, −1 skew); directionality > 0: rows dominate, < 0: columns."
-                if convention == "paper" else
-                "Symmetry ‖M_s‖²/‖M‖² in [0, 1]; directionality (col − row excess) > 0: columns dominate."), "",
+             + CONVENTION_NOTES[convention], "",
              "## Medians across layers", "",
              markdown_table(["step", "tokens", "symmetry", "directionality"],
                             [[r["step"], r["tokens"] if r["tokens"] is not None else "-", r["median"]["symmetry"],
@@ -163,8 +176,10 @@ def report(results: list[dict], run_name: str, convention: str, gamma: float, st
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(parser)
-    parser.add_argument("--convention", choices=CONVENTIONS, default="paper",
-                        help="paper: the paper's definitions; published: the numbers of the authors' code")
+    parser.add_argument("--convention", choices=CONVENTIONS, default=CONVENTIONS[0],
+                        help="figures: the sign and scale of the paper's figures and tables; paper: Definition 3.2 "
+                             "as printed (whole norms); published: the raw return values of the authors' score "
+                             "functions (docs/structure.md#conventions)")
     parser.add_argument("--gamma", type=float, default=GAMMA, help="directionality threshold: mean + gamma * std")
     args = parser.parse_args(argv)
     run_dir, ckpt_path, whole_run = resolve_target(args.checkpoint)

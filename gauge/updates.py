@@ -4,18 +4,23 @@ Any optimizer of the registry takes its step; `GaugeUpdates` then reads the per-
 U = θ_after − θ_before of the attention parameters and rewrites them (docs/gauge.md#quotient-aware-updates):
 
 - correct: opposite-Gram correction ΔA = U_A (BᵀB + λI)⁻¹, ΔB = U_B (AᵀA + λI)⁻¹ (full, diagonal or periodic);
-- project: remove the update's component along the GL(d) or O(d) gauge orbit (docs/gauge.md#projection);
+- project: remove the update's component along the GL(d) or O(d) gauge orbit, and the same component of the
+  optimizer's first moment (its velocity), so that the motion is redirected rather than dropped
+  (docs/gauge.md#projection);
 - dress: every k steps move each head to its Gram-balanced representative, forward pass unchanged, and transport
   the optimizer's first-moment state with it (docs/gauge.md#dressed-representatives);
 - hyperball: a step of fixed relative length on each factor's Frobenius sphere (docs/gauge.md#hyperball).
 
 Each head's sector is handled as one factor pair (A, B) with M = ABᵀ: QK: (Â_Q, Â_K); VO: (Â_V, B_Oᵀ), with the
 learned attention biases as augmented rows (gauge.dynamics.head_factors). The gauge acts as (A, B) → (AS, BS⁻ᵀ).
-All math is float64, batched over layers and heads (d×d work per head), without host synchronisation.
+correct, project and dress work on the factors of the model as evaluated: the mean of each sampled bias joins the
+linear-bias row (c + μ), so the gauge they assume is an exact symmetry of the forward pass at the mean biases under
+every --bias-mode (docs/gauge.md#the-biases). All math is float64, batched over layers and heads (d×d work per
+head), without host synchronisation.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +36,8 @@ from optim.soap import SOAP
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
-# Optimizer states that move like the parameters' increments and are transported by dressing (docs/gauge.md).
+# Optimizer states that move like the parameters' increments: transported by dressing, projected by project
+# (docs/gauge.md). SOAP's live in its eigenbasis and are left alone.
 FIRST_MOMENTS = ("pi", "momentum_buffer", "exp_avg")
 
 
@@ -122,22 +128,51 @@ def gram_imbalance(a: Tensor, b: Tensor) -> Tensor:
 # Named tensors ↔ stacked factor pairs.
 
 
-def factor_pairs(tensors: Mapping[str, Tensor], n_head: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """{"QK": (Â_Q, Â_K), "VO": (Â_V, B_Oᵀ)}, each (L, H, rows, d) float64, from named attention tensors."""
-    layers = [head_factors(tensors, layer, n_head) for layer in range(num_attention_layers(tensors))]
+def mean_bias_rows(model: nn.Module) -> dict[str, Tensor]:
+    """{"Q", "K", "V": (L, H, d) float64}: the mean sampled bias that the evaluated model adds to each head's
+    queries, keys or values, for the sectors its --bias-mode samples (none for `none` and `learned`). It is what
+    `factor_pairs` adds to the linear-bias rows (docs/gauge.md#the-biases)."""
+    config, means = model.config, model.mean_biases.double()  # (L, 3, d) or, per head, (L, 3, H, d)
+    if means.dim() == 3:
+        means = means.unsqueeze(2).expand(-1, -1, config.n_head, -1)
+    return {sector: means[:, i] for i, (sector, sampled) in enumerate(zip("QKV", config.sampled_biases)) if sampled}
+
+
+def _shift_bias_rows(factors: dict[str, Tensor], tensors: Mapping[str, Tensor], layer: int,
+                     shift: Mapping[str, Tensor], sign: float) -> None:
+    """Add sign · shift[sector][layer] to the linear-bias row (row C) of the named sectors' factors, in place."""
+    if shift and f"transformer.h.{layer}.attn.c_attn.bias" not in tensors:
+        raise ValueError("the mean biases fold into the attention's linear bias (c_attn.bias), which these tensors "
+                         "lack")
+    for sector, rows in shift.items():
+        factors[sector] = factors[sector].clone()
+        factors[sector][:, factors["O"].shape[-1]] += sign * rows[layer].to(factors[sector])
+
+
+def factor_pairs(tensors: Mapping[str, Tensor], n_head: int,
+                 shift: Mapping[str, Tensor] | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+    """{"QK": (Â_Q, Â_K), "VO": (Â_V, B_Oᵀ)}, each (L, H, rows, d) float64, from named attention tensors. `shift`
+    (`mean_bias_rows`) is added to the linear-bias rows: the factors of the model as evaluated (parameters only;
+    increments and optimizer moments take no shift)."""
+    layers = []
+    for layer in range(num_attention_layers(tensors)):
+        factors = head_factors(tensors, layer, n_head)
+        _shift_bias_rows(factors, tensors, layer, shift or {}, 1.0)
+        layers.append(factors)
     return {sector: (torch.stack([f[x] for f in layers]),
                      torch.stack([f[y].mT if y == "O" else f[y] for f in layers]))
             for sector, (x, y) in SECTORS.items()}
 
 
-def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str, Tensor],
-                  n_head: int) -> dict[str, Tensor]:
-    """The inverse of `factor_pairs` (dtype and device of `like`). A learned bias shared by all heads, shape (d,),
-    takes the mean over heads of its per-head rows."""
+def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str, Tensor], n_head: int,
+                  shift: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """The inverse of `factor_pairs` (dtype and device of `like`; `shift` is subtracted again). A learned bias
+    shared by all heads, shape (d,), takes the mean over heads of its per-head rows."""
     out = {}
     for layer in range(pairs["QK"][0].shape[0]):
         factors = {"Q": pairs["QK"][0][layer], "K": pairs["QK"][1][layer], "V": pairs["VO"][0][layer],
                    "O": pairs["VO"][1][layer].mT}
+        _shift_bias_rows(factors, like, layer, shift or {}, -1.0)
         for sector, name in (("Q", "b_q"), ("V", "b_v")):
             learned = like.get(f"transformer.h.{layer}.attn.{name}")
             if learned is not None and learned.dim() == 1:
@@ -167,11 +202,12 @@ class GaugeUpdates:
     """
 
     def __init__(self, mode: str, n_head: int, correction: str = "full", every: int = 10, damping: float = 1e-3,
-                 group: str = "gl", hyperball_lr: float = 0.01) -> None:
+                 group: str = "gl", hyperball_lr: float = 0.01, project_velocity: bool = True) -> None:
         if mode not in GAUGE_MODES:
             raise ValueError(f"--gauge must be one of {', '.join(GAUGE_MODES)}, got {mode!r}")
         self.mode, self.n_head, self.correction, self.every = mode, n_head, correction, every
         self.damping, self.group, self.hyperball_lr = damping, group, hyperball_lr
+        self.project_velocity = project_velocity
         self.radii: dict[str, Tensor] = {}  # hyperball: each head factor's Frobenius norm at the first step
 
     @property
@@ -190,17 +226,24 @@ class GaugeUpdates:
                    step: int, lr_scale: float = 1.0) -> None:
         """Post-process the step that led to `step` (steps counted from 1); lr_scale: the schedule's factor."""
         params = attention_parameters(model)
+        # correct, project and dress act on the factors of the model as evaluated; hyperball constrains the stored
+        # parameters' norms (docs/gauge.md#the-biases).
+        shift = {} if self.mode == "hyperball" else mean_bias_rows(model)
         if self.mode == "dress":
             if step % self.every == 0:
-                self.dress(params, optimizers)
+                self.dress(params, optimizers, shift)
             return
         if not self.acts_on_updates:
             return
-        old, new = factor_pairs(before, self.n_head), factor_pairs(params, self.n_head)
+        old, new = factor_pairs(before, self.n_head, shift), factor_pairs(params, self.n_head, shift)
         result = {sector: self._processed(sector, a, b, new[sector][0] - a, new[sector][1] - b, step, lr_scale)
                   for sector, (a, b) in old.items()}
-        for name, value in named_tensors(result, params, self.n_head).items():
+        for name, value in named_tensors(result, params, self.n_head, shift).items():
             params[name].copy_(value)
+        if self.mode == "project" and self.project_velocity:
+            # The velocity at the new point loses its orbit component too (docs/gauge.md#projection).
+            self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: orbit_projection(
+                *result[sector], u_a, u_b, self.group))
 
     def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
                    lr_scale: float) -> tuple[Tensor, Tensor]:
@@ -218,26 +261,37 @@ class GaugeUpdates:
         return a + u_a, b + u_b
 
     @torch.no_grad()
-    def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer]) -> None:
+    def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
+              shift: Mapping[str, Tensor] | None = None) -> None:
         """Move every head to its Gram-balanced representative and transport the optimizers' first moments
         (FIRST_MOMENTS, except SOAP's, which live in its eigenbasis) like the factors' increments; second moments
-        and SOAP's state are kept (docs/gauge.md#dressed-representatives)."""
+        and SOAP's state are kept (docs/gauge.md#dressed-representatives). shift: `mean_bias_rows` of the model,
+        without which a model with sampled bias means would change (docs/gauge.md#the-biases)."""
         pairs, gauges = {}, {}
-        for sector, (a, b) in factor_pairs(params, self.n_head).items():
+        for sector, (a, b) in factor_pairs(params, self.n_head, shift).items():
             a, b, s, s_inv_t = balancing_gauge(a, b)
             pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
-        for opt in optimizers:
-            saved = opt.state_dict()  # a collective for the sharded optimizers
-            if self._transport(saved, params, gauges, keep_all=isinstance(opt, SOAP)):
-                opt.load_state_dict(saved)
-        for name, value in named_tensors(pairs, params, self.n_head).items():
+        self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: (u_a @ gauges[sector][0],
+                                                                               u_b @ gauges[sector][1]))
+        for name, value in named_tensors(pairs, params, self.n_head, shift).items():
             params[name].copy_(value)
 
-    def _transport(self, saved: dict, params: Mapping[str, Tensor], gauges: dict, keep_all: bool) -> bool:
-        """Transform the first-moment tensors of the attention parameters in a state dict in place (U_A → U_A S,
-        U_B → U_B S⁻ᵀ); returns whether anything changed."""
-        if keep_all:
-            return False
+    def _move_first_moments(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
+                            move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
+        """Rewrite the first moments (FIRST_MOMENTS) of the attention parameters in every optimizer but SOAP:
+        move(sector, U_A, U_B) -> (U_A', U_B') per sector, stacked like `factor_pairs`. Through state_dict() /
+        load_state_dict(), which are collectives for the sharded optimizers."""
+        for opt in optimizers:
+            if isinstance(opt, SOAP):
+                continue
+            saved = opt.state_dict()
+            if self._transport(saved, params, move):
+                opt.load_state_dict(saved)
+
+    def _transport(self, saved: dict, params: Mapping[str, Tensor],
+                   move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> bool:
+        """Apply `move` to the first-moment tensors of the attention parameters in a state dict, in place; returns
+        whether anything changed."""
         index = {plain_name(name): i for group in saved["param_groups"]
                  for i, name in zip(group["params"], group["names"])}
         changed = False
@@ -247,8 +301,7 @@ class GaugeUpdates:
             if not present:
                 continue
             full = {name: present.get(name, torch.zeros_like(p)) for name, p in params.items()}
-            moved = {sector: (u_a @ gauges[sector][0], u_b @ gauges[sector][1])
-                     for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
+            moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
             for name, value in named_tensors(moved, full, self.n_head).items():
                 if name in present:
                     present[name].copy_(value)

@@ -1,8 +1,9 @@
 """gauge.updates (docs/gauge.md): the worked examples, quotient compatibility of the corrected step, the
-projection's orthogonality to the orbit, dressing (forward pass, Gram balance, optimizer state), the trainer's
---gauge modes with every optimizer, exact resume and 2 ranks = 1."""
+projection's orthogonality to the orbit, dressing (forward pass, Gram balance, optimizer state), what each mode
+assumes under every bias mode, the trainer's --gauge modes with every optimizer, exact resume and 2 ranks = 1."""
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -20,7 +21,10 @@ from gauge.updates import (
     balancing_gauge,
     factor_pairs,
     gram_imbalance,
+    mean_bias_rows,
+    named_tensors,
     opposite_gram_correction,
+    orbit_generator,
     orbit_projection,
     solve_sylvester_spd,
 )
@@ -182,10 +186,10 @@ def test_balancing_gauge_balances_the_grams_keeps_m_and_is_near_identity_when_re
     torch.testing.assert_close((a3, b3), (a2, b2), rtol=1e-9, atol=1e-10)
 
 
-def tiny_model(bias_mode: str = "none") -> train_gpt.GPT:
+def tiny_model(bias_mode: str = "none", **config) -> train_gpt.GPT:
     torch.manual_seed(0)
     cfg = train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, bias_mode=bias_mode,
-                              bias_per_head=True)
+                              **{"bias_per_head": True, **config})
     model = train_gpt.GPT(cfg).double()
     with torch.no_grad():  # imbalanced heads with non-zero linear biases, so dressing has work to do
         for name, p in model.named_parameters():
@@ -244,6 +248,157 @@ def test_dressing_keeps_the_forward_pass_balances_the_grams_and_transports_the_f
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The biases (docs/gauge.md#the-biases): correct, project and dress assume the GL(d) gauge of the factors of the
+# model as evaluated (mean biases folded into the linear-bias rows), an exact symmetry under every bias mode.
+
+BIAS_CASES = [("none", {}), ("bq", {"bias_per_head": False}), ("bv", {"mean_v": 0.5, "bias_per_head": False}),
+              ("bqbv", {"bias_per_head": False}), ("bqbv", {"mean_v": 0.5, "key_bias": True}), ("learned", {})]
+TOKENS = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def evaluated_logits(model: train_gpt.GPT, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits at the mean biases, optionally with the attention parameters replaced by `params`."""
+    live = attention_parameters(model)
+    kept = {name: p.detach().clone() for name, p in live.items()}
+    with torch.no_grad():
+        for name, value in (params or {}).items():
+            live[name].copy_(value)
+        logits = model(TOKENS)[0]
+        for name, value in kept.items():
+            live[name].copy_(value)
+    return logits
+
+
+@pytest.mark.parametrize("bias_mode,config", BIAS_CASES)
+def test_dressing_keeps_the_evaluated_model_under_every_bias_mode(bias_mode, config):
+    model = tiny_model(bias_mode, **config)
+    shift = mean_bias_rows(model)
+    sampled = {"bq": "Q", "bv": "V", "bqbv": "QV"}.get(bias_mode, "") + ("K" if config.get("key_bias") else "")
+    assert sorted(shift) == sorted(sampled)
+    logits = evaluated_logits(model)
+    assert gram_imbalance(*factor_pairs(attention_parameters(model), 2, shift)["QK"]).min() > 0.1
+    GaugeUpdates("dress", n_head=2, every=1).after_step(model, [], None, step=1)
+    torch.testing.assert_close(evaluated_logits(model), logits, rtol=1e-9, atol=1e-9)
+    for sector, (a, b) in factor_pairs(attention_parameters(model), 2, shift).items():
+        assert gram_imbalance(a, b).max() < 1e-12, sector
+
+
+def logit_velocity(model: train_gpt.GPT, at: dict[str, torch.Tensor], direction: dict[str, torch.Tensor],
+                   h: float = 1e-5) -> torch.Tensor:
+    """d/dt logits(at + t·direction) at t = 0, by central differences (float64: error ~h²)."""
+    plus = evaluated_logits(model, {n: at[n] + h * direction[n] for n in at})
+    minus = evaluated_logits(model, {n: at[n] - h * direction[n] for n in at})
+    return (plus - minus) / (2 * h)
+
+
+@pytest.mark.parametrize("group", ["gl", "o"])
+@pytest.mark.parametrize("bias_mode,config", BIAS_CASES)
+def test_projection_removes_only_motion_the_evaluated_model_does_not_see(bias_mode, config, group):
+    """The claimed invariance of --gauge project: what it takes out of an update is motion along the gauge orbit,
+    which leaves the model (at the mean biases) unchanged to first order."""
+    model = tiny_model(bias_mode, **config)
+    params = attention_parameters(model)
+    before = {name: p.detach().clone() for name, p in params.items()}
+    g = torch.Generator().manual_seed(2)
+    raw = {name: 1e-2 * torch.randn(p.shape, generator=g, dtype=F64) for name, p in params.items()}
+    with torch.no_grad():
+        for name, p in params.items():
+            p.add_(raw[name])
+    GaugeUpdates("project", n_head=2, group=group).after_step(model, [], before, step=1)
+    removed = {name: before[name] + raw[name] - p.detach() for name, p in params.items()}
+    size = sum(v.square().sum() for v in removed.values()).sqrt() / sum(v.square().sum() for v in raw.values()).sqrt()
+    assert size > 0.05  # the projection took something out
+    seen_removed, seen_raw = logit_velocity(model, before, removed), logit_velocity(model, before, raw)
+    assert seen_removed.norm() / seen_raw.norm() < 1e-6
+
+
+@pytest.mark.parametrize("bias_mode,config", BIAS_CASES)
+def test_corrected_gradient_step_moves_every_representative_to_the_same_model_under_every_bias_mode(bias_mode,
+                                                                                                   config):
+    """The claimed invariance of --gauge correct: from two representatives of one evaluated model (an exact GL(d)
+    gauge per head and sector), undamped corrected gradient steps give the same model again."""
+    model = tiny_model(bias_mode, **config)
+    gauged = copy.deepcopy(model)
+    shift, params = mean_bias_rows(model), attention_parameters(gauged)
+    s, t = random_gauge(2, 2, d=8, seed=3), random_gauge(2, 2, d=8, seed=4)
+    (a_qk, b_qk), (a_vo, b_vo) = factor_pairs(params, 2, shift).values()
+    moved = {"QK": (a_qk @ s, b_qk @ torch.linalg.inv(s).mT), "VO": (a_vo @ t, b_vo @ torch.linalg.inv(t).mT)}
+    with torch.no_grad():
+        for name, value in named_tensors(moved, params, 2, shift).items():
+            params[name].copy_(value)
+    start = evaluated_logits(model)
+    torch.testing.assert_close(evaluated_logits(gauged), start, rtol=1e-10, atol=1e-10)  # one model, two points
+    for m in (model, gauged):
+        updates = GaugeUpdates("correct", n_head=2, damping=0.0)
+        before = updates.snapshot(m)
+        m(TOKENS, TOKENS)[1].backward()  # the loss at the mean biases
+        with torch.no_grad():
+            for p in m.parameters():
+                p.sub_(1e-2 * p.grad)
+        updates.after_step(m, [], before, step=1)
+    after = evaluated_logits(model)
+    assert (after - start).norm() / start.norm() > 1e-3  # the step moved the model
+    torch.testing.assert_close(evaluated_logits(gauged), after, rtol=1e-8, atol=1e-8)
+
+
+def orbit_share(pairs: dict, moments: dict, sector: str) -> float:
+    """‖orbit component‖/‖moment‖ of a first moment (U_A, U_B) at the factors (A, B): (Aξ, −Bξᵀ) with the
+    least-squares GL(d) generator ξ."""
+    (a, b), (u_a, u_b) = pairs[sector], moments[sector]
+    xi = orbit_generator(a, b, u_a, u_b, "gl")
+    along = torch.cat([(a @ xi).flatten(), (b @ xi.mT).flatten()])
+    return (along.norm() / torch.cat([u_a.flatten(), u_b.flatten()]).norm()).item()
+
+
+@pytest.mark.parametrize("project_velocity", [True, False])
+@pytest.mark.parametrize("optimizer,key", [("ecd", "pi"), ("sgdm", "momentum_buffer"), ("adamw", "exp_avg")])
+def test_projection_removes_the_orbit_component_of_the_velocity_too(optimizer, key, project_velocity):
+    """docs/gauge.md#projection: with sampled biases the gradients have orbit components, which the velocity
+    accumulates; --gauge project removes them from the step and (by default) from the velocity itself."""
+    model = tiny_model("bqbv", bias_per_head=False)
+    sampler = train_gpt.BiasSampler(model.config, seed=0)
+    spec = OPTIMIZERS[optimizer]
+    opt = spec.build(model, spec.config())[0]
+    updates = GaugeUpdates("project", n_head=2, project_velocity=project_velocity)
+    for step in range(3):
+        before = updates.snapshot(model)
+        loss = model(TOKENS, TOKENS, sampler.sample(step).double())[1]
+        loss.backward()
+        opt.step(loss.detach()) if spec.needs_loss else opt.step()
+        opt.zero_grad()
+        updates.after_step(model, [opt], before, step + 1)
+    params = attention_parameters(model)
+    names = {i: n for g in opt.state_dict()["param_groups"] for i, n in zip(g["params"], g["names"])}
+    moment = {names[i]: state[key] for i, state in opt.state_dict()["state"].items() if names[i] in params}
+    pairs, moments = factor_pairs(params, 2, mean_bias_rows(model)), factor_pairs(moment, 2)
+    for sector in pairs:
+        share = orbit_share(pairs, moments, sector)
+        assert share < 1e-10 if project_velocity else share > 1e-3, (sector, share)
+
+
+def test_weight_decay_changes_a_hyperball_step():
+    """docs/gauge.md#hyperball: decoupled decay points into the sphere, yet it changes the step along it: the
+    factor shrinks before the retraction rescales it, so the same tangential step turns it further."""
+    factors = []
+    for weight_decay in (0.0, 0.1):
+        model = tiny_model("bqbv", bias_per_head=False)
+        spec = OPTIMIZERS["adamw"]
+        opt = spec.build(model, spec.config(lr=1e-2, weight_decay=weight_decay))[0]
+        updates = GaugeUpdates("hyperball", n_head=2)
+        before = updates.snapshot(model)
+        model(TOKENS, TOKENS)[1].backward()
+        opt.step()
+        updates.after_step(model, [opt], before, step=1)
+        pairs = factor_pairs(attention_parameters(model), 2)
+        for sector, (a, b) in pairs.items():  # on the sphere either way
+            torch.testing.assert_close(torch.linalg.matrix_norm(a), updates.radii[f"{sector}.A"])
+        factors.append(pairs["QK"][0])
+    start = factor_pairs(before, 2)["QK"][0]
+    moved = [(f - start).norm().item() for f in factors]
+    assert moved[1] > moved[0] * (1 + 1e-5)  # 1.0004 measured: first order in lr·λ
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The trainer.
 
 
@@ -267,9 +422,9 @@ def test_every_gauge_mode_trains_with_the_registry_optimizers(corpus, tmp_path, 
             for key, w in ((f"{sector}.A", a), (f"{sector}.B", b)):
                 torch.testing.assert_close(torch.linalg.matrix_norm(w), ckpt["hooks"]["gauge"]["radii"][key], rtol=1e-5,
                                            atol=0)
-    if mode == "dress":  # dressed at the last step
+    if mode == "dress":  # dressed at the last step (the factors of the evaluated model: mean biases folded in)
         model = train_gpt.model_from_checkpoint(ckpt)
-        for a, b in factor_pairs(attention_parameters(model), 2).values():
+        for a, b in factor_pairs(attention_parameters(model), 2, mean_bias_rows(model)).values():
             assert gram_imbalance(a, b).max() < 1e-5
 
 

@@ -99,6 +99,16 @@ def test_report_names_every_departure_from_the_published_run():
     assert config.preset_report(train_gpt.parse_config(["--preset", "smoke"]))["differs"] == []
 
 
+def test_report_says_where_the_paper_and_its_published_code_disagree():
+    adamw = config.preset_report(train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "adamw"]))
+    (note,) = adamw["sources"]
+    for setting in ("Table 9", "(0.9, 0.999)", "(0.9, 0.95)", "weight decay 0.01", "scripts/train.py"):
+        assert setting in note
+    assert f"\n  {note}" in config.preset_lines(adamw)
+    for optimizer in ("ecd", "soap"):  # Table 9 and the published code agree
+        assert config.preset_report(train_gpt.parse_config(["--optimizer", optimizer]))["sources"] == []
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Trajectory level: a tiny GPT in float64
 
