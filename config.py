@@ -65,6 +65,9 @@ SOURCE_CONFLICTS = {
     "adamw": "sources: Table 9 gives AdamW betas (0.9, 0.999) and weight decay 0 (0.01 also tried), the published "
              "scripts/train.py defaults to betas (0.9, 0.95) and weight decay 0.01; the presets follow Table 9 "
              "(--beta2 0.95 --weight-decay 0.01 for the script's)",
+    "sgdm": "sources: Table 1 runs SGDM from a nonzero initial velocity and the published GELU script draws it from "
+            "N(0, 0.1^2), while the published PReLU script starts at rest; the presets follow the paper "
+            "(--initial-velocity-std 0 for the PReLU script's)",
 }
 VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
                             "over single-batch estimates (logged here as val_loss_batch and best_val_loss_batch "
@@ -233,7 +236,9 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
                                       f"training state); start a new run from them with --init-from {known.resume}")
         except CheckpointError as exc:
             pre.error(str(exc))
-        saved = {**checkpoint["config"], "optim": upgrade_saved_config(checkpoint["config"].get("optim", {}))}
+        saved = {**checkpoint["config"], "optim": upgrade_saved_config(checkpoint["config"].get("optim", {})),
+                 # runs from before --gauge-project-velocity projected the step only: they go on doing so
+                 "research": {"gauge_project_velocity": False, **checkpoint["config"].get("research", {})}}
     optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
                  or PRESETS.get(known.preset, {}).get("optimizer") or train.optimizer)
     classes = section_classes(model, train, optimizer)

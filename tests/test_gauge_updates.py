@@ -463,3 +463,13 @@ def test_gauge_flags_are_checked(capsys):
         with pytest.raises(SystemExit):
             train_gpt.parse_config(["--preset", "smoke", *argv])
         assert message in capsys.readouterr().err
+
+
+def test_a_run_from_before_the_velocity_projection_resumes_projecting_the_step_only(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "old", steps=2, gauge="project", **{"val-every": 0}))
+    path = tmp_path / "old" / "checkpoints" / "latest.pt"
+    assert train_gpt.parse_config(["--resume", str(path)]).research.gauge_project_velocity  # today's default
+    ckpt = runs.load_checkpoint(path)
+    del ckpt["config"]["research"]["gauge_project_velocity"]  # as written before the flag existed
+    runs.save_checkpoint(path, ckpt)
+    assert not train_gpt.parse_config(["--resume", str(path)]).research.gauge_project_velocity

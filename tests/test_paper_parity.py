@@ -105,6 +105,8 @@ def test_report_says_where_the_paper_and_its_published_code_disagree():
     for setting in ("Table 9", "(0.9, 0.999)", "(0.9, 0.95)", "weight decay 0.01", "scripts/train.py"):
         assert setting in note
     assert f"\n  {note}" in config.preset_lines(adamw)
+    (note,) = config.preset_report(train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "sgdm"]))["sources"]
+    assert "Table 1" in note and "N(0, 0.1^2)" in note and "PReLU script starts at rest" in note
     for optimizer in ("ecd", "soap"):  # Table 9 and the published code agree
         assert config.preset_report(train_gpt.parse_config(["--optimizer", optimizer]))["sources"] == []
 
