@@ -32,7 +32,6 @@ from gauge.dynamics import (
     plain_name,
     solve_rotation_generator,
 )
-from optim.soap import SOAP
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
@@ -278,11 +277,12 @@ class GaugeUpdates:
 
     def _move_first_moments(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
                             move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
-        """Rewrite the first moments (FIRST_MOMENTS) of the attention parameters in every optimizer but SOAP:
+        """Rewrite the first moments (FIRST_MOMENTS) of the attention parameters in every optimizer that keeps them
+        in the parameters' coordinates (`moments_in_parameter_basis`; not SOAP, whose live in its eigenbasis):
         move(sector, U_A, U_B) -> (U_A', U_B') per sector, stacked like `factor_pairs`. Through state_dict() /
         load_state_dict(), which are collectives for the sharded optimizers."""
         for opt in optimizers:
-            if isinstance(opt, SOAP):
+            if not opt.moments_in_parameter_basis:
                 continue
             saved = opt.state_dict()
             if self._transport(saved, params, move):

@@ -264,6 +264,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ({"state": {index: {name: tensor}}, "param_groups": [...]}), loadable under any world size.
     """
 
+    moments_in_parameter_basis = True  # the state's moments are in the parameters' coordinates (gauge/updates.py)
+
     def __init__(self, params, defaults: dict, tensor_owned, grad_clip: float = 0.0,
                  overlap_reduce: bool = True) -> None:
         super().__init__(params, defaults)

@@ -93,6 +93,8 @@ class SOAP(ShardedOptimizer):
     """SOAP (docs/optimizers.md). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are
     global."""
 
+    moments_in_parameter_basis = False  # m and v live in the eigenbasis of each rotated tensor
+
     def __init__(
         self,
         params,

@@ -53,6 +53,8 @@ def _implementation(params: list[dict], fused: bool) -> dict:
 class AdamW(ClipsGradients, torch.optim.AdamW):
     """torch.optim.AdamW taking AdamWConfig's fields."""
 
+    moments_in_parameter_basis = True
+
     def __init__(self, params: list[dict], lr: float = AdamWConfig.lr, weight_decay: float = AdamWConfig.weight_decay,
                  beta1: float = AdamWConfig.beta1, beta2: float = AdamWConfig.beta2, eps: float = AdamWConfig.eps,
                  fused: bool = AdamWConfig.fused, grad_clip: float = 0.0) -> None:
@@ -66,6 +68,8 @@ class SGDM(ClipsGradients, torch.optim.SGD):
     """torch.optim.SGD with (Nesterov) momentum taking SGDMConfig's fields. With initial_velocity_std > 0 every
     momentum buffer starts at N(0, std²), drawn on the CPU from (optim_seed, the parameter's index), so every rank
     and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers."""
+
+    moments_in_parameter_basis = True
 
     def __init__(self, params: list[dict], lr: float = SGDMConfig.lr, weight_decay: float = SGDMConfig.weight_decay,
                  momentum: float = SGDMConfig.momentum, nesterov: bool = SGDMConfig.nesterov,
