@@ -53,7 +53,7 @@ def test_relative_links_resolve(page: Path) -> None:
 
 # Flags of other programs that the pages quote: torchrun's, pip's, and the published trainer's.
 FOREIGN_FLAGS = {"--nproc_per_node", "--standalone", "--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint",
-                 "--rdzv_id", "--index-url", "--use_bf16"}
+                 "--rdzv_id", "--index-url", "--use_bf16", "--sgdm_init_velocity_std", "--logdir"}
 PLACEHOLDER_FLAGS = {"--field-name", "--no-field-name"}  # README's description of how fields become flags
 DOC_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 
