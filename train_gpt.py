@@ -34,6 +34,7 @@ import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from kernels import attention_select
 from kernels.attention import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
@@ -139,6 +140,9 @@ class TrainConfig:
     dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
                               "states the precision separately)", choices=("bf16", "fp32"))
     compile: bool = logs(True, "torch.compile the model on CUDA")
+    attention_impl: str = logs("auto", "attention implementation, all exact: auto (the fastest measured on this GPU, "
+                                       "cached; SDPA on a CPU), triton, sdpa or flex (docs/model.md#choosing-the-"
+                                       "implementation)", choices=attention_select.CHOICES)
     overlap_reduce: bool = logs(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
                                       "backward pass computes the others (as DDP does)")
     wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
@@ -165,6 +169,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True
+        self.attention_impl = "triton"  # kernels.attention.attention's impl; the trainer sets its choice
         if config.bias_mode == "learned":
             # Seed 000 App. F: trainable biases initialised from the sampling distribution (restores the symmetry).
             shape = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
@@ -180,7 +185,7 @@ class CausalSelfAttention(nn.Module):
             b_q, b_v = self.b_q, self.b_v
         if b_k is not None:  # cancels in the softmax (constant per query row); kept only for parity checks
             k = k + (b_k if b_k.dim() == 1 else b_k.unsqueeze(1)).to(k.dtype)
-        y = attention(q, k, v, b_q, b_v, causal=self.causal)
+        y = attention(q, k, v, b_q, b_v, causal=self.causal, impl=self.attention_impl)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -489,6 +494,9 @@ class Trainer:
                                              world_size=rt.world, grad_accum_steps=rt.grad_accum,
                                              vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
                                              device=rt.device)
+        self.attention = attention_select.configure(  # before torch.compile, which then sees one implementation
+            self.model, hp.attention_impl, batch=rt.micro_batch, seq_len=hp.seq_len, device=rt.device,
+            dtype=rt.autocast_dtype, compiled=hp.compile and rt.device.type == "cuda", rank=rt.rank, log=log.line)
         self.sampler = BiasSampler(cfg.model, hp.seed)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
@@ -608,7 +616,8 @@ class Trainer:
             self.run_dir.copy_code()
             layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
             report = config.preset_report(cfg)
-            record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": report}
+            record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": report,
+                      "attention": self.attention}
             self.run_dir.write_json("config.json", record)
             log.attach(path, Path(__file__).read_text())
             if hp.wandb_project:

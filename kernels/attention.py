@@ -5,8 +5,9 @@ b_q and b_v are None, (d,) shared across heads, or (H, d) per head. Semantics: s
 softmax (causal mask), output = softmax(·)(v + b_V). Because each softmax row sums to one, adding b_V to the
 values equals adding it to the output, which is what the implementations do.
 
-Two implementations live here, kernel next to its oracle:
-- `attention_reference`: PyTorch SDPA with the biases applied outside. Runs on every device; the tests' oracle.
+Three implementations of the same function live here (docs/model.md#three-exact-implementations):
+- `attention_reference`: the library path, PyTorch SDPA on q + b_Q with b_V added to the output (autograd gives
+  the biases' gradients). Runs on every device; in float64, the tests' oracle.
 - `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
   tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
   key blocks and a separate dQ pass over query blocks, so no atomics). b_Q enters only as a per-key logit bias,
@@ -17,8 +18,12 @@ Two implementations live here, kernel next to its oracle:
   registered as the custom op `symgpt::attention_fwd` / `symgpt::attention_bwd` so torch.compile traces it
   without a graph break. Gradients of b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time
   (dQ is also the gradient of q + b_Q).
+- `attention_flex`: FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d (a score_mod) and b_V added
+  to the output; run under torch.compile on CUDA (torch 2.13 has no FlexAttention backward on the CPU).
 
-`attention` uses the Triton op for CUDA tensors in fp16/bf16 with d in {64, 128} and the reference otherwise.
+`attention(..., impl)` dispatches: impl "triton" (the default) uses the Triton op for CUDA tensors in fp16/bf16
+with d in {64, 128} and the reference otherwise; "sdpa" and "flex" name the other two. Which one a training run
+uses is decided once before torch.compile by kernels/attention_select.py (--attention-impl).
 The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
 model's `y.transpose(1, 2).contiguous()` is free. Tests: tests/test_attention_kernel.py (CPU through Triton's
 interpreter, CUDA in-process); benchmark: bench/attention.py.
@@ -37,6 +42,7 @@ import triton.language as tl
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...); see the module docstring
 LOG2_E = 1.4426950408889634
 
 
@@ -641,7 +647,25 @@ def attention_triton(
     return out
 
 
-def attention(
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(seq_len: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, seq_len, seq_len, device=device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attention_flex(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -649,13 +673,65 @@ def attention(
     b_v: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
+    """FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d, since (q + b_Q)·k = q·k + b_Q·k, and b_V
+    added to the output (docs/model.md#three-exact-implementations). c is computed in fp32; its gradient reaches k
+    and b_Q through autograd. Inside torch.compile it is traced with the model; called eagerly on CUDA it runs a
+    compiled FlexAttention (eager FlexAttention materialises the scores). The CPU has a forward only."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _, num_heads, seq_len, head_dim = q.shape
+    compiling = torch.compiler.is_compiling()
+    block_mask = None
+    if causal:  # built with the model when compiling, else once per length
+        block_mask = (create_block_mask(_causal, None, None, seq_len, seq_len, device=q.device) if compiling
+                      else _causal_block_mask(seq_len, q.device))
+    score_mod = None
+    if b_q is not None:  # elementwise products and a sum: fp32 under autocast too
+        key_bias = (k.float() * _broadcast_bias(b_q, num_heads, head_dim).float()).sum(-1) / math.sqrt(head_dim)
+
+        def add_key_bias(score, b, h, q_idx, kv_idx):
+            return score + key_bias[b, h, kv_idx]
+
+        score_mod = add_key_bias
+
+    flex = flex_attention if compiling or not q.is_cuda else _compiled_flex_attention()
+    out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    if b_v is not None:
+        out = out + _broadcast_bias(b_v, num_heads, head_dim).to(out.dtype)
+    return out
+
+
+def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why `attention(impl="triton")` would not run the Triton kernel for these inputs; None when it does."""
+    if device_type != "cuda":
+        return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the Triton kernel is used for float16 and bfloat16 (this call is {str(dtype).removeprefix('torch.')})"
+    if head_dim not in HEAD_DIMS:
+        return f"the Triton kernel handles head dims {HEAD_DIMS} (this model's is {head_dim})"
+    return None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b_q: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    causal: bool = True,
+    impl: str = "triton",
+) -> torch.Tensor:
     """Attention with optional symmetry-breaking biases; the model's only attention call.
 
-    CUDA fp16/bf16 inputs with d in {64, 128} run the Triton kernel; everything else (CPU, fp32, other head
-    dims) runs the SDPA reference.
+    impl "triton": CUDA fp16/bf16 inputs with d in {64, 128} run the Triton kernel and everything else (CPU, fp32,
+    other head dims) runs SDPA; "sdpa": always SDPA (attention_reference); "flex": FlexAttention (attention_flex).
+    The model carries impl as a plain attribute, so torch.compile sees a constant and traces one path.
     """
-    use_kernel = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
-                  and k.dtype == q.dtype and v.dtype == q.dtype)
-    if use_kernel:
-        return attention_triton(q, k, v, b_q, b_v, causal)
+    if impl == "flex":
+        return attention_flex(q, k, v, b_q, b_v, causal)
+    if impl == "triton":
+        if kernel_problem(q.device.type, q.dtype, q.shape[-1]) is None and k.dtype == q.dtype == v.dtype:
+            return attention_triton(q, k, v, b_q, b_v, causal)
+    elif impl != "sdpa":
+        raise ValueError(f"attention: impl {impl!r} is not one of {IMPLEMENTATIONS}")
     return attention_reference(q, k, v, b_q, b_v, causal)
