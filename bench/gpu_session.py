@@ -64,8 +64,8 @@ def output(*argv):
         return subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError) as exc:
         return f"unavailable ({exc})"
-print(json.dumps({"gpu": output("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"),
-                  "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+gpu = output("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+print(json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
                   "commit": output("git", "rev-parse", "--short", "HEAD"), "cuda_available": torch.cuda.is_available()}))
 """
 
@@ -108,7 +108,8 @@ def collect(steps: list[Step], out: Path) -> dict:
     """Everything the session measured, as one JSON-ready dict."""
     tails = {s.name: s.result.get("tail", "") for s in steps}
     env_lines = tails.get("env", "").strip().splitlines()
-    tests = [line for line in tails.get("cuda_tests", "").splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    summary = re.compile(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s")  # pytest's last line
+    tests = [line for line in tails.get("cuda_tests", "").splitlines() if summary.search(line)]
     return {
         "env": _load_json_text(env_lines[-1]) if env_lines else None,
         "steps": {s.name: {k: v for k, v in s.result.items() if k != "tail"} for s in steps},

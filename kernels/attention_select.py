@@ -97,7 +97,7 @@ class AttentionCall:
         return [qkv] + [b for b in biases if b is not None and b.requires_grad], biases, grad_out
 
 
-def _split_heads(qkv: torch.Tensor, heads: int) -> list[torch.Tensor]:
+def split_heads(qkv: torch.Tensor, heads: int) -> list[torch.Tensor]:
     """q, k, v as (B, H, T, d) views of the (B, T, 3·H·d) projection, as the model makes them."""
     B, T, C3 = qkv.shape
     return [t.view(B, T, heads, C3 // (3 * heads)).transpose(1, 2) for t in qkv.split(C3 // 3, dim=2)]
@@ -110,13 +110,13 @@ def forward_backward(fn: AttentionFn, call: AttentionCall, device: torch.device)
     leaves, (b_q, b_v), grad_out = call.inputs(device)
 
     def run() -> torch.Tensor:
-        q, k, v = _split_heads(leaves[0], call.heads)
+        q, k, v = split_heads(leaves[0], call.heads)
         out = fn(q, k, v, b_q, b_v, call.causal)
         return out.transpose(1, 2).contiguous().view(call.batch, call.seq_len, -1)
 
     with torch.no_grad():
         got = run().float()
-        q, k, v = (x.float() for x in _split_heads(leaves[0], call.heads))
+        q, k, v = (x.float() for x in split_heads(leaves[0], call.heads))
         want = attention_reference(q, k, v, b_q, b_v, call.causal).transpose(1, 2).reshape(got.shape)
     error = ((got - want).norm() / want.norm()).item()
     if not error <= OUTPUT_TOLERANCE[call.dtype]:
@@ -285,7 +285,7 @@ def _decide(requested: str, call: AttentionCall | None, device: torch.device, co
             record.update(choice=next(iter(candidates)), source="the only candidate")
         else:
             _choose_by_timing(record, call, device, compiled, candidates, timer, cache or cache_root() / CACHE_FILE)
-    record["seconds"] = round(time.perf_counter() - start, 4)
+    record["seconds"] = round(time.perf_counter() - start, 6)
     return record
 
 
@@ -324,7 +324,7 @@ def summary_line(record: dict) -> str:
     parts += [f"{name}: {reason}" for name, reason in record["skipped"].items()]
     timed = " forward+backward" if record["timings_ms"] else ""
     return (f"attention: {record['choice']} ({record['source']}; {record['call']}{timed}"
-            + (": " + "; ".join(parts) if parts else "") + f"; {1e3 * record['seconds']:.1f} ms to decide)")
+            + (": " + "; ".join(parts) if parts else "") + f"; {1e3 * record['seconds']:.2f} ms to decide)")
 
 
 def set_implementation(model: torch.nn.Module, impl: str) -> None:
