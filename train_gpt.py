@@ -35,6 +35,7 @@ import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from kernels import attention_select
 from kernels.attention import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
@@ -140,6 +141,9 @@ class TrainConfig:
     dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
                               "states the precision separately)", choices=("bf16", "fp32"))
     compile: bool = logs(True, "torch.compile the model on CUDA")
+    attention_impl: str = logs("auto", "attention implementation, all exact: auto (the fastest measured on this GPU, "
+                                       "cached; SDPA on a CPU), triton, sdpa or flex (docs/model.md#choosing-the-"
+                                       "implementation)", choices=attention_select.CHOICES)
     overlap_reduce: bool = logs(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
                                       "backward pass computes the others (as DDP does)")
     wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
@@ -168,6 +172,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True
+        self.attention_impl = "triton"  # kernels.attention.attention's impl; the trainer sets its choice
         if config.bias_mode == "learned":
             # Seed 000 App. F: trainable biases initialised from the sampling distribution (restores the symmetry).
             shape = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
@@ -185,7 +190,8 @@ class CausalSelfAttention(nn.Module):
             k = k + (b_k if b_k.dim() == 1 else b_k.unsqueeze(1)).to(k.dtype)
         if cache is not None:  # generation: the keys and values of the tokens read before (kv_cache.py)
             k, v = cache.update(k, v)
-        y = attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2))
+        y = attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2),
+                      impl=self.attention_impl)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -498,6 +504,9 @@ class Trainer:
                                              world_size=rt.world, grad_accum_steps=rt.grad_accum,
                                              vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
                                              device=rt.device)
+        self.attention = attention_select.configure(  # before torch.compile, which then sees one implementation
+            self.model, hp.attention_impl, batch=rt.micro_batch, seq_len=hp.seq_len, device=rt.device,
+            dtype=rt.autocast_dtype, compiled=hp.compile and rt.device.type == "cuda", rank=rt.rank, log=log.line)
         self.sampler = BiasSampler(cfg.model, hp.seed)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
@@ -594,7 +603,8 @@ class Trainer:
         """The run directory (runs.open_run_directory), its config.json and the log's header."""
         cfg, rt = self.cfg, self.rt
         layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
-        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": config.preset_report(cfg)}
+        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": config.preset_report(cfg),
+                  "attention": self.attention}
         self.run_dir = runs.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
                                                cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
                                                self.progress.step)

@@ -3,6 +3,7 @@
     python -m bench.e2e --preset gpt2-124m --steps 60            # CUDA: bf16 + torch.compile
     python -m bench.e2e --preset smoke --steps 30                # CPU
     python -m bench.e2e --preset gpt2-124m --optimizer sgdm -- --micro-batch 16   # flags after -- go to train_gpt
+    python -m bench.e2e --preset gpt2-124m -- --attention-impl sdpa              # one attention implementation
     torchrun --nproc_per_node=2 -m bench.e2e --preset smoke --optimizer ecd -- --no-overlap-reduce   # 2 ranks
 
 Runs the real training loop (train_gpt.main) on random tokens written to a temporary shard, so it measures the
@@ -54,6 +55,7 @@ def main() -> None:
         if summary["run_dir"] is None:  # not the master rank: it has nothing to report
             return
         records = runs.read_log(summary["run_dir"])
+        attention = json.loads((Path(summary["run_dir"]) / "config.json").read_text())["attention"]
     timed = [r for r in records if "tokens_per_s" in r and not r.get("summary")][args.warmup:]
     if not timed:
         raise SystemExit("no timed intervals left after warm-up: raise --steps or lower --warmup")
@@ -64,12 +66,13 @@ def main() -> None:
         "world_size": world_size_from_env(), "parameters": count_parameters(cfg.model),
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
-        "passthrough": passthrough, "final_val_loss": summary["val_loss"],
+        "passthrough": passthrough, "final_val_loss": summary["val_loss"], "attention": attention,
     }
-    print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'tokens/s':>12} {'step ms':>9} {'MFU':>6}")
+    print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'attention':>9} {'tokens/s':>12} "
+          f"{'step ms':>9} {'MFU':>6}")
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] else "n/a"
     print(f"{args.preset:>12} {args.optimizer:>9} {result['device'][:24]:>24} {result['world_size']:>5} "
-          f"{tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
+          f"{str(attention['choice']):>9} {tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
 

@@ -5,8 +5,9 @@ b_q and b_v are None, (d,) shared across heads, or (H, d) per head. Semantics: s
 softmax (causal mask), output = softmax(·)(v + b_V). Because each softmax row sums to one, adding b_V to the
 values equals adding it to the output, which is what the implementations do.
 
-Two implementations live here, kernel next to its oracle:
-- `attention_reference`: PyTorch SDPA with the biases applied outside. Runs on every device; the tests' oracle.
+Three implementations of the same function live here (docs/model.md#three-exact-implementations):
+- `attention_reference`: the library path, PyTorch SDPA on q + b_Q with b_V added to the output (autograd gives
+  the biases' gradients). Runs on every device; in float64, the tests' oracle.
 - `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
   tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
   key blocks and a separate dQ pass over query blocks, so no atomics). b_Q enters only as a per-key logit bias,
@@ -17,8 +18,12 @@ Two implementations live here, kernel next to its oracle:
   registered as the custom op `symgpt::attention_fwd` / `symgpt::attention_bwd` so torch.compile traces it
   without a graph break. Gradients of b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time
   (dQ is also the gradient of q + b_Q).
+- `attention_flex`: FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d (a score_mod) and b_V added
+  to the output; run under torch.compile on CUDA (torch 2.13 has no FlexAttention backward on the CPU).
 
-`attention` uses the Triton op for CUDA tensors in fp16/bf16 with d in {64, 128} and the reference otherwise.
+`attention(..., impl)` dispatches: impl "triton" (the default) uses the Triton op for CUDA tensors in fp16/bf16
+with d in {64, 128} and the reference otherwise; "sdpa" and "flex" name the other two. Which one a training run
+uses is decided once before torch.compile by kernels/attention_select.py (--attention-impl).
 The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
 model's `y.transpose(1, 2).contiguous()` is free. Tests: tests/test_attention_kernel.py (CPU through Triton's
 interpreter, CUDA in-process); benchmark: bench/attention.py.
@@ -37,6 +42,7 @@ import triton.language as tl
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...); see the module docstring
 LOG2_E = 1.4426950408889634
 
 
@@ -72,32 +78,75 @@ def attention_reference(
 
 # -----------------------------------------------------------------------------
 # Triton kernels. Logits are kept in base 2: s = q·k · (log2(e)/√d), so the softmax uses exp2 and the saved
-# log-sum-exp is lse2 = m + log2(l). Each pass splits its loop into blocks that need no mask (the bulk of the
-# work) and the few that do: the causal diagonal and the ragged tail where T is not a multiple of the block.
+# log-sum-exp is lse2 = m + log2(l). Each pass calls its inner loop once over the blocks that need no mask (the bulk
+# of the work) and once, with MASKED=True, over the few that do: the causal diagonal, or the ragged tail where T is
+# not a multiple of the block (the dK/dV pass needs both: see _attn_bwd_dkdv). A masked step applies the causal mask
+# when CAUSAL and zeroes whatever lies past T. Register pressure is at the sm_90 limit in every pass, and small
+# changes of live ranges decide whether it spills (bench/attention_sass.py): so each range's bounds are computed
+# just before its call, tiles read or written together share one offset computation, and stores add the offsets to
+# the base pointer last.
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T, qk_scale,
-                    BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr, BOUNDS: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr):
+def _load_rows(base, rows, stride_t, T, HEAD_DIM: tl.constexpr, BOUNDS: tl.constexpr):
+    """The (len(rows), d) tile of one (batch, head)'s (T, d) matrix at `base`; rows past T read as 0 when BOUNDS.
+    The pointers are rebuilt per call: a (rows, d) tensor of 64-bit pointers kept live across a loop costs
+    registers."""
+    ptrs = base + rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
+    if BOUNDS:
+        return tl.load(ptrs, mask=rows[:, None] < T, other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _load_row_pair(A, B, rows, stride_at, stride_bt, T, HEAD_DIM: tl.constexpr, BOUNDS: tl.constexpr):
+    """The same rows of two matrices of one (batch, head), as _load_rows: (k, v) or (q, dO)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    a_ptrs = A + rows[:, None] * stride_at + offs_d[None, :]
+    b_ptrs = B + rows[:, None] * stride_bt + offs_d[None, :]
+    if BOUNDS:
+        return tl.load(a_ptrs, mask=rows[:, None] < T, other=0.0), tl.load(b_ptrs, mask=rows[:, None] < T, other=0.0)
+    return tl.load(a_ptrs), tl.load(b_ptrs)
+
+
+@triton.jit
+def _store_rows(base, rows, stride_t, T, tile, HEAD_DIM: tl.constexpr):
+    """Store a (len(rows), d) fp32 tile at `base` in its element type, skipping rows past T."""
+    tl.store(base + (rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]), tile.to(base.dtype.element_ty),
+             mask=rows[:, None] < T)
+
+
+@triton.jit
+def _store_row_pair(A, B, rows, stride_t, T, a, b, HEAD_DIM: tl.constexpr):
+    """Store two fp32 tiles at the same rows of two matrices laid out alike (dK and dV), skipping rows past T."""
+    offs = rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(A + offs, a.to(A.dtype.element_ty), mask=rows[:, None] < T)
+    tl.store(B + offs, b.to(B.dtype.element_ty), mask=rows[:, None] < T)
+
+
+@triton.jit
+def _load_per_token(base, idx, T, other, BOUNDS: tl.constexpr):
+    """One fp32 value per token (lse2, delta, the keys' logit biases c) at `idx`; `other` past T when BOUNDS."""
+    if BOUNDS:
+        return tl.load(base + idx, mask=idx < T, other=other)
+    return tl.load(base + idx)
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, lo, hi, T, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL: tl.constexpr,
+                    MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Online softmax over the key blocks starting in [lo, hi); K, V, C point at this (batch, head)."""
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_kt + offs_d[None, :]  # rebuilt per block: a (BLOCK_N, d) tensor
-        v_ptrs = V + cols[:, None] * stride_vt + offs_d[None, :]  # of 64-bit pointers kept live costs registers
-        if BOUNDS:
-            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        cols = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)
+        k, v = _load_row_pair(K, V, cols, stride_kt, stride_vt, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if HAS_BQ:
-            s += _key_bias(C, cols, T, BOUNDS)[None, :]
-        if CAUSAL_MASK:
-            s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
-        if BOUNDS:
-            s = tl.where(cols[None, :] < T, s, float("-inf"))
+            s += _load_per_token(C, cols, T, 0.0, BOUNDS=MASKED)[None, :]
+        if MASKED:
+            keep = cols[None, :] < T
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= cols[None, :])
+            s = tl.where(keep, s, float("-inf"))
         # every row sees at least one unmasked key in its first block, so m_new is finite and no NaN appears
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -109,33 +158,22 @@ def _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, off
 
 
 @triton.jit
-def _query_block(H, T, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """This program's (batch·head, batch, head, first row, row/key/dim offsets, valid-row mask) for a query block."""
+def _query_block(H, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's (batch·head, batch, head, first row, rows) for a pass over query blocks (forward, dQ)."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # launch the longest rows first so the last wave is short
         pid_m = tl.num_programs(0) - 1 - pid_m
     off_bh = tl.program_id(1)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    return (off_bh, off_bh // H, off_bh % H, start_m, offs_m, tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM),
-            offs_m[:, None] < T)
+    return off_bh, off_bh // H, off_bh % H, start_m, start_m + tl.arange(0, BLOCK_M)
 
 
 @triton.jit
-def _key_bias(C, cols, T, BOUNDS: tl.constexpr):
-    """The logit biases c of the keys `cols` (0 past T, where the scores are masked anyway)."""
-    if BOUNDS:
-        return tl.load(C + cols, mask=cols < T, other=0.0)
-    return tl.load(C + cols)
-
-
-@triton.jit
-def _key_logit_bias_rows(K_head, BQ_head, stride_kt, offs_t, offs_d, T, qk_scale):
+def _key_logit_bias_rows(K_head, BQ_head, stride_kt, offs_t, T, qk_scale, HEAD_DIM: tl.constexpr):
     """c_t = (b_Q · k_t) · log2(e)/√d in fp32 for the keys offs_t of one (batch, head): b_Q's whole effect on the
     base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases)."""
-    k = tl.load(K_head + offs_t[:, None] * stride_kt + offs_d[None, :], mask=offs_t[:, None] < T, other=0.0)
-    b_q = tl.load(BQ_head + offs_d).to(tl.float32)
+    k = _load_rows(K_head, offs_t, stride_kt, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    b_q = tl.load(BQ_head + tl.arange(0, HEAD_DIM)).to(tl.float32)
     return tl.sum(k.to(tl.float32) * b_q[None, :], 1) * qk_scale
 
 
@@ -146,7 +184,7 @@ def _key_logit_bias(K, BQ, C, stride_kb, stride_kh, stride_kt, stride_bqh, H, T,
     off_bh = tl.program_id(1)
     offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     c = _key_logit_bias_rows(K + (off_bh // H) * stride_kb + (off_bh % H) * stride_kh, BQ + (off_bh % H) * stride_bqh,
-                             stride_kt, offs_t, tl.arange(0, HEAD_DIM), T, qk_scale)
+                             stride_kt, offs_t, T, qk_scale, HEAD_DIM=HEAD_DIM)
     tl.store(C + off_bh * T + offs_t, c, mask=offs_t < T)
 
 
@@ -159,10 +197,8 @@ def _attn_fwd(Q, K, V, C, BV, O, LSE,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head). Writes O = softmax((q·kᵀ + b_Q·kᵀ)/√d)v + b_V and lse2
     (C holds the keys' logit biases b_Q·k/√d in base 2 when HAS_BQ)."""
-    off_bh, off_b, off_h, start_m, offs_m, offs_n, offs_d, row_ok = _query_block(H, T, CAUSAL, HEAD_DIM, BLOCK_M,
-                                                                                 BLOCK_N)
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok, other=0.0)
+    off_bh, off_b, off_h, start_m, offs_m = _query_block(H, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M)
+    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qt, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
     K += off_b * stride_kb + off_h * stride_kh
     V += off_b * stride_vb + off_h * stride_vh
     C += off_bh * T
@@ -170,24 +206,19 @@ def _attn_fwd(Q, K, V, C, BV, O, LSE,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        0, start_m, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        start_m, min(start_m + BLOCK_M, T), T, qk_scale,
-                                        BLOCK_N, HAS_BQ, True, True, INPUT_PRECISION)
-    else:
-        t_full = (T // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        0, t_full, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                        t_full, T, T, qk_scale, BLOCK_N, HAS_BQ, False, True, INPUT_PRECISION)
+    bulk_end = start_m if CAUSAL else (T // BLOCK_N) * BLOCK_N  # keys no row of this block needs masked
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, 0, bulk_end, T, qk_scale,
+                                    HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=False,
+                                    INPUT_PRECISION=INPUT_PRECISION)
+    masked_end = min(start_m + BLOCK_M, T) if CAUSAL else T  # after the bulk loop: see the note above
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, bulk_end, masked_end, T,
+                                    qk_scale, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
+                                    MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
 
     out = acc / l_i[:, None]
     if HAS_BV:
-        out += tl.load(BV + off_h * stride_bvh + offs_d).to(tl.float32)[None, :]
-    tl.store(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=row_ok)
+        out += tl.load(BV + off_h * stride_bvh + tl.arange(0, HEAD_DIM)).to(tl.float32)[None, :]
+    _store_rows(O + off_b * stride_ob + off_h * stride_oh, offs_m, stride_ot, T, out, HEAD_DIM=HEAD_DIM)
     tl.store(LSE + off_bh * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
 
 
@@ -202,48 +233,34 @@ def _attn_bwd_preprocess(O, DO, BV, DELTA, K, BQ, C,
     off_b = off_bh // H
     off_h = off_bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m[:, None] < T
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
-                mask=row_ok, other=0.0).to(tl.float32)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=row_ok, other=0.0).to(tl.float32)
+    o, do = _load_row_pair(O + off_b * stride_ob + off_h * stride_oh, DO + off_b * stride_dob + off_h * stride_doh,
+                           offs_m, stride_ot, stride_dot, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    o, do = o.to(tl.float32), do.to(tl.float32)
     if HAS_BV:
-        o -= tl.load(BV + off_h * stride_bvh + offs_d).to(tl.float32)[None, :]
+        o -= tl.load(BV + off_h * stride_bvh + tl.arange(0, HEAD_DIM)).to(tl.float32)[None, :]
     tl.store(DELTA + off_bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
     if HAS_BQ:
         c = _key_logit_bias_rows(K + off_b * stride_kb + off_h * stride_kh, BQ + off_h * stride_bqh, stride_kt,
-                                 offs_m, offs_d, T, qk_scale)
+                                 offs_m, T, qk_scale, HEAD_DIM=HEAD_DIM)
         tl.store(C + off_bh * T + offs_m, c, mask=offs_m < T)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                         offs_n, offs_m, offs_d, lo, hi, T, qk_scale,
-                         BLOCK_M: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                         BOUNDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, lo, hi, T,
+                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BQ: tl.constexpr,
+                         CAUSAL: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Accumulate dK (without b_Q's term), dV and Σ_i dS_ij of one key block over the query blocks starting in
     [lo, hi) (transposed: keys are rows); c is the block's key logit biases."""
     for start_m in range(lo, hi, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        rows = start_m + offs_m
-        q_ptrs = Q + rows[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = DO + rows[:, None] * stride_dot + offs_d[None, :]
-        if BOUNDS:
-            q = tl.load(q_ptrs, mask=rows[:, None] < T, other=0.0)
-            do = tl.load(do_ptrs, mask=rows[:, None] < T, other=0.0)
-            lse = tl.load(LSE + rows, mask=rows < T, other=float("inf"))  # P = 0 on rows past T
-            delta = tl.load(DELTA + rows, mask=rows < T, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
-            lse = tl.load(LSE + rows)
-            delta = tl.load(DELTA + rows)
+        rows = tl.multiple_of(start_m, BLOCK_M) + tl.arange(0, BLOCK_M)
+        q, do = _load_row_pair(Q, DO, rows, stride_qt, stride_dot, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
+        lse = _load_per_token(LSE, rows, T, float("inf"), BOUNDS=MASKED)  # P = 0 on rows past T
+        delta = _load_per_token(DELTA, rows, T, 0.0, BOUNDS=MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
         if HAS_BQ:
             s_t += c[:, None]
         p_t = tl.math.exp2(s_t - lse[None, :])
-        if CAUSAL_MASK:
+        if MASKED and CAUSAL:
             p_t = tl.where(rows[None, :] >= offs_n[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -262,21 +279,22 @@ def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV,
                    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dK = Σ dSᵀ(q + b_Q)/√d = (Σ dSᵀq + b_Q Σ dSᵀ)/√d and dV = Σ Pᵀ dO for BLOCK_N keys of one
-    (batch, head)."""
+    (batch, head).
+
+    The query blocks that see these keys run in three ranges: the masked diagonal (causal only: the rows of the key
+    block itself), the unmasked bulk below it, and the masked ragged tail past the last full query block. The
+    diagonal comes first and the tail last, so unlike the forward and dQ passes, whose masked blocks are adjacent,
+    this pass has two masked ranges around its bulk; both use the same MASKED step (the causal mask keeps every
+    entry of the tail, whose rows all follow these keys)."""
     off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n[:, None] < T
 
-    k = tl.load(K + off_b * stride_kb + off_h * stride_kh + offs_n[:, None] * stride_kt + offs_d[None, :],
-                mask=key_ok, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :],
-                mask=key_ok, other=0.0)
-    c = _key_bias(C + off_bh * T, offs_n, T, True) if HAS_BQ else tl.zeros([BLOCK_N], tl.float32)
+    k, v = _load_row_pair(K + off_b * stride_kb + off_h * stride_kh, V + off_b * stride_vb + off_h * stride_vh, offs_n,
+                          stride_kt, stride_vt, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    c = _load_per_token(C + off_bh * T, offs_n, T, 0.0, BOUNDS=True) if HAS_BQ else tl.zeros([BLOCK_N], tl.float32)
     Q += off_b * stride_qb + off_h * stride_qh
     DO += off_b * stride_dob + off_h * stride_doh
     LSE += off_bh * T
@@ -285,57 +303,44 @@ def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV,
     dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     ds_sum = tl.zeros([BLOCK_N], tl.float32)
-    t_full = (T // BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        diag_end = start_n + BLOCK_N  # a multiple of BLOCK_M: the unmasked blocks start there
-        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                              offs_n, offs_m, offs_d, start_n, min(diag_end, T), T, qk_scale,
-                                              BLOCK_M, HAS_BQ, True, True, INPUT_PRECISION)
-        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                              offs_n, offs_m, offs_d, diag_end, t_full, T, qk_scale,
-                                              BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
-        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                              offs_n, offs_m, offs_d, max(t_full, diag_end), T, T, qk_scale,
-                                              BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
-    else:
-        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                              offs_n, offs_m, offs_d, 0, t_full, T, qk_scale,
-                                              BLOCK_M, HAS_BQ, False, False, INPUT_PRECISION)
-        dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, stride_qt, stride_dot, LSE, DELTA,
-                                              offs_n, offs_m, offs_d, t_full, T, T, qk_scale,
-                                              BLOCK_M, HAS_BQ, False, True, INPUT_PRECISION)
+    bulk_start = start_n + BLOCK_N if CAUSAL else 0  # a multiple of BLOCK_M; no earlier row sees these keys
+    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n,
+                                          start_n, min(bulk_start, T), T, qk_scale,
+                                          HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
+                                          MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
+    bulk_end = (T // BLOCK_M) * BLOCK_M
+    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n,
+                                          bulk_start, bulk_end, T, qk_scale,
+                                          HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
+                                          MASKED=False, INPUT_PRECISION=INPUT_PRECISION)
+    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n,
+                                          max(bulk_end, bulk_start), T, T, qk_scale,
+                                          HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
+                                          MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
     if HAS_BQ:  # b_Q's rank-1 term: dK_j += b_Q Σ_i dS_ij (the 1/√d follows below)
-        dk += ds_sum[:, None] * tl.load(BQ + off_h * stride_bqh + offs_d).to(tl.float32)[None, :]
+        dk += ds_sum[:, None] * tl.load(BQ + off_h * stride_bqh + tl.arange(0, HEAD_DIM)).to(tl.float32)[None, :]
 
-    out_offs = off_b * stride_gb + off_h * stride_gh + offs_n[:, None] * stride_gt + offs_d[None, :]
-    tl.store(DK + out_offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=key_ok)
-    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=key_ok)
+    _store_row_pair(DK + off_b * stride_gb + off_h * stride_gh, DV + off_b * stride_gb + off_h * stride_gh, offs_n,
+                    stride_gt, T, dk * sm_scale, dv, HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d, lo, hi, T,
-                       qk_scale, BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                       BOUNDS: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, lo, hi, T, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL: tl.constexpr,
+                       MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Accumulate dQ of one query block over the key blocks starting in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n
-        k_ptrs = K + cols[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = V + cols[:, None] * stride_vt + offs_d[None, :]
-        if BOUNDS:
-            k = tl.load(k_ptrs, mask=cols[:, None] < T, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < T, other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        cols = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)
+        k, v = _load_row_pair(K, V, cols, stride_kt, stride_vt, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
         if HAS_BQ:
-            s += _key_bias(C, cols, T, BOUNDS)[None, :]
+            s += _load_per_token(C, cols, T, 0.0, BOUNDS=MASKED)[None, :]
         p = tl.math.exp2(s - lse[:, None])
-        if CAUSAL_MASK:
-            p = tl.where(offs_m[:, None] >= cols[None, :], p, 0.0)
-        if BOUNDS:
-            p = tl.where(cols[None, :] < T, p, 0.0)
+        if MASKED:
+            keep = cols[None, :] < T
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= cols[None, :])
+            p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -351,34 +356,25 @@ def _attn_bwd_dq(Q, K, V, C, DO, LSE, DELTA, DQ,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ = Σ dS k/√d for BLOCK_M query rows of one (batch, head); also the gradient of q + b_Q
     (b_Q itself enters only through the key logit biases C)."""
-    off_bh, off_b, off_h, start_m, offs_m, offs_n, offs_d, row_ok = _query_block(H, T, CAUSAL, HEAD_DIM, BLOCK_M,
-                                                                                 BLOCK_N)
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
-                 mask=row_ok, other=0.0)
-    lse = tl.load(LSE + off_bh * T + offs_m, mask=offs_m < T, other=float("inf"))
-    delta = tl.load(DELTA + off_bh * T + offs_m, mask=offs_m < T, other=0.0)
+    off_bh, off_b, off_h, start_m, offs_m = _query_block(H, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M)
+    q, do = _load_row_pair(Q + off_b * stride_qb + off_h * stride_qh, DO + off_b * stride_dob + off_h * stride_doh,
+                           offs_m, stride_qt, stride_dot, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    lse = _load_per_token(LSE + off_bh * T, offs_m, T, float("inf"), BOUNDS=True)
+    delta = _load_per_token(DELTA + off_bh * T, offs_m, T, 0.0, BOUNDS=True)
     K += off_b * stride_kb + off_h * stride_kh
     V += off_b * stride_vb + off_h * stride_vh
     C += off_bh * T
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    if CAUSAL:
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                0, start_m, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                start_m, min(start_m + BLOCK_M, T), T, qk_scale,
-                                BLOCK_N, HAS_BQ, True, True, INPUT_PRECISION)
-    else:
-        t_full = (T // BLOCK_N) * BLOCK_N
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                0, t_full, T, qk_scale, BLOCK_N, HAS_BQ, False, False, INPUT_PRECISION)
-        dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, offs_n, offs_d,
-                                t_full, T, T, qk_scale, BLOCK_N, HAS_BQ, False, True, INPUT_PRECISION)
-
-    tl.store(DQ + off_b * stride_gb + off_h * stride_gh + offs_m[:, None] * stride_gt + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=row_ok)
+    bulk_end = start_m if CAUSAL else (T // BLOCK_N) * BLOCK_N  # keys no row of this block needs masked
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, 0, bulk_end, T, qk_scale,
+                            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=False,
+                            INPUT_PRECISION=INPUT_PRECISION)
+    masked_end = min(start_m + BLOCK_M, T) if CAUSAL else T  # after the bulk loop: see the note above
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, bulk_end, masked_end, T,
+                            qk_scale, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=True,
+                            INPUT_PRECISION=INPUT_PRECISION)
+    _store_rows(DQ + off_b * stride_gb + off_h * stride_gh, offs_m, stride_gt, T, dq * sm_scale, HEAD_DIM=HEAD_DIM)
 
 
 # -----------------------------------------------------------------------------
@@ -399,8 +395,7 @@ class Tile:
 
 # Hopper (sm_90): the shapes of Triton's fused-attention tutorial for Hopper (forward 128 x 64; backward 32 x 128
 # for dK/dV and 128 x 32 for dQ, deep pipelines), with the warp counts that compile without register spills in the
-# offline sm_90 build (bench/attention_sass.py; the dK/dV pass at d = 128 spills 16 bytes, the least of every
-# config tried). Other GPUs (and the CPU interpreter): smaller, shallower tiles.
+# offline sm_90 build (bench/attention_sass.py). Other GPUs (and the CPU interpreter): smaller, shallower tiles.
 # Chosen, not yet tuned on a GPU: measure with SYMGPT_ATTENTION_AUTOTUNE=1 and bench/attention.py, then update.
 TILES: dict[tuple[str, str, int], Tile] = {
     ("hopper", "fwd", 64): Tile(128, 64, 4, 3),
@@ -651,7 +646,25 @@ def attention_triton(
     return out
 
 
-def attention(
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_block_mask(seq_len: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_causal, None, None, seq_len, seq_len, device=device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attention_flex(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -659,13 +672,66 @@ def attention(
     b_v: torch.Tensor | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
+    """FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d, since (q + b_Q)·k = q·k + b_Q·k, and b_V
+    added to the output (docs/model.md#three-exact-implementations). c is computed in fp32; its gradient reaches k
+    and b_Q through autograd. Inside torch.compile it is traced with the model; called eagerly on CUDA it runs a
+    compiled FlexAttention (eager FlexAttention materialises the scores). The CPU has a forward only."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    _, num_heads, seq_len, head_dim = q.shape
+    compiling = torch.compiler.is_compiling()
+    block_mask = None
+    if causal:  # built with the model when compiling, else once per length
+        block_mask = (create_block_mask(_causal, None, None, seq_len, seq_len, device=q.device) if compiling
+                      else _causal_block_mask(seq_len, q.device))
+    score_mod = None
+    if b_q is not None:  # elementwise products and a sum: fp32 under autocast too
+        key_bias = (k.float() * _broadcast_bias(b_q, num_heads, head_dim).float()).sum(-1) / math.sqrt(head_dim)
+
+        def add_key_bias(score, b, h, q_idx, kv_idx):
+            return score + key_bias[b, h, kv_idx]
+
+        score_mod = add_key_bias
+
+    flex = flex_attention if compiling or not q.is_cuda else _compiled_flex_attention()
+    out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    if b_v is not None:
+        out = out + _broadcast_bias(b_v, num_heads, head_dim).to(out.dtype)
+    return out
+
+
+def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why `attention(impl="triton")` would not run the Triton kernel for these inputs; None when it does."""
+    if device_type != "cuda":
+        return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the Triton kernel is used for float16 and bfloat16 (this call is {str(dtype).removeprefix('torch.')})"
+    if head_dim not in HEAD_DIMS:
+        return f"the Triton kernel handles head dims {HEAD_DIMS} (this model's is {head_dim})"
+    return None
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    b_q: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    causal: bool = True,
+    impl: str = "triton",
+) -> torch.Tensor:
     """Attention with optional symmetry-breaking biases; the model's only attention call.
 
-    CUDA fp16/bf16 inputs with d in {64, 128} and as many keys as queries run the Triton kernel; everything else
-    (CPU, fp32, other head dims, a generation step's queries against its KV cache) runs the SDPA reference.
+    impl "triton": CUDA fp16/bf16 inputs with d in {64, 128} and as many keys as queries run the Triton kernel and
+    everything else (CPU, fp32, other head dims, a generation step's queries against its KV cache) runs SDPA; "sdpa": always SDPA (attention_reference); "flex": FlexAttention (attention_flex).
+    The model carries impl as a plain attribute, so torch.compile sees a constant and traces one path.
     """
-    use_kernel = (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
-                  and k.shape == q.shape and k.dtype == q.dtype and v.dtype == q.dtype)
-    if use_kernel:
-        return attention_triton(q, k, v, b_q, b_v, causal)
+    if impl == "flex":
+        return attention_flex(q, k, v, b_q, b_v, causal)
+    if impl == "triton":
+        if (kernel_problem(q.device.type, q.dtype, q.shape[-1]) is None and k.shape == q.shape
+                and k.dtype == q.dtype == v.dtype):
+            return attention_triton(q, k, v, b_q, b_v, causal)
+    elif impl != "sdpa":
+        raise ValueError(f"attention: impl {impl!r} is not one of {IMPLEMENTATIONS}")
     return attention_reference(q, k, v, b_q, b_v, causal)

@@ -167,7 +167,7 @@ def test_interpreter_matches_reference(interpreter_results: dict, case: Case) ->
     _check(case, interpreter_results[case.name])
 
 
-@pytest.mark.parametrize("check", ["opcheck_fwd", "opcheck_bwd", "compile_fullgraph"])
+@pytest.mark.parametrize("check", ["opcheck_fwd", "opcheck_bwd", "compile_fullgraph", "model_compile_fullgraph"])
 def test_interpreter_custom_op(interpreter_results: dict, check: str) -> None:
     assert interpreter_results[check] == "ok", interpreter_results[check]
 
@@ -209,7 +209,34 @@ def _opcheck_and_compile() -> dict[str, str]:
             torch.testing.assert_close(g, e, rtol=0, atol=0)
 
     run("compile_fullgraph", compiled_matches_eager)
+    run("model_compile_fullgraph", _model_compiles_without_graph_break)
     return checks
+
+
+def _model_compiles_without_graph_break() -> None:
+    """The GPT with attention_impl "triton" (the kernel, here in the interpreter: the CUDA-only dispatch rule is
+    lifted) compiles in one graph (aot_eager, fullgraph), with the values and gradients of eager mode."""
+    import kernels.attention as attn
+    import train_gpt
+    from kernels.attention_select import set_implementation
+
+    attn.kernel_problem = lambda *args: None
+    torch.manual_seed(0)
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=64,
+                                              bias_mode="learned"))
+    set_implementation(model, "triton")
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    calls = []
+    kernel = attn.attention_triton
+    attn.attention_triton = lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
+    eager_loss = model(idx, idx)[1]
+    assert calls, "the model did not call the kernel"
+    eager = torch.autograd.grad(eager_loss, list(model.parameters()))
+    loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, idx)[1]
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=0)
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
 
 
 def _interpreter_main(path: str) -> None:
