@@ -410,7 +410,8 @@ class RunDirectory:
                 path.mkdir()
             except FileExistsError:
                 continue
-            return cls(path), None if n == 1 else f"run directory {Path(parent) / stem} exists: using {path.name} instead"
+            note = None if n == 1 else f"run directory {Path(parent) / stem} exists: using {path.name} instead"
+            return cls(path), note
         raise RuntimeError(f"no free run directory name {stem}-N under {parent}")
 
     def claim(self, new_run: bool) -> list[str]:

@@ -723,7 +723,8 @@ def attention(
     """Attention with optional symmetry-breaking biases; the model's only attention call.
 
     impl "triton": CUDA fp16/bf16 inputs with d in {64, 128} and as many keys as queries run the Triton kernel and
-    everything else (CPU, fp32, other head dims, a generation step's queries against its KV cache) runs SDPA; "sdpa": always SDPA (attention_reference); "flex": FlexAttention (attention_flex).
+    everything else (CPU, fp32, other head dims, a generation step's queries against its KV cache) runs SDPA;
+    "sdpa": always SDPA (attention_reference); "flex": FlexAttention (attention_flex).
     The model carries impl as a plain attribute, so torch.compile sees a constant and traces one path.
     """
     if impl == "flex":

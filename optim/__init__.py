@@ -20,7 +20,8 @@ from optim.registry import (
 from optim.soap import SOAP_SPEC
 from optim.torch_optimizers import ADAMW_SPEC, SGDM_SPEC
 
-OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec for spec in (ECD_SPEC, SOAP_SPEC, MUON_SPEC, ADAMW_SPEC, SGDM_SPEC)}
+OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec
+                                        for spec in (ECD_SPEC, SOAP_SPEC, MUON_SPEC, ADAMW_SPEC, SGDM_SPEC)}
 
 __all__ = [
     "OPTIMIZERS",

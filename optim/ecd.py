@@ -225,7 +225,8 @@ class ECD(ShardedOptimizer):
             if first:
                 pi.copy_(g.neg())
             rows.append(self.partial_dots(region.local_params, g, pi, *table[:2]))
-        vec = all_reduce_sum(torch.cat([loss_t, ecd_kernels.sum_by_key(torch.cat(rows), self.block_gather).reshape(-1)]))
+        sums = ecd_kernels.sum_by_key(torch.cat(rows), self.block_gather)
+        vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
         coef = self._coefficients(vec, h, kappa)
         lam = self._lam(device) if any(g["weight_decay"] for g in self.param_groups) else None
         for j, (region, pi, table, g) in enumerate(zip(self.regions, self.flat_state["pi"], self.tables, grads)):

@@ -102,7 +102,8 @@ class OptimizerSpec:
     optimizer: the class, whose constructor takes the parameter groups and, as keyword arguments, the fields of its
     config (their names and defaults are the config's: no third spelling) except decay_groups, which `groups`
     uses; it declares `moments_in_parameter_basis` (whether its first moments are in the parameters' coordinates,
-    which the gauge tools transport). groups(model, cfg): the parameter groups (parameter_groups, or a split of them such as Muon's).
+    which the gauge tools transport). groups(model, cfg): the parameter groups (parameter_groups, or a split of them
+    such as Muon's).
     needs_loss: step() takes the global-batch loss as a device tensor (ECD).
     reduces_gradients: under torchrun the optimizer averages gradients across ranks itself (owner-computes
     sharding, `optim.distributed.ShardedOptimizer`), so the trainer must not wrap the model in

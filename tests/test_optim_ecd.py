@@ -129,7 +129,8 @@ def test_first_step_moves_along_minus_gradient():
 def test_update_is_projected_form_with_renormalised_momentum(energy_conservation):
     model = tiny_model(2)
     lr, eta, F0 = 0.2, 4.0, 0.05
-    opt = ECD(model.parameters(), lr=lr, ecd_eta=eta, ecd_f0=F0, ecd_energy_conservation=energy_conservation, ecd_projection="global")
+    opt = ECD(model.parameters(), lr=lr, ecd_eta=eta, ecd_f0=F0, ecd_energy_conservation=energy_conservation,
+              ecd_projection="global")
     run_ecd(model, opt, 2)
     state = opt.state_dict()
     gen = torch.Generator().manual_seed(3)

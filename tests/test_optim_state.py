@@ -128,7 +128,8 @@ def test_circular_valley_sgdm_keeps_zero_angular_momentum_ecd_with_noise_gains_s
         lambda p: torch.optim.SGD([p], lr=0.01, momentum=0.9), lambda o, p: o.state[p]["momentum_buffer"])
     ecd_velocity = lambda o, p: next(iter(o.unit_velocity().values()))  # noqa: E731
     quiet = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01), ecd_velocity)
-    noisy = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01, ecd_nu=1.0), ecd_velocity)
+    noisy = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01, ecd_nu=1.0),
+                                             ecd_velocity)
     assert max(map(abs, sgdm)) < 1e-12
     assert max(map(abs, quiet)) < 1e-12  # ECD starts along −g: no angular momentum without noise either
     assert max(map(abs, noisy)) > 0.1
