@@ -425,9 +425,15 @@ class RunDirectory:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.seek(0)
-            owner = handle.read().strip() or "another process"
+            owner = ""
+            for _ in range(40):  # the owner writes its name just after taking the lock: give it a moment
+                handle.seek(0)
+                owner = handle.read().strip()
+                if owner:
+                    break
+                time.sleep(0.05)
             handle.close()
+            owner = owner or "another process"
             raise RunInUseError(f"{self.path} is in use by {owner}: wait for it to finish or stop it, or choose "
                                 "another --run-name") from None
         handle.seek(0)

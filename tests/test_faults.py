@@ -24,7 +24,8 @@ from cli import option
 from config import preset_report, section_classes
 from eval import compare, report
 from optim import OPTIMIZERS
-from tests.test_train import ENV, ROOT, VOCAB, corpus, tiny_args, torchrun, train_losses  # noqa: F401 (a fixture)
+from tests.test_train import (  # noqa: F401 (corpus is a fixture)
+    ENV, ROOT, VOCAB, corpus, tiny_args, torchrun, torchrun_in_background, train_losses)
 
 
 def run_in_background(args: list[str]) -> subprocess.Popen:
@@ -35,15 +36,34 @@ def run_in_background(args: list[str]) -> subprocess.Popen:
 # ----- 1. one owner per run directory -----
 
 def test_two_trainers_started_together_on_one_run_name_one_is_refused(corpus, tmp_path):
+    """Whichever claims the directory first runs; the other is refused, as in use (the owner is running) or as
+    holding a run (the owner has finished): never two writers."""
     args = tiny_args(corpus, tmp_path, "twin", steps=40, **{"val-every": 0, "log-every": 10})
     first, second = run_in_background(args), run_in_background(args)
     outputs = [p.communicate(timeout=300)[0] for p in (first, second)]
     codes = sorted(p.returncode for p in (first, second))
     assert codes == [0, 2], outputs
     refused = outputs[[first.returncode, second.returncode].index(2)]
-    assert "is in use by pid" in refused and "choose another --run-name" in refused, refused
+    assert "is in use by pid" in refused or "already holds a run" in refused, refused
+    assert "choose another --run-name" in refused, refused
     records = [json.loads(line) for line in (tmp_path / "twin" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train_loss" in r] == [10, 20, 30, 40]  # one writer
+
+
+def test_a_second_trainer_on_a_running_run_is_refused_naming_the_owner(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "busy", steps=100000, **{"val-every": 0, "log-every": 10})
+    owner = run_in_background(args)
+    for line in owner.stdout:
+        if line.startswith("optimizer state"):  # the owner holds the directory and is stepping
+            break
+    second = run_in_background(args)
+    refused = second.communicate(timeout=300)[0]
+    owner.send_signal(signal.SIGTERM)
+    owner.communicate(timeout=120)
+    assert second.returncode == 2 and owner.returncode == 128 + signal.SIGTERM
+    assert f"is in use by pid {owner.pid} on host" in refused and "choose another --run-name" in refused, refused
+    steps = [r["step"] for r in runs.read_log(tmp_path / "busy") if "train_loss" in r]
+    assert steps == sorted(steps) and len(steps) == len(set(steps))  # one writer
 
 
 def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_no_lock(corpus, tmp_path, capsys):
@@ -68,9 +88,7 @@ def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_
 
 def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_interval(corpus, tmp_path):
     args = tiny_args(corpus, tmp_path, "ranks", steps=100000, **{"val-every": 0, "log-every": 1000})
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = torchrun_in_background(args)
     for line in proc.stdout:
         if line.startswith("optimizer state"):  # the first step is done
             signalled = time.monotonic()

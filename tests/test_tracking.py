@@ -142,7 +142,8 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     log = runs.RunLog(is_master=False)
     rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2)
     trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
-                                    data_record=None, run_dir=None, resumed=None, progress=train_gpt.Progress())
+                                    data_record=None, run_dir=None, resumed=None, progress=train_gpt.Progress(),
+                                    attention=None)
     train_gpt.Trainer.open_run(trainer)
     log.record({"step": 1, "train_loss": 1.0})
     log.close()

@@ -313,11 +313,16 @@ def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
     assert all(resumed[step] == straight[step] for step in resumed)
 
 
-def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
-    args = tiny_args(corpus, tmp_path, "ranks", steps=400, **{"val-every": 0, "log-every": 2})
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+def torchrun_in_background(args: list[str], nproc: int = 2) -> subprocess.Popen:
+    """The trainer under torchrun in a session of its own (so a test can signal the whole job), output piped."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                              str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
+    args = tiny_args(corpus, tmp_path, "ranks", steps=400, **{"val-every": 0, "log-every": 2})
+    proc = torchrun_in_background(args)
     for line in proc.stdout:
         if line.startswith("step 4/"):
             os.killpg(proc.pid, signal.SIGTERM)  # what a scheduler's preemption sends to the whole job
