@@ -174,7 +174,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.is_residual_projection = True
         self.attention_impl = "triton"  # kernels.attention.attention's impl; the trainer sets its choice
         if config.bias_mode == "learned":
-            # Seed 000 App. F: trainable biases initialised from the sampling distribution (restores the symmetry).
+            # arXiv 2601.22257 App. F: trainable biases drawn from the sampling distribution (restore the symmetry).
             shape = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
             self.b_q = nn.Parameter(torch.empty(shape))
             self.b_v = nn.Parameter(torch.empty(shape))
@@ -818,7 +818,8 @@ def main(argv: list[str] | None = None) -> dict:
         with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish()
-    except (runs.RunInUseError, runs.CheckpointError, DataChangedError) as exc:  # refused before any step
+    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, attention_select.Unavailable) as exc:
+        # refused before the first step, with the reason and the fix: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     except BaseException as exc:

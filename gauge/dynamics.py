@@ -112,7 +112,7 @@ def rotational_fraction(charge: Tensor, gram: Tensor, velocity_sq: Tensor) -> Te
 
 
 def rotational_fraction_approx(momentum: Tensor, weight_sq: Tensor, velocity_sq: Tensor, head_dim: int) -> Tensor:
-    """Seed 000 eq. (24): f_rot² ≈ d·|J̃|² / (2(‖W_Q‖² + ‖W_K‖²)(‖u_Q‖² + ‖u_K‖²)); exact when H ∝ I."""
+    """arXiv 2601.22257 eq. (24): f_rot² ≈ d·|J̃|² / (2(‖W_Q‖² + ‖W_K‖²)(‖u_Q‖² + ‖u_K‖²)); exact when H ∝ I."""
     denominator = (2.0 * weight_sq * velocity_sq).clamp_min(1e-300)
     return torch.where(denominator > 1e-300, (head_dim * momentum.square() / denominator).sqrt(), 0.0)
 

@@ -45,6 +45,10 @@ TIE = 0.02
 OUTPUT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # ‖out − SDPA‖ / ‖SDPA‖
 IMPLEMENTATION_FNS = {"triton": attention_triton, "sdpa": attention_reference, "flex": attention_flex}
 
+
+class Unavailable(ValueError):
+    """The implementation asked for (flag or environment) cannot run here: a refusal that names the fix."""
+
 AttentionFn = Callable[..., torch.Tensor]  # f(q, k, v, b_q, b_v, causal) -> (B, H, T, d)
 Timer = Callable[[str, Callable[[], None]], float]  # (candidate, one forward+backward) -> milliseconds per call
 
@@ -220,10 +224,10 @@ def _resolve_request(requested: str, env: Mapping[str, str]) -> tuple[str, str]:
     """(implementation requested, where the request came from): $SYMGPT_ATTENTION_IMPL overrides the flag."""
     if env.get(ENV):
         if env[ENV] not in CHOICES:
-            raise ValueError(f"${ENV}={env[ENV]!r} is not one of {', '.join(CHOICES)}; unset it or pick one")
+            raise Unavailable(f"${ENV}={env[ENV]!r} is not one of {', '.join(CHOICES)}; unset it or pick one")
         return env[ENV], f"${ENV}"
     if requested not in CHOICES:
-        raise ValueError(f"--attention-impl {requested!r} is not one of {', '.join(CHOICES)}")
+        raise Unavailable(f"--attention-impl {requested!r} is not one of {', '.join(CHOICES)}")
     return requested, "--attention-impl"
 
 
@@ -278,7 +282,7 @@ def _decide(requested: str, call: AttentionCall | None, device: torch.device, co
                     record["skipped"][name] = problem
         if requested != "auto":
             if requested not in candidates:
-                raise ValueError(f"{origin} {requested}: {record['skipped'].get(requested, 'not available here')}; "
+                raise Unavailable(f"{origin} {requested}: {record['skipped'].get(requested, 'not available here')}; "
                                  f"use auto or one of {', '.join(candidates)}")
             record.update(choice=requested, source=origin)
         elif len(candidates) == 1:

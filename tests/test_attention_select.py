@@ -315,9 +315,12 @@ def test_the_trainer_records_the_choice_and_resume_selects_again(tmp_path: Path)
     assert "attention: sdpa (the only candidate;" in (run / "log.txt").read_text()
 
 
-def test_a_forced_implementation_that_cannot_run_stops_the_run_before_training(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="--attention-impl triton: the Triton kernel runs on CUDA devices"):
+def test_a_forced_implementation_that_cannot_run_stops_the_run_before_training(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as excinfo:
         train_tiny_run(tmp_path, "--attention-impl", "triton")
+    error = capsys.readouterr().err
+    assert excinfo.value.code == 2 and "Traceback" not in error
+    assert "error: --attention-impl triton: the Triton kernel runs on CUDA devices" in error
     assert not (tmp_path / "tiny" / "checkpoints").exists()
 
 
