@@ -49,6 +49,7 @@ MODELING_FILE = Path(__file__).with_name("modeling_symgpt.py")  # the remote cod
 MODEL_TYPE = "symgpt"
 AUTO_MAP = {"AutoConfig": "modeling_symgpt.SymGPTConfig", "AutoModelForCausalLM": "modeling_symgpt.SymGPTForCausalLM"}
 PRELU_FORMAT = "symgpt-prelu-gpt2-v1"  # PReLU directories written before the remote-code format; still read
+SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 200}  # python -m sample's, also generation_config.json's
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which our model uses
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older GPT-2 files
@@ -126,15 +127,11 @@ def hf_config(config: train_gpt.GPTConfig) -> dict:
 
 
 def generation_config(config: train_gpt.GPTConfig) -> dict:
-    """generation_config.json: `python -m sample`'s sampling defaults (temperature, top-k) and, for GPT-2's
+    """generation_config.json: `python -m sample`'s sampling defaults (SAMPLING_DEFAULTS) and, for GPT-2's
     vocabulary, <|endoftext|> as BOS, EOS and padding."""
-    import sample  # sample imports this module
-
-    defaults = sample.build_parser()
     special = ({"bos_token_id": EOT_TOKEN, "eos_token_id": EOT_TOKEN, "pad_token_id": EOT_TOKEN}
                if config.vocab_size >= GPT2_VOCAB else {})
-    return {"do_sample": True, "temperature": defaults.get_default("temperature"),
-            "top_k": defaults.get_default("top_k"), **special}
+    return {"do_sample": True, **SAMPLING_DEFAULTS, **special}
 
 
 def write_tokenizer(out_dir: Path, config: train_gpt.GPTConfig) -> str | None:

@@ -51,8 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read the prompt from this UTF-8 text file instead")
     parser.add_argument("--max-new-tokens", type=int, default=200, help="tokens generated per sample")
     parser.add_argument("--num-samples", type=int, default=1, help="independent samples (one batch)")
-    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 is greedy decoding")
-    parser.add_argument("--top-k", type=int, default=200, help="sample among the K most likely tokens (0: all)")
+    parser.add_argument("--temperature", type=float, default=export.SAMPLING_DEFAULTS["temperature"],
+                        help="softmax temperature; 0 is greedy decoding")
+    parser.add_argument("--top-k", type=int, default=export.SAMPLING_DEFAULTS["top_k"],
+                        help="sample among the K most likely tokens (0: all)")
     parser.add_argument("--seed", type=int, default=1337, help="seed of the sampling generator")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="where to run")
     parser.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
