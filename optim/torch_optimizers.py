@@ -42,12 +42,13 @@ class SGDMConfig(TorchOptimizerConfig):
     optim_seed: int = flag(0, "seed of the initial velocity", bounds=">= 0", fixed_on_resume=True)
 
 
-def _implementation(params: list[dict], fused: bool) -> dict:
+def _implementation(params: list, fused: bool) -> dict:
     """fused=True on CUDA, foreach elsewhere (torch picks the fastest available kernel); fused=False: the plain
-    per-tensor loop."""
+    per-tensor loop. params: parameter groups or tensors, as torch's optimizers take them."""
     if not fused:
         return {"foreach": False}
-    return {"fused": True} if params[0]["params"][0].is_cuda else {"foreach": True}
+    first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
+    return {"fused": True} if first.is_cuda else {"foreach": True}
 
 
 class AdamW(ClipsGradients, torch.optim.AdamW):
