@@ -36,7 +36,7 @@ from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
 from kernels import attention_select
-from kernels.attention import attention
+from kernels.attention_paths import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
 from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks

@@ -6,7 +6,7 @@
 
 For each shape (B x H x T x d; causal; bf16) it times, forward and forward+backward (median of
 triton.testing.do_bench, CUDA events, after a warm-up that also compiles and autotunes), the three implementations
-that --attention-impl chooses between (kernels/attention.py: `triton`, `sdpa` = SDPA on q + b_Q with b_V added
+that --attention-impl chooses between (kernels/attention_paths.py: `triton`, `sdpa` = SDPA on q + b_Q with b_V added
 after, whichever backend PyTorch dispatches to, and `flex` = FlexAttention with the per-key score term) and SDPA
 pinned to each of its backends (`sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`), each without biases, `+bias` with
 sampled b_Q, b_V of shape (d,) (docs/model.md defaults, no gradient) and, for the three implementations, `+learned`
@@ -38,6 +38,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import kernels.attention as attn  # noqa: E402
+import kernels.attention_paths as paths  # noqa: E402
 from kernels.attention_select import fastest  # noqa: E402
 
 SDPA_BACKENDS = {
@@ -45,7 +46,7 @@ SDPA_BACKENDS = {
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
     "cudnn": SDPBackend.CUDNN_ATTENTION,
 }
-IMPLEMENTATIONS = {"triton": attn.attention_triton, "sdpa": attn.attention_reference, "flex": attn.attention_flex}
+IMPLEMENTATIONS = {"triton": attn.attention_triton, "sdpa": paths.attention_reference, "flex": paths.attention_flex}
 LIBRARY = ("sdpa", *(f"sdpa-{b}" for b in SDPA_BACKENDS), "flex")
 BIASES = ("", "+bias", "+learned")
 DEFAULT_SHAPES = [(16, 12, 1024, 64), (64, 12, 512, 64), (8, 12, 2048, 64), (4, 16, 1024, 128)]
@@ -59,7 +60,7 @@ def attention_flops(B: int, H: int, T: int, d: int, causal: bool) -> float:
 
 def _sdpa_on(backend: SDPBackend, q, k, v, b_q, b_v, causal):
     with sdpa_kernel([backend]):
-        return attn.attention_reference(q, k, v, b_q, b_v, causal)
+        return paths.attention_reference(q, k, v, b_q, b_v, causal)
 
 
 def _bind(fn, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool) -> Variant:
@@ -87,8 +88,8 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
     b_q = 0.5 + torch.linspace(0.05, 0.15, d, device=device) * torch.randn(d, device=device, generator=gen)
     b_v = 0.5 + 0.02 * torch.randn(d, device=device, generator=gen)
     biases = {"": (None, None), "+bias": (b_q, b_v), "+learned": tuple(b.clone().requires_grad_() for b in (b_q, b_v))}
-    ref_plain = attn.attention_reference(q.float(), k.float(), v.float(), causal=causal)
-    ref_bias = attn.attention_reference(q.float(), k.float(), v.float(), b_q, b_v, causal=causal)
+    ref_plain = paths.attention_reference(q.float(), k.float(), v.float(), causal=causal)
+    ref_bias = paths.attention_reference(q.float(), k.float(), v.float(), b_q, b_v, causal=causal)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     fwd_flops = attention_flops(B, H, T, d, causal)

@@ -1,29 +1,21 @@
-"""Causal self-attention with the symmetry-breaking biases b_Q, b_V (docs/model.md#symmetry-breaking-biases).
+"""The Triton attention kernel with the symmetry-breaking biases b_Q, b_V
+(docs/model.md#the-exact-rewrites-in-the-kernel).
 
-`attention(q, k, v, b_q, b_v, causal)` is the single entry point the model calls. q, k, v are (B, H, T, d);
-b_q and b_v are None, (d,) shared across heads, or (H, d) per head. Semantics: scores = (q + b_Q)·kᵀ/√d,
-softmax (causal mask), output = softmax(·)(v + b_V). Because each softmax row sums to one, adding b_V to the
-values equals adding it to the output, which is what the implementations do.
+`attention_triton(q, k, v, b_q, b_v, causal)` computes softmax((q + b_Q)·kᵀ/√d, causal mask)·(v + b_V) for q, k, v
+of shape (B, H, T, d) in fp16, bf16 or fp32 and d in {64, 128}, with b_q, b_v None, (d,) shared across heads or
+(H, d) per head. Its reference is kernels.attention_paths.attention_reference (SDPA), which the model calls through
+kernels.attention_paths.attention; that module imports this one only when the kernel runs, so a CPU run never
+imports Triton.
 
-Three implementations of the same function live here (docs/model.md#three-exact-implementations):
-- `attention_reference`: the library path, PyTorch SDPA on q + b_Q with b_V added to the output (autograd gives
-  the biases' gradients). Runs on every device; in float64, the tests' oracle.
-- `attention_triton`: a FlashAttention-2 style Triton kernel (structure of Triton's fused-attention tutorial:
-  tiled online softmax in fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over
-  key blocks and a separate dQ pass over query blocks, so no atomics). b_Q enters only as a per-key logit bias,
-  (q + b_Q)·k = q·k + b_Q·k (docs/model.md): c_j = b_Q·k_j/√d is computed once per (batch, head) in fp32 (a small
-  kernel before the forward, fused into the backward's preprocess) and added to each score tile, so no q tile is
-  ever modified; the dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is
-  added to the output in the epilogue (and subtracted again where the backward needs softmax·v alone). It is
-  registered as the custom op `symgpt::attention_fwd` / `symgpt::attention_bwd` so torch.compile traces it
-  without a graph break. Gradients of b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time
-  (dQ is also the gradient of q + b_Q).
-- `attention_flex`: FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d (a score_mod) and b_V added
-  to the output; run under torch.compile on CUDA (torch 2.13 has no FlexAttention backward on the CPU).
-
-`attention(..., impl)` dispatches: impl "triton" (the default) uses the Triton op for CUDA tensors in fp16/bf16
-with d in {64, 128} and the reference otherwise; "sdpa" and "flex" name the other two. Which one a training run
-uses is decided once before torch.compile by kernels/attention_select.py (--attention-impl).
+A FlashAttention-2 style kernel with the structure of Triton's fused-attention tutorial: tiled online softmax in
+fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over key blocks and a separate dQ
+pass over query blocks, so no atomics. b_Q enters only as a per-key logit bias, (q + b_Q)·k = q·k + b_Q·k: c_j =
+b_Q·k_j/√d is computed once per (batch, head) in fp32 by a small kernel before the forward, added to each score
+tile (no q tile is ever modified) and returned by the forward with the log-sum-exp, so the backward reuses it; the
+dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is added to the output in
+the epilogue (and subtracted again where the backward needs softmax·v alone). It is registered as the custom ops
+`symgpt::attention_fwd` / `symgpt::attention_bwd`, so torch.compile traces it without a graph break. Gradients of
+b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time (dQ is also the gradient of q + b_Q).
 The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
 model's `y.transpose(1, 2).contiguous()` is free. Tests: tests/test_attention_kernel.py (CPU through Triton's
 interpreter, CUDA in-process); benchmark: bench/attention.py.
@@ -36,55 +28,33 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-HEAD_DIMS = (64, 128)
+from kernels.attention_paths import HEAD_DIMS
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...); see the module docstring
 LOG2_E = 1.4426950408889634
 
 
 # -----------------------------------------------------------------------------
-# Reference (oracle)
-
-def _broadcast_bias(bias: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Return the bias shaped (1, H, 1, d) or (1, 1, 1, d) so it broadcasts over (B, H, T, d)."""
-    if bias.shape == (head_dim,):
-        return bias.view(1, 1, 1, head_dim)
-    if bias.shape == (num_heads, head_dim):
-        return bias.view(1, num_heads, 1, head_dim)
-    raise ValueError(f"bias of shape {tuple(bias.shape)} must be ({head_dim},) or ({num_heads}, {head_dim})")
-
-
-def attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    b_q: torch.Tensor | None = None,
-    b_v: torch.Tensor | None = None,
-    causal: bool = True,
-) -> torch.Tensor:
-    """SDPA with b_Q added to the queries and b_V added to the output (docs/model.md#symmetry-breaking-biases)."""
-    _, num_heads, _, head_dim = q.shape
-    if b_q is not None:
-        q = q + _broadcast_bias(b_q, num_heads, head_dim).to(q.dtype)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    if b_v is not None:
-        out = out + _broadcast_bias(b_v, num_heads, head_dim).to(out.dtype)
-    return out
-
-
-# -----------------------------------------------------------------------------
 # Triton kernels. Logits are kept in base 2: s = q·k · (log2(e)/√d), so the softmax uses exp2 and the saved
-# log-sum-exp is lse2 = m + log2(l). Each pass calls its inner loop once over the blocks that need no mask (the bulk
-# of the work) and once, with MASKED=True, over the few that do: the causal diagonal, or the ragged tail where T is
-# not a multiple of the block (the dK/dV pass needs both: see _attn_bwd_dkdv). A masked step applies the causal mask
-# when CAUSAL and zeroes whatever lies past T. Register pressure is at the sm_90 limit in every pass, and small
-# changes of live ranges decide whether it spills (bench/attention_sass.py): so each range's bounds are computed
-# just before its call, tiles read or written together share one offset computation, and stores add the offsets to
-# the base pointer last.
+# log-sum-exp is lse2 = m + log2(l). Layouts (checked and, where needed, made so by the launchers): q, k and v share
+# one set of strides (stride_b, stride_h, stride_t; unit stride along d), the one stride set every pass takes; the
+# output O, the output gradient dO and the gradients dQ, dK, dV are token-major, (B, T, H, d) memory, whose offsets
+# the kernels derive from H, T and d (_token_major); lse2, delta and the keys' logit biases c are (B·H, T) fp32.
+# Each pass calls its inner loop once over the blocks that need no mask (the bulk of the work) and once, with
+# MASKED=True, over the few that do: the causal diagonal, or the ragged tail where T is not a multiple of the block
+# (the dK/dV pass needs both: see _attn_bwd_dkdv). A masked step applies the causal mask when CAUSAL and zeroes
+# whatever lies past T. Register pressure is at the sm_90 limit in every pass, and small changes of live ranges
+# decide whether it spills: so each range's bounds are computed just before its call, tiles read or written
+# together share one offset computation, and stores add the offsets to the base pointer last.
+
+@triton.jit
+def _token_major(base, off_b, off_h, H, T, HEAD_DIM: tl.constexpr):
+    """The (batch, head) matrix of a token-major (B, T, H, d) tensor at `base`; its rows are H·d apart."""
+    return base + off_b * T * H * HEAD_DIM + off_h * HEAD_DIM
+
 
 @triton.jit
 def _load_rows(base, rows, stride_t, T, HEAD_DIM: tl.constexpr, BOUNDS: tl.constexpr):
@@ -98,14 +68,13 @@ def _load_rows(base, rows, stride_t, T, HEAD_DIM: tl.constexpr, BOUNDS: tl.const
 
 
 @triton.jit
-def _load_row_pair(A, B, rows, stride_at, stride_bt, T, HEAD_DIM: tl.constexpr, BOUNDS: tl.constexpr):
-    """The same rows of two matrices of one (batch, head), as _load_rows: (k, v) or (q, dO)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    a_ptrs = A + rows[:, None] * stride_at + offs_d[None, :]
-    b_ptrs = B + rows[:, None] * stride_bt + offs_d[None, :]
+def _load_row_pair(A, B, rows, stride_t, T, HEAD_DIM: tl.constexpr, BOUNDS: tl.constexpr):
+    """The same rows of two matrices laid out alike, (k, v) or (O, dO), as _load_rows, from one offset tile."""
+    offs = rows[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :]
     if BOUNDS:
-        return tl.load(a_ptrs, mask=rows[:, None] < T, other=0.0), tl.load(b_ptrs, mask=rows[:, None] < T, other=0.0)
-    return tl.load(a_ptrs), tl.load(b_ptrs)
+        inside = rows[:, None] < T
+        return tl.load(A + offs, mask=inside, other=0.0), tl.load(B + offs, mask=inside, other=0.0)
+    return tl.load(A + offs), tl.load(B + offs)
 
 
 @triton.jit
@@ -132,21 +101,31 @@ def _load_per_token(base, idx, T, other, BOUNDS: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, lo, hi, T, qk_scale,
+def _score_tile(q, K, V, C, stride_t, offs_m, cols, T, qk_scale, HEAD_DIM: tl.constexpr, HAS_BQ: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """(k, v, s) of the key block `cols` for the query rows offs_m (forward and dQ passes): the base-2 scores
+    s = q·kᵀ·log2(e)/√d + c, −inf where a MASKED step masks them (causal, or keys past T)."""
+    k, v = _load_row_pair(K, V, cols, stride_t, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+    if HAS_BQ:
+        s += _load_per_token(C, cols, T, 0.0, BOUNDS=MASKED)[None, :]
+    if MASKED:
+        keep = cols[None, :] < T
+        if CAUSAL:
+            keep = keep & (offs_m[:, None] >= cols[None, :])
+        s = tl.where(keep, s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_t, offs_m, lo, hi, T, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL: tl.constexpr,
                     MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Online softmax over the key blocks starting in [lo, hi); K, V, C point at this (batch, head)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)
-        k, v = _load_row_pair(K, V, cols, stride_kt, stride_vt, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if HAS_BQ:
-            s += _load_per_token(C, cols, T, 0.0, BOUNDS=MASKED)[None, :]
-        if MASKED:
-            keep = cols[None, :] < T
-            if CAUSAL:
-                keep = keep & (offs_m[:, None] >= cols[None, :])
-            s = tl.where(keep, s, float("-inf"))
+        k, v, s = _score_tile(q, K, V, C, stride_t, offs_m, cols, T, qk_scale, HEAD_DIM=HEAD_DIM, HAS_BQ=HAS_BQ,
+                              CAUSAL=CAUSAL, MASKED=MASKED, INPUT_PRECISION=INPUT_PRECISION)
         # every row sees at least one unmasked key in its first block, so m_new is finite and no NaN appears
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -169,91 +148,78 @@ def _query_block(H, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _key_logit_bias_rows(K_head, BQ_head, stride_kt, offs_t, T, qk_scale, HEAD_DIM: tl.constexpr):
-    """c_t = (b_Q · k_t) · log2(e)/√d in fp32 for the keys offs_t of one (batch, head): b_Q's whole effect on the
-    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases)."""
-    k = _load_rows(K_head, offs_t, stride_kt, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
-    b_q = tl.load(BQ_head + tl.arange(0, HEAD_DIM)).to(tl.float32)
-    return tl.sum(k.to(tl.float32) * b_q[None, :], 1) * qk_scale
-
-
-@triton.jit
-def _key_logit_bias(K, BQ, C, stride_kb, stride_kh, stride_kt, stride_bqh, H, T, qk_scale,
+def _key_logit_bias(K, BQ, C, stride_b, stride_h, stride_t, stride_bqh, H, T, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """C[b, h, t] = c_t for BLOCK keys of one (batch, head) (see _key_logit_bias_rows); runs before the forward."""
+    """C[b, h, t] = (b_Q · k_t) · log2(e)/√d in fp32 for BLOCK keys of one (batch, head): b_Q's whole effect on the
+    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases). Runs before the forward,
+    which returns C for the backward to reuse."""
     off_bh = tl.program_id(1)
+    off_b, off_h = off_bh // H, off_bh % H
     offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = _key_logit_bias_rows(K + (off_bh // H) * stride_kb + (off_bh % H) * stride_kh, BQ + (off_bh % H) * stride_bqh,
-                             stride_kt, offs_t, T, qk_scale, HEAD_DIM=HEAD_DIM)
-    tl.store(C + off_bh * T + offs_t, c, mask=offs_t < T)
+    k = _load_rows(K + off_b * stride_b + off_h * stride_h, offs_t, stride_t, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    b_q = tl.load(BQ + off_h * stride_bqh + tl.arange(0, HEAD_DIM)).to(tl.float32)
+    tl.store(C + off_bh * T + offs_t, tl.sum(k.to(tl.float32) * b_q[None, :], 1) * qk_scale, mask=offs_t < T)
 
 
 @triton.jit
-def _attn_fwd(Q, K, V, C, BV, O, LSE,
-              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-              stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-              stride_bvh, H, T, qk_scale,
+def _attn_fwd(Q, K, V, C, BV, O, LSE, stride_b, stride_h, stride_t, stride_bvh, H, T, qk_scale,
               HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr, HAS_BV: tl.constexpr,
               INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: BLOCK_M query rows of one (batch, head). Writes O = softmax((q·kᵀ + b_Q·kᵀ)/√d)v + b_V and lse2
     (C holds the keys' logit biases b_Q·k/√d in base 2 when HAS_BQ)."""
     off_bh, off_b, off_h, start_m, offs_m = _query_block(H, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M)
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qt, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
-    K += off_b * stride_kb + off_h * stride_kh
-    V += off_b * stride_vb + off_h * stride_vh
+    head = off_b * stride_b + off_h * stride_h
+    q = _load_rows(Q + head, offs_m, stride_t, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    K += head
+    V += head
     C += off_bh * T
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bulk_end = start_m if CAUSAL else (T // BLOCK_N) * BLOCK_N  # keys no row of this block needs masked
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, 0, bulk_end, T, qk_scale,
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_t, offs_m, 0, bulk_end, T, qk_scale,
                                     HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=False,
                                     INPUT_PRECISION=INPUT_PRECISION)
     masked_end = min(start_m + BLOCK_M, T) if CAUSAL else T  # after the bulk loop: see the note above
-    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_kt, stride_vt, offs_m, bulk_end, masked_end, T,
-                                    qk_scale, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
-                                    MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
+    acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, K, V, C, stride_t, offs_m, bulk_end, masked_end, T, qk_scale,
+                                    HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=True,
+                                    INPUT_PRECISION=INPUT_PRECISION)
 
     out = acc / l_i[:, None]
     if HAS_BV:
         out += tl.load(BV + off_h * stride_bvh + tl.arange(0, HEAD_DIM)).to(tl.float32)[None, :]
-    _store_rows(O + off_b * stride_ob + off_h * stride_oh, offs_m, stride_ot, T, out, HEAD_DIM=HEAD_DIM)
+    _store_rows(_token_major(O, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM), offs_m, H * HEAD_DIM, T, out,
+                HEAD_DIM=HEAD_DIM)
     tl.store(LSE + off_bh * T + offs_m, m_i + tl.math.log2(l_i), mask=offs_m < T)
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, BV, DELTA, K, BQ, C,
-                         stride_ob, stride_oh, stride_ot, stride_dob, stride_doh, stride_dot, stride_bvh,
-                         stride_kb, stride_kh, stride_kt, stride_bqh, H, T, qk_scale,
-                         HEAD_DIM: tl.constexpr, HAS_BV: tl.constexpr, HAS_BQ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta_i = Σ_j P_ij dP_ij = dO_i · (O_i − b_V): the softmax-backward row term (b_V is not part of P·V); and
-    the keys' logit biases c (as the forward's _key_logit_bias) when HAS_BQ."""
+def _attn_bwd_preprocess(O, DO, BV, DELTA, stride_bvh, H, T, HEAD_DIM: tl.constexpr, HAS_BV: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    """delta_i = Σ_j P_ij dP_ij = dO_i · (O_i − b_V): the softmax-backward row term (b_V is not part of P·V)."""
     off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    off_b, off_h = off_bh // H, off_bh % H
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    o, do = _load_row_pair(O + off_b * stride_ob + off_h * stride_oh, DO + off_b * stride_dob + off_h * stride_doh,
-                           offs_m, stride_ot, stride_dot, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    o, do = _load_row_pair(_token_major(O, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM),
+                           _token_major(DO, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM), offs_m, H * HEAD_DIM, T,
+                           HEAD_DIM=HEAD_DIM, BOUNDS=True)
     o, do = o.to(tl.float32), do.to(tl.float32)
     if HAS_BV:
         o -= tl.load(BV + off_h * stride_bvh + tl.arange(0, HEAD_DIM)).to(tl.float32)[None, :]
     tl.store(DELTA + off_bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
-    if HAS_BQ:
-        c = _key_logit_bias_rows(K + off_b * stride_kb + off_h * stride_kh, BQ + off_h * stride_bqh, stride_kt,
-                                 offs_m, T, qk_scale, HEAD_DIM=HEAD_DIM)
-        tl.store(C + off_bh * T + offs_m, c, mask=offs_m < T)
 
 
 @triton.jit
-def _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n, lo, hi, T,
-                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BQ: tl.constexpr,
+def _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_t, offs_n, lo, hi, H, T, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BQ: tl.constexpr,
                          CAUSAL: tl.constexpr, MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Accumulate dK (without b_Q's term), dV and Σ_i dS_ij of one key block over the query blocks starting in
     [lo, hi) (transposed: keys are rows); c is the block's key logit biases."""
     for start_m in range(lo, hi, BLOCK_M):
         rows = tl.multiple_of(start_m, BLOCK_M) + tl.arange(0, BLOCK_M)
-        q, do = _load_row_pair(Q, DO, rows, stride_qt, stride_dot, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
+        q = _load_rows(Q, rows, stride_t, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
+        do = _load_rows(DO, rows, H * HEAD_DIM, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
         lse = _load_per_token(LSE, rows, T, float("inf"), BOUNDS=MASKED)  # P = 0 on rows past T
         delta = _load_per_token(DELTA, rows, T, 0.0, BOUNDS=MASKED)
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION) * qk_scale
@@ -272,11 +238,8 @@ def _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, 
 
 
 @triton.jit
-def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV,
-                   stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                   stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                   stride_gb, stride_gh, stride_gt, stride_bqh, H, T, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
+def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV, stride_b, stride_h, stride_t, stride_bqh, H, T,
+                   qk_scale, sm_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dK = Σ dSᵀ(q + b_Q)/√d = (Σ dSᵀq + b_Q Σ dSᵀ)/√d and dV = Σ Pᵀ dO for BLOCK_N keys of one
     (batch, head).
@@ -287,16 +250,15 @@ def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV,
     this pass has two masked ranges around its bulk; both use the same MASKED step (the causal mask keeps every
     entry of the tail, whose rows all follow these keys)."""
     off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    off_b, off_h = off_bh // H, off_bh % H
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
 
-    k, v = _load_row_pair(K + off_b * stride_kb + off_h * stride_kh, V + off_b * stride_vb + off_h * stride_vh, offs_n,
-                          stride_kt, stride_vt, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    head = off_b * stride_b + off_h * stride_h
+    k, v = _load_row_pair(K + head, V + head, offs_n, stride_t, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
     c = _load_per_token(C + off_bh * T, offs_n, T, 0.0, BOUNDS=True) if HAS_BQ else tl.zeros([BLOCK_N], tl.float32)
-    Q += off_b * stride_qb + off_h * stride_qh
-    DO += off_b * stride_dob + off_h * stride_doh
+    Q += head
+    DO = _token_major(DO, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM)
     LSE += off_bh * T
     DELTA += off_bh * T
 
@@ -304,43 +266,35 @@ def _attn_bwd_dkdv(Q, K, V, BQ, C, DO, LSE, DELTA, DK, DV,
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     ds_sum = tl.zeros([BLOCK_N], tl.float32)
     bulk_start = start_n + BLOCK_N if CAUSAL else 0  # a multiple of BLOCK_M; no earlier row sees these keys
-    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n,
-                                          start_n, min(bulk_start, T), T, qk_scale,
-                                          HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
-                                          MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
+    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_t, offs_n, start_n,
+                                          min(bulk_start, T), H, T, qk_scale, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                                          HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
     bulk_end = (T // BLOCK_M) * BLOCK_M
-    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n,
-                                          bulk_start, bulk_end, T, qk_scale,
-                                          HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
-                                          MASKED=False, INPUT_PRECISION=INPUT_PRECISION)
-    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_qt, stride_dot, offs_n,
-                                          max(bulk_end, bulk_start), T, T, qk_scale,
-                                          HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL,
-                                          MASKED=True, INPUT_PRECISION=INPUT_PRECISION)
+    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_t, offs_n, bulk_start,
+                                          bulk_end, H, T, qk_scale, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK_M,
+                                          HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=False, INPUT_PRECISION=INPUT_PRECISION)
+    dk, dv, ds_sum = _attn_bwd_dkdv_inner(dk, dv, ds_sum, k, v, c, Q, DO, LSE, DELTA, stride_t, offs_n,
+                                          max(bulk_end, bulk_start), T, H, T, qk_scale, HEAD_DIM=HEAD_DIM,
+                                          BLOCK_M=BLOCK_M, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=True,
+                                          INPUT_PRECISION=INPUT_PRECISION)
     if HAS_BQ:  # b_Q's rank-1 term: dK_j += b_Q Σ_i dS_ij (the 1/√d follows below)
         dk += ds_sum[:, None] * tl.load(BQ + off_h * stride_bqh + tl.arange(0, HEAD_DIM)).to(tl.float32)[None, :]
 
-    _store_row_pair(DK + off_b * stride_gb + off_h * stride_gh, DV + off_b * stride_gb + off_h * stride_gh, offs_n,
-                    stride_gt, T, dk * sm_scale, dv, HEAD_DIM=HEAD_DIM)
+    _store_row_pair(_token_major(DK, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM),
+                    _token_major(DV, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM), offs_n, H * HEAD_DIM, T, dk * sm_scale,
+                    dv, HEAD_DIM=HEAD_DIM)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, lo, hi, T, qk_scale,
+def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_t, offs_m, lo, hi, T, qk_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BQ: tl.constexpr, CAUSAL: tl.constexpr,
                        MASKED: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """Accumulate dQ of one query block over the key blocks starting in [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = tl.multiple_of(start_n, BLOCK_N) + tl.arange(0, BLOCK_N)
-        k, v = _load_row_pair(K, V, cols, stride_kt, stride_vt, T, HEAD_DIM=HEAD_DIM, BOUNDS=MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-        if HAS_BQ:
-            s += _load_per_token(C, cols, T, 0.0, BOUNDS=MASKED)[None, :]
-        p = tl.math.exp2(s - lse[:, None])
-        if MASKED:
-            keep = cols[None, :] < T
-            if CAUSAL:
-                keep = keep & (offs_m[:, None] >= cols[None, :])
-            p = tl.where(keep, p, 0.0)
+        k, v, s = _score_tile(q, K, V, C, stride_t, offs_m, cols, T, qk_scale, HEAD_DIM=HEAD_DIM, HAS_BQ=HAS_BQ,
+                              CAUSAL=CAUSAL, MASKED=MASKED, INPUT_PRECISION=INPUT_PRECISION)
+        p = tl.math.exp2(s - lse[:, None])  # 0 where masked (s = −inf) and on rows past T (lse = +inf)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -348,33 +302,33 @@ def _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, off
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, C, DO, LSE, DELTA, DQ,
-                 stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-                 stride_vb, stride_vh, stride_vt, stride_dob, stride_doh, stride_dot,
-                 stride_gb, stride_gh, stride_gt, H, T, qk_scale, sm_scale,
+def _attn_bwd_dq(Q, K, V, C, DO, LSE, DELTA, DQ, stride_b, stride_h, stride_t, H, T, qk_scale, sm_scale,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, HAS_BQ: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program: dQ = Σ dS k/√d for BLOCK_M query rows of one (batch, head); also the gradient of q + b_Q
     (b_Q itself enters only through the key logit biases C)."""
     off_bh, off_b, off_h, start_m, offs_m = _query_block(H, CAUSAL=CAUSAL, BLOCK_M=BLOCK_M)
-    q, do = _load_row_pair(Q + off_b * stride_qb + off_h * stride_qh, DO + off_b * stride_dob + off_h * stride_doh,
-                           offs_m, stride_qt, stride_dot, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    head = off_b * stride_b + off_h * stride_h
+    q = _load_rows(Q + head, offs_m, stride_t, T, HEAD_DIM=HEAD_DIM, BOUNDS=True)
+    do = _load_rows(_token_major(DO, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM), offs_m, H * HEAD_DIM, T,
+                    HEAD_DIM=HEAD_DIM, BOUNDS=True)
     lse = _load_per_token(LSE + off_bh * T, offs_m, T, float("inf"), BOUNDS=True)
     delta = _load_per_token(DELTA + off_bh * T, offs_m, T, 0.0, BOUNDS=True)
-    K += off_b * stride_kb + off_h * stride_kh
-    V += off_b * stride_vb + off_h * stride_vh
+    K += head
+    V += head
     C += off_bh * T
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bulk_end = start_m if CAUSAL else (T // BLOCK_N) * BLOCK_N  # keys no row of this block needs masked
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, 0, bulk_end, T, qk_scale,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_t, offs_m, 0, bulk_end, T, qk_scale,
                             HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=False,
                             INPUT_PRECISION=INPUT_PRECISION)
     masked_end = min(start_m + BLOCK_M, T) if CAUSAL else T  # after the bulk loop: see the note above
-    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_kt, stride_vt, offs_m, bulk_end, masked_end, T,
-                            qk_scale, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=True,
+    dq = _attn_bwd_dq_inner(dq, q, do, lse, delta, K, V, C, stride_t, offs_m, bulk_end, masked_end, T, qk_scale,
+                            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N, HAS_BQ=HAS_BQ, CAUSAL=CAUSAL, MASKED=True,
                             INPUT_PRECISION=INPUT_PRECISION)
-    _store_rows(DQ + off_b * stride_gb + off_h * stride_gh, offs_m, stride_gt, T, dq * sm_scale, HEAD_DIM=HEAD_DIM)
+    _store_rows(_token_major(DQ, off_b, off_h, H, T, HEAD_DIM=HEAD_DIM), offs_m, H * HEAD_DIM, T, dq * sm_scale,
+                HEAD_DIM=HEAD_DIM)
 
 
 # -----------------------------------------------------------------------------
@@ -463,8 +417,21 @@ def _token_major_empty(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty((b, t, h, d)).transpose(1, 2)
 
 
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _as_token_major(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its memory is token-major (the op's own outputs, and the model's output gradient), else a
+    token-major copy: the layout the kernels derive for O, dO, dQ, dK and dV."""
+    return x if x.transpose(1, 2).is_contiguous() else _token_major_empty(x).copy_(x)
+
+
+def _shared_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v as the kernels take them: one set of strides for the three (size-1 dimensions aside) and unit stride
+    along d. The model's q, k, v, views of one QKV projection, already share it; others become contiguous copies."""
+    def strides(x: torch.Tensor) -> list[int]:
+        return [s for s, n in zip(x.stride(), x.shape) if n > 1]
+
+    if strides(q) == strides(k) == strides(v) and (q.shape[-1] == 1 or q.stride(-1) == 1):
+        return q, k, v
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 def _bias_arg(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -475,20 +442,14 @@ def _bias_arg(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return bias, (bias.shape[-1] if bias.dim() == 2 else 0)
 
 
-def _strides(x: torch.Tensor) -> tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
 def _launch_meta(q: torch.Tensor) -> dict:
     return {"HEAD_DIM": q.shape[-1], "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
 
 
-def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, blocks: list[int], grid, args: tuple, meta: dict) -> None:
-    """Run one pass: the forced `blocks` (tests), the autotuned kernel (SYMGPT_ATTENTION_AUTOTUNE=1) or the shipped
-    tile. `grid(block_m, block_n)` is the launch grid; blocks are given as (BLOCK_M, BLOCK_N) of this pass."""
-    if blocks:
-        kernel[grid(*blocks)](*args, **meta, BLOCK_M=blocks[0], BLOCK_N=blocks[1])
-    elif os.environ.get(AUTOTUNE_ENV) == "1":
+def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, grid, args: tuple, meta: dict) -> None:
+    """Run one pass: the shipped tile (tile_for) or, with SYMGPT_ATTENTION_AUTOTUNE=1, the autotuned kernel.
+    `grid(block_m, block_n)` is the launch grid."""
+    if os.environ.get(AUTOTUNE_ENV) == "1":
         tuned[lambda cfg: grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
     else:
         tile = tile_for(pass_name, q)
@@ -497,76 +458,72 @@ def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, blocks: list[int], g
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
-             b_v: torch.Tensor | None, causal: bool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+             b_v: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, stats): stats[0] is lse2 and, with b_Q, stats[1] the keys' logit biases c, one fp32 allocation."""
+    q, k, v = _shared_layout(q, k, v)
     B, H, T, D = q.shape
     qk_scale = LOG2_E / math.sqrt(D)
     o = _token_major_empty(q)
-    lse = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
-    c = lse  # a placeholder pointer without b_Q
+    stats = q.new_empty((1 if b_q is None else 2, B, H, T), dtype=torch.float32)
+    lse, c = stats[0], stats[-1]  # without b_Q, c is a pointer the kernels never read
     if b_q is not None:
         bq, stride_bqh = _bias_arg(b_q, q)
-        c = torch.empty_like(lse)
-        _key_logit_bias[(triton.cdiv(T, _ROWS_BLOCK), B * H)](k, bq, c, *_strides(k), stride_bqh, H, T, qk_scale,
+        _key_logit_bias[(triton.cdiv(T, _ROWS_BLOCK), B * H)](k, bq, c, *q.stride()[:3], stride_bqh, H, T, qk_scale,
                                                              HEAD_DIM=D, BLOCK=_ROWS_BLOCK)
     bv, stride_bvh = _bias_arg(b_v, q)
-    args = (q, k, v, c, bv, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o), stride_bvh, H, T,
-            qk_scale)
     meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
-    _launch(_attn_fwd, _attn_fwd_tuned, "fwd", q, blocks, lambda m, n: (triton.cdiv(T, m), B * H), args, meta)
-    return o, lse
+    _launch(_attn_fwd, _attn_fwd_tuned, "fwd", q, lambda m, n: (triton.cdiv(T, m), B * H),
+            (q, k, v, c, bv, o, lse, *q.stride()[:3], stride_bvh, H, T, qk_scale), meta)
+    return o, stats
 
 
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool,
-              blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    do, q, k, v = (_last_dim_contiguous(x) for x in (do, q, k, v))
+              stats: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = _shared_layout(q, k, v)
+    do, o = _as_token_major(do), _as_token_major(o)
     B, H, T, D = q.shape
     sm_scale = 1.0 / math.sqrt(D)
     qk_scale = sm_scale * LOG2_E
     bq, stride_bqh = _bias_arg(b_q, q)
     bv, stride_bvh = _bias_arg(b_v, q)
+    lse, c = stats[0], stats[-1]  # c: the forward's key logit biases
 
     delta = torch.empty_like(lse)
-    c = torch.empty_like(lse) if b_q is not None else lse  # the forward's key logit biases, recomputed here
-    _attn_bwd_preprocess[(triton.cdiv(T, _ROWS_BLOCK), B * H)](
-        o, do, bv, delta, k, bq, c, *_strides(o), *_strides(do), stride_bvh, *_strides(k), stride_bqh, H, T,
-        qk_scale, HEAD_DIM=D, HAS_BV=b_v is not None, HAS_BQ=b_q is not None, BLOCK_M=_ROWS_BLOCK)
-
+    _attn_bwd_preprocess[(triton.cdiv(T, _ROWS_BLOCK), B * H)](o, do, bv, delta, stride_bvh, H, T, HEAD_DIM=D,
+                                                               HAS_BV=b_v is not None, BLOCK_M=_ROWS_BLOCK)
     dq, dk, dv = _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
-    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq))
     meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None)
-    _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", q, blocks[::-1],  # keys per program come first in blocks
-            lambda m, n: (triton.cdiv(T, n), B * H),
-            (q, k, v, bq, c, do, lse, delta, dk, dv, *strides, stride_bqh, H, T, qk_scale, sm_scale), meta)
-    _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", q, blocks, lambda m, n: (triton.cdiv(T, m), B * H),
-            (q, k, v, c, do, lse, delta, dq, *strides, H, T, qk_scale, sm_scale), meta)
+    _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", q, lambda m, n: (triton.cdiv(T, n), B * H),
+            (q, k, v, bq, c, do, lse, delta, dk, dv, *q.stride()[:3], stride_bqh, H, T, qk_scale, sm_scale), meta)
+    _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", q, lambda m, n: (triton.cdiv(T, m), B * H),
+            (q, k, v, c, do, lse, delta, dq, *q.stride()[:3], H, T, qk_scale, sm_scale), meta)
     return dq, dk, dv
 
 
 @torch.library.custom_op("symgpt::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
-                      b_v: torch.Tensor | None, causal: bool, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse2); blocks = [] autotunes, [BLOCK_M, BLOCK_N] forces the tile shape (tests, interpreter)."""
-    return _forward(q, k, v, b_q, b_v, causal, blocks)
+                      b_v: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, stats): lse2 and, with b_Q, the keys' logit biases c, which the backward reuses."""
+    return _forward(q, k, v, b_q, b_v, causal)
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, b_q, b_v, causal, blocks):
+def _(q, k, v, b_q, b_v, causal):
     B, H, T, _ = q.shape
-    return _token_major_empty(q), q.new_empty((B, H, T), dtype=torch.float32)
+    return _token_major_empty(q), q.new_empty((1 if b_q is None else 2, B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("symgpt::attention_bwd", mutates_args=())
 def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool,
-                      blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      stats: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv); dq is also the gradient of q + b_Q."""
-    return _backward(do, q, k, v, o, lse, b_q, b_v, causal, blocks)
+    return _backward(do, q, k, v, o, stats, b_q, b_v, causal)
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, b_q, b_v, causal, blocks):
+def _(do, q, k, v, o, stats, b_q, b_v, causal):
     return _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
 
 
@@ -577,28 +534,27 @@ def _bias_grad(grad: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, b_q, b_v, causal, blocks = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, b_q, b_v)
-    ctx.causal, ctx.blocks = causal, blocks
+    q, k, v, b_q, b_v, causal = inputs
+    ctx.save_for_backward(q, k, v, *output, b_q, b_v)
+    ctx.causal = causal
 
 
-def _attention_backward(ctx, grad_out, grad_lse):
-    q, k, v, o, lse, b_q, b_v = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd_op(grad_out, q, k, v, o, lse, b_q, b_v, ctx.causal, ctx.blocks)
+def _attention_backward(ctx, grad_out, grad_stats):
+    q, k, v, o, stats, b_q, b_v = ctx.saved_tensors
+    dq, dk, dv = _attention_bwd_op(grad_out, q, k, v, o, stats, b_q, b_v, ctx.causal)
     db_q = _bias_grad(dq, b_q) if b_q is not None and ctx.needs_input_grad[3] else None
     db_v = _bias_grad(grad_out, b_v) if b_v is not None and ctx.needs_input_grad[4] else None
-    return dq, dk, dv, db_q, db_v, None, None
+    return dq, dk, dv, db_q, db_v, None
 
 
 _attention_fwd_op.register_autograd(_attention_backward, setup_context=_setup_context)
 
 
 # -----------------------------------------------------------------------------
-# Public entry points
+# Entry point
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
-                  b_v: torch.Tensor | None, blocks: tuple[int, int] | None) -> None:
+                  b_v: torch.Tensor | None) -> None:
     if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"attention_triton: q, k, v must share one (B, H, T, d) shape; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
@@ -606,9 +562,10 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.
         raise ValueError(f"attention_triton: q, k, v must share one dtype in {DTYPES}; got {q.dtype}, {k.dtype}, "
                          f"{v.dtype} (use attention_reference for others)")
     _, num_heads, _, head_dim = q.shape
-    if q.numel() >= 2**31:
-        raise ValueError(f"attention_triton: q has {q.numel()} elements; the kernel's int32 offsets need fewer than "
-                         "2**31 (split the batch)")
+    span = max(q.numel(), *(1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) for x in (q, k, v)))
+    if span >= 2**31:  # the outputs hold q.numel() elements; a view of a projection reaches further
+        raise ValueError(f"attention_triton: q, k, v span {span} elements; the kernel's int32 offsets need fewer "
+                         "than 2**31 (split the batch)")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"attention_triton: head dim {head_dim} is not supported; the kernel handles {HEAD_DIMS} "
                          "(use attention_reference for others)")
@@ -619,11 +576,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.
                                  f"shared across heads or ({num_heads}, {head_dim}) per head")
             if bias.device != q.device:
                 raise ValueError(f"attention_triton: {name} is on {bias.device} but q is on {q.device}")
-    if blocks is not None:
-        m, n = blocks
-        if not all(x >= 16 and x & (x - 1) == 0 for x in (m, n)) or m % n:
-            raise ValueError(f"attention_triton: blocks={blocks} must be powers of two >= 16 with "
-                             "BLOCK_M a multiple of BLOCK_N, e.g. (32, 16)")
 
 
 def attention_triton(
@@ -633,106 +585,8 @@ def attention_triton(
     b_q: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None,
     causal: bool = True,
-    blocks: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel on any device Triton runs on (CUDA, or the CPU interpreter with TRITON_INTERPRET=1).
-
-    blocks=None autotunes the tile shapes; (BLOCK_M, BLOCK_N) forces them (query rows per program and keys per
-    step in the forward and dQ passes, swapped for the dK/dV pass), which tests use to exercise multi-block and
-    ragged-tail paths on tiny inputs.
-    """
-    _check_inputs(q, k, v, b_q, b_v, blocks)
-    out, _ = torch.ops.symgpt.attention_fwd(q, k, v, b_q, b_v, causal, list(blocks or ()))
-    return out
-
-
-def _causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-@functools.lru_cache(maxsize=8)
-def _causal_block_mask(seq_len: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(_causal, None, None, seq_len, seq_len, device=device)
-
-
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def attention_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    b_q: torch.Tensor | None = None,
-    b_v: torch.Tensor | None = None,
-    causal: bool = True,
-) -> torch.Tensor:
-    """FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d, since (q + b_Q)·k = q·k + b_Q·k, and b_V
-    added to the output (docs/model.md#three-exact-implementations). c is computed in fp32; its gradient reaches k
-    and b_Q through autograd. Inside torch.compile it is traced with the model; called eagerly on CUDA it runs a
-    compiled FlexAttention (eager FlexAttention materialises the scores). The CPU has a forward only."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    _, num_heads, seq_len, head_dim = q.shape
-    compiling = torch.compiler.is_compiling()
-    block_mask = None
-    if causal:  # built with the model when compiling, else once per length
-        block_mask = (create_block_mask(_causal, None, None, seq_len, seq_len, device=q.device) if compiling
-                      else _causal_block_mask(seq_len, q.device))
-    score_mod = None
-    if b_q is not None:  # elementwise products and a sum: fp32 under autocast too
-        key_bias = (k.float() * _broadcast_bias(b_q, num_heads, head_dim).float()).sum(-1) / math.sqrt(head_dim)
-
-        def add_key_bias(score, b, h, q_idx, kv_idx):
-            return score + key_bias[b, h, kv_idx]
-
-        score_mod = add_key_bias
-
-    flex = flex_attention if compiling or not q.is_cuda else _compiled_flex_attention()
-    out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    if b_v is not None:
-        out = out + _broadcast_bias(b_v, num_heads, head_dim).to(out.dtype)
-    return out
-
-
-def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why `attention(impl="triton")` would not run the Triton kernel for these inputs; None when it does."""
-    if device_type != "cuda":
-        return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
-    if dtype not in (torch.float16, torch.bfloat16):
-        return f"the Triton kernel is used for float16 and bfloat16 (this call is {str(dtype).removeprefix('torch.')})"
-    if head_dim not in HEAD_DIMS:
-        return f"the Triton kernel handles head dims {HEAD_DIMS} (this model's is {head_dim})"
-    return None
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    b_q: torch.Tensor | None = None,
-    b_v: torch.Tensor | None = None,
-    causal: bool = True,
-    impl: str = "triton",
-) -> torch.Tensor:
-    """Attention with optional symmetry-breaking biases; the model's only attention call.
-
-    impl "triton": CUDA fp16/bf16 inputs with d in {64, 128} and as many keys as queries run the Triton kernel and
-    everything else (CPU, fp32, other head dims, a generation step's queries against its KV cache) runs SDPA;
-    "sdpa": always SDPA (attention_reference); "flex": FlexAttention (attention_flex).
-    The model carries impl as a plain attribute, so torch.compile sees a constant and traces one path.
-    """
-    if impl == "flex":
-        return attention_flex(q, k, v, b_q, b_v, causal)
-    if impl == "triton":
-        if (kernel_problem(q.device.type, q.dtype, q.shape[-1]) is None and k.shape == q.shape
-                and k.dtype == q.dtype == v.dtype):
-            return attention_triton(q, k, v, b_q, b_v, causal)
-    elif impl != "sdpa":
-        raise ValueError(f"attention: impl {impl!r} is not one of {IMPLEMENTATIONS}")
-    return attention_reference(q, k, v, b_q, b_v, causal)
+    """The Triton kernel on any device Triton runs on (CUDA, or the CPU interpreter with TRITON_INTERPRET=1), with
+    the shipped tile of each pass (TILES, tile_for) or, with SYMGPT_ATTENTION_AUTOTUNE=1, autotuned tiles."""
+    _check_inputs(q, k, v, b_q, b_v)
+    return torch.ops.symgpt.attention_fwd(q, k, v, b_q, b_v, causal)[0]

@@ -34,8 +34,8 @@ import torch.distributed as dist
 import triton
 
 from data.shards import atomic_write, cache_root
-from kernels.attention import (IMPLEMENTATIONS, attention_flex, attention_reference, attention_triton,
-                               kernel_problem)
+from kernels.attention import attention_triton
+from kernels.attention_paths import IMPLEMENTATIONS, attention_flex, attention_reference, kernel_problem
 
 CHOICES = ("auto", *IMPLEMENTATIONS)
 ENV = "SYMGPT_ATTENTION_IMPL"

@@ -12,12 +12,14 @@ write shows up as a non-finite value.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import sys
 import traceback
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,38 +41,40 @@ class Case:
     dtype: str = "float32"
     blocks: tuple[int, int] | None = (32, 16)  # None: the shipped tile table (kernels.attention.TILES)
     bias_grad: bool = True  # learned biases (require grad) or sampled ones (do not)
-    token_major: bool = False  # q, k, v, dO as (B, T, H, d) memory viewed as (B, H, T, d), like the model's
+    layout: str = "bhtd"  # of q, k, v and dO; see LAYOUTS
 
 
 CPU_CASES = [
     Case("f32_causal_tail_shared", 2, 3, 33, 64, True, "shared", "shared"),
-    Case("f32_full_tail_head_tokmajor", 1, 2, 65, 64, False, "head", "head", token_major=True),
+    Case("f32_full_tail_head_tokmajor", 1, 2, 65, 64, False, "head", "head", layout="bthd"),
     Case("f32_causal_T1", 1, 1, 1, 64, True, "shared", "shared", blocks=(16, 16)),
     Case("f32_full_T1_d128_nobias", 1, 2, 1, 128, False, blocks=(16, 16)),
     Case("f32_causal_d128_bq_head", 2, 2, 17, 128, True, "head", blocks=(16, 16)),
     Case("f32_full_notail_bv_shared", 1, 2, 48, 64, False, b_v="shared", blocks=(16, 16)),
     Case("f32_full_d128_nobias", 1, 1, 33, 128, False),
-    Case("f32_causal_notail_nobias_tokmajor", 1, 2, 64, 64, True, token_major=True),
+    Case("f32_causal_notail_nobias_tokmajor", 1, 2, 64, 64, True, layout="bthd"),
     Case("f32_causal_sampled_head", 2, 2, 40, 64, True, "head", "head", blocks=(32, 32), bias_grad=False),
-    Case("f32_causal_d128_shared_tokmajor", 1, 3, 50, 128, True, "shared", "shared", token_major=True),
+    Case("f32_causal_d128_shared_tokmajor", 1, 3, 50, 128, True, "shared", "shared", layout="bthd"),
     Case("f16_causal_tail_shared", 2, 2, 33, 64, True, "shared", "shared", dtype="float16"),
     Case("f16_full_d128_head", 1, 2, 17, 128, False, "head", "head", dtype="float16", blocks=(16, 16)),
     Case("f16_causal_T1_nobias", 1, 1, 1, 64, True, dtype="float16", blocks=(16, 16)),
     Case("f16_full_sampled_bq_tokmajor", 1, 2, 65, 64, False, "shared", dtype="float16", bias_grad=False,
-         token_major=True),
+         layout="bthd"),
     Case("f16_causal_d128_bv_head", 1, 2, 48, 128, True, b_v="head", dtype="float16"),
     Case("f32_causal_shipped_tiles", 1, 2, 70, 64, True, "shared", "head", blocks=None),
     Case("f16_full_d128_shipped_tiles", 1, 1, 40, 128, False, "head", "shared", dtype="float16", blocks=None),
+    Case("f32_causal_qkv_views_shared", 2, 2, 40, 64, True, "shared", "shared", layout="qkv"),
+    Case("f16_full_mixed_layouts_head", 1, 2, 33, 64, False, "head", "head", dtype="float16", layout="mixed"),
 ]
 
 CUDA_CASES = [
     Case("bf16_causal_shared_autotune", 2, 3, 1000, 64, True, "shared", "shared", dtype="bfloat16", blocks=None),
     Case("bf16_full_d128_head_autotune", 2, 2, 257, 128, False, "head", "head", dtype="bfloat16", blocks=None,
-         token_major=True),
+         layout="bthd"),
     Case("bf16_causal_T1", 1, 2, 1, 64, True, "shared", "shared", dtype="bfloat16", blocks=(64, 32)),
     Case("bf16_causal_nobias", 2, 4, 512, 64, True, dtype="bfloat16", blocks=(128, 64)),
     Case("bf16_causal_d128_sampled_bq", 1, 2, 300, 128, True, "shared", dtype="bfloat16", blocks=(128, 32),
-         bias_grad=False, token_major=True),
+         bias_grad=False, layout="bthd"),
     Case("f16_full_both", 2, 2, 333, 64, False, "shared", "head", dtype="float16", blocks=(64, 64)),
     Case("f32_causal_head", 1, 2, 200, 64, True, "head", "head", blocks=(64, 32)),
     Case("f32_full_d128_shared", 1, 2, 130, 128, False, "shared", "shared", blocks=(64, 32)),
@@ -91,34 +95,68 @@ def _bias(kind: str, case: Case, mean: float, std: torch.Tensor, gen: torch.Gene
     return mean + std * torch.randn(shape, generator=gen)
 
 
+# How q, k, v and dO are laid out in memory, each viewed as (B, H, T, d): "bhtd" contiguous (dO too, which the op
+# copies to token-major); "bthd" token-major, each its own (B, T, H, d) tensor (dO too); "qkv" views of one
+# (B, T, 3, H, d) tensor, as the model's QKV projection gives them, with a token-major dO; "mixed" q contiguous, k and
+# v token-major (the op makes the three share one layout), dO contiguous.
+TRANSPOSED = {"bhtd": (False, False, False), "bthd": (True, True, True), "mixed": (False, True, True)}
+
+
+@contextlib.contextmanager
+def forced_tiles(blocks: tuple[int, int] | None):
+    """Run every pass with (BLOCK_M, BLOCK_N) = blocks (swapped for dK/dV, whose keys per program come first), 4
+    warps and 3 stages (Triton's defaults) instead of the shipped tile table; None: the table."""
+    from kernels import attention as attn
+
+    shipped = attn.tile_for
+    if blocks is not None:
+        m, n = blocks
+        attn.tile_for = lambda pass_name, q: attn.Tile(*((n, m) if pass_name == "dkdv" else (m, n)), 4, 3)
+    try:
+        yield
+    finally:
+        attn.tile_for = shipped
+
+
+def _leaves(case: Case, gen: torch.Generator, device: str) -> tuple[list[torch.Tensor], Callable, torch.Tensor]:
+    """(leaf tensors, a function from leaves (or their gradients) to q, k, v as (B, H, T, d), dO) in case.layout."""
+    bhtd, bthd = (case.B, case.H, case.T, case.D), (case.B, case.T, case.H, case.D)
+
+    def draw(shape):
+        return torch.randn(shape, generator=gen).to(device, getattr(torch, case.dtype))
+
+    if case.layout == "qkv":
+        leaves = [draw((case.B, case.T, 3, case.H, case.D)).requires_grad_()]
+        return leaves, lambda xs: [x.transpose(1, 2) for x in xs[0].unbind(2)], draw(bthd).transpose(1, 2)
+    transposed = TRANSPOSED[case.layout]
+    leaves = [draw(bthd if t else bhtd).requires_grad_() for t in transposed]
+    grad_out = draw(bthd).transpose(1, 2) if case.layout == "bthd" else draw(bhtd)
+    return leaves, lambda xs: [x.transpose(1, 2) if t else x for x, t in zip(xs, transposed)], grad_out
+
+
 def run_case(case: Case, device: str) -> dict[str, dict[str, float]]:
     """Run the kernel and the float64 reference on fresh random inputs; return per-tensor errors."""
-    from kernels.attention import attention_reference, attention_triton
+    from kernels.attention import attention_triton
+    from kernels.attention_paths import attention_reference
 
     gen = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
-    dtype = getattr(torch, case.dtype)
-    shape = (case.B, case.T, case.H, case.D) if case.token_major else (case.B, case.H, case.T, case.D)
-    leaves = [torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3)]
-    grad_out = torch.randn(shape, generator=gen).to(device, dtype)
+    leaves, views, grad_out = _leaves(case, gen, device)
     biases = [_bias(case.b_q, case, 0.5, torch.linspace(0.05, 0.15, case.D), gen),
               _bias(case.b_v, case, 0.5, torch.full((case.D,), 0.05), gen)]
     biases = [None if b is None else b.to(device).requires_grad_(case.bias_grad) for b in biases]
 
-    def as_bhtd(x: torch.Tensor) -> torch.Tensor:
-        return x.transpose(1, 2) if case.token_major else x
-
-    q, k, v = (as_bhtd(x) for x in leaves)
-    out = attention_triton(q, k, v, *biases, causal=case.causal, blocks=case.blocks)
-    out.backward(as_bhtd(grad_out))
+    with forced_tiles(case.blocks):
+        out = attention_triton(*views(leaves), *biases, causal=case.causal)
+        out.backward(grad_out)
 
     ref_leaves = [x.detach().cpu().double().requires_grad_() for x in leaves]
     ref_biases = [None if b is None else b.detach().cpu().double().requires_grad_() for b in biases]
-    ref = attention_reference(*(as_bhtd(x) for x in ref_leaves), *ref_biases, causal=case.causal)
-    ref.backward(as_bhtd(grad_out.cpu().double()))
+    ref = attention_reference(*views(ref_leaves), *ref_biases, causal=case.causal)
+    ref.backward(grad_out.cpu().double())
 
     floor = grad_out.double().norm().item() if case.T == 1 else 0.0  # at T = 1, measure dQ, dK against ‖dO‖
-    pairs = {"out": (out, ref), "dq": (leaves[0].grad, ref_leaves[0].grad), "dk": (leaves[1].grad, ref_leaves[1].grad),
-             "dv": (leaves[2].grad, ref_leaves[2].grad)}
+    got, want = views([x.grad for x in leaves]), views([x.grad for x in ref_leaves])
+    pairs = {"out": (out, ref), **{name: (g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}}
     for name, b, rb in zip(("db_q", "db_v"), biases, ref_biases):
         if b is not None:
             pairs[name] = (b.grad, rb.grad) if case.bias_grad else (b.grad, None)
@@ -181,26 +219,27 @@ def _opcheck_and_compile() -> dict[str, str]:
     b_q = (0.5 + 0.1 * torch.randn(2, 64, generator=gen)).requires_grad_()
     b_v = (0.5 + 0.1 * torch.randn(64, generator=gen)).requires_grad_()
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    blocks = [16, 16]
     checks = {}
 
     def run(name, fn):
         try:
-            fn()
+            with forced_tiles((16, 16)):
+                fn()
             checks[name] = "ok"
         except Exception:
             checks[name] = traceback.format_exc()
 
     run("opcheck_fwd", lambda: torch.library.opcheck(torch.ops.symgpt.attention_fwd.default,
-                                                     (q, k, v, b_q, b_v, True, blocks)))
-    out, lse = torch.ops.symgpt.attention_fwd(q, k, v, b_q, b_v, True, blocks)
+                                                     (q, k, v, b_q, b_v, True)))
+    with forced_tiles((16, 16)):
+        out, stats = torch.ops.symgpt.attention_fwd(q, k, v, b_q, b_v, True)
     run("opcheck_bwd", lambda: torch.library.opcheck(
         torch.ops.symgpt.attention_bwd.default,
-        (grad_out, *(x.detach() for x in (q, k, v, out, lse, b_q, b_v)), True, blocks)))
+        (grad_out, *(x.detach() for x in (q, k, v, out, stats, b_q, b_v)), True)))
 
     def compiled_matches_eager():
         def loss_fn(q, k, v, b_q, b_v):
-            return (attention_triton(q, k, v, b_q, b_v, causal=True, blocks=(16, 16)) * grad_out).sum()
+            return (attention_triton(q, k, v, b_q, b_v, causal=True) * grad_out).sum()
         inputs = (q, k, v, b_q, b_v)
         eager = torch.autograd.grad(loss_fn(*inputs), inputs)
         compiled = torch.compile(loss_fn, backend="aot_eager", fullgraph=True)
@@ -217,10 +256,11 @@ def _model_compiles_without_graph_break() -> None:
     """The GPT with attention_impl "triton" (the kernel, here in the interpreter: the CUDA-only dispatch rule is
     lifted) compiles in one graph (aot_eager, fullgraph), with the values and gradients of eager mode."""
     import kernels.attention as attn
+    import kernels.attention_paths as paths
     import train_gpt
     from kernels.attention_select import set_implementation
 
-    attn.kernel_problem = lambda *args: None
+    paths.kernel_problem = lambda *args: None
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=64,
                                               bias_mode="learned"))
@@ -268,7 +308,7 @@ def test_cuda_matches_reference(poisoned_empty, case: Case) -> None:
 @pytest.mark.cuda
 def test_cuda_compile_fullgraph() -> None:
     """The model's attention() under torch.compile (inductor, fullgraph): same values and gradients as eager."""
-    from kernels.attention import attention
+    from kernels.attention_paths import attention
 
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, 256, 64, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
@@ -317,16 +357,60 @@ def test_autotuning_only_when_asked(monkeypatch) -> None:
 
     q = torch.empty(1, 1, 256, 64)
     monkeypatch.delenv(attn.AUTOTUNE_ENV, raising=False)
-    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, [], lambda m, n: (1,), (), {})
-    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, [32, 16], lambda m, n: (1,), (), {})
+    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, lambda m, n: (1,), (), {})
     monkeypatch.setenv(attn.AUTOTUNE_ENV, "1")
-    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, [], lambda m, n: (1,), (), {})
+    attn._launch(Fake("plain"), Fake("tuned"), "fwd", q, lambda m, n: (1,), (), {})
     shipped = attn.TILES[("other", "fwd", 64)]
-    assert calls == [("plain", shipped.block_m, shipped.num_warps), ("plain", 32, None), ("tuned", None, None)]
+    assert calls == [("plain", shipped.block_m, shipped.num_warps), ("tuned", None, None)]
+
+
+ALLOCATING = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "clone", "zeros", "new_zeros",
+              "zeros_like", "_to_copy"}
+
+
+def test_a_call_allocates_its_outputs_only_and_the_backward_reuses_c(monkeypatch) -> None:
+    """Forward and backward with b_Q and b_V, on the model's layout (q, k, v views of one projection, dO
+    token-major), allocate O, one fp32 (2, B, H, T) buffer holding lse2 and the keys' logit biases c, delta, dQ, dK
+    and dV, and launch c's kernel once: the backward reads c from the forward's output instead of recomputing it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import attention as attn
+
+    launches, allocations = [], []
+
+    class Kernel:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(self.name)
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ALLOCATING:
+                allocations.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
+            return out
+
+    monkeypatch.setattr(attn, "_key_logit_bias", Kernel("c"))
+    monkeypatch.setattr(attn, "_attn_bwd_preprocess", Kernel("delta"))
+    monkeypatch.setattr(attn, "_launch", lambda kernel, tuned, name, *args: launches.append(name))
+    B, H, T, D = 2, 3, 40, 64
+    qkv = torch.randn(B, T, 3, H, D, dtype=torch.float16)
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
+    grad_out = torch.randn(B, T, H, D, dtype=torch.float16).transpose(1, 2)
+    b_q, b_v = torch.randn(D), torch.randn(H, D)
+    with Allocations():
+        out, stats = attn._forward(q, k, v, b_q, b_v, True)
+        attn._backward(grad_out, q, k, v, out, stats, b_q, b_v, True)
+    half, fp32 = torch.float16, torch.float32
+    assert launches == ["c", "fwd", "delta", "dkdv", "dq"]
+    assert allocations == [("new_empty", (B, T, H, D), half), ("new_empty", (2, B, H, T), fp32),
+                           ("empty_like", (B, H, T), fp32)] + [("new_empty", (B, T, H, D), half)] * 3
 
 
 def test_attention_on_cpu_is_the_reference() -> None:
-    from kernels.attention import attention, attention_reference
+    from kernels.attention_paths import attention, attention_reference
 
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, 9, 64, generator=gen) for _ in range(3))
@@ -339,8 +423,7 @@ def test_attention_on_cpu_is_the_reference() -> None:
     ({"k_shape": (1, 2, 9, 64)}, "share one"),
     ({"dtype": torch.float64}, "dtype"),
     ({"b_q": (3, 64)}, "b_q has shape"),
-    ({"blocks": (32, 64)}, "blocks"),
-    ({"blocks": (24, 24)}, "blocks"),
+    ({"expand": (2**21, 2, 8, 64)}, "2147483648 elements"),
 ])
 def test_attention_triton_rejects_bad_input(bad: dict, match: str) -> None:
     from kernels.attention import attention_triton
@@ -349,8 +432,10 @@ def test_attention_triton_rejects_bad_input(bad: dict, match: str) -> None:
     q = torch.randn(shape, dtype=bad.get("dtype", torch.float32))
     k = torch.randn(bad.get("k_shape", shape), dtype=q.dtype)
     b_q = torch.randn(bad["b_q"]) if "b_q" in bad else None
+    if "expand" in bad:  # 2**31 elements of q as a stride-0 view: the offsets' bound, without the memory
+        q = k = q.expand(bad["expand"])
     with pytest.raises(ValueError, match=match):
-        attention_triton(q, k, q, b_q, blocks=bad.get("blocks", (16, 16)))
+        attention_triton(q, k, q, b_q)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 import train_gpt
 from kernels import attention_select as sel
-from kernels.attention import attention, attention_flex, attention_reference
+from kernels.attention_paths import attention, attention_flex, attention_reference
 from tests.conftest import train_tiny_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative, against float64

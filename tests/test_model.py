@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train_gpt
-from kernels.attention import attention_reference
+from kernels.attention_paths import attention_reference
 from train_gpt import GPT, BiasSampler, GPTConfig, mean_biases
 
 

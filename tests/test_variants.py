@@ -18,7 +18,7 @@ import train_gpt
 from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import write_shard
 from eval import alignment
-from kernels.attention import attention_reference
+from kernels.attention_paths import attention_reference
 from optim import OPTIMIZERS
 from tests.test_train import synthetic_tokens
 
