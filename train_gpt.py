@@ -35,7 +35,7 @@ import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
-from kernels import attention_select
+from kernels import attention_paths
 from kernels.attention_paths import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
@@ -141,9 +141,9 @@ class TrainConfig:
     dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
                               "states the precision separately)", choices=("bf16", "fp32"))
     compile: bool = logs(True, "torch.compile the model on CUDA")
-    attention_impl: str = logs("auto", "attention implementation, all exact: auto (the fastest measured on this GPU, "
-                                       "cached; SDPA on a CPU), triton, sdpa or flex (docs/model.md#choosing-the-"
-                                       "implementation)", choices=attention_select.CHOICES)
+    attention_impl: str = logs("auto", "attention implementation, all exact: auto (this GPU's row of "
+                                       "kernels/attention_table.json, else sdpa), triton, sdpa or flex "
+                                       "(docs/model.md#choosing-the-implementation)", choices=attention_paths.CHOICES)
     overlap_reduce: bool = logs(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
                                       "backward pass computes the others (as DDP does)")
     wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
@@ -504,9 +504,9 @@ class Trainer:
                                              world_size=rt.world, grad_accum_steps=rt.grad_accum,
                                              vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
                                              device=rt.device)
-        self.attention = attention_select.configure(  # before torch.compile, which then sees one implementation
-            self.model, hp.attention_impl, batch=rt.micro_batch, seq_len=hp.seq_len, device=rt.device,
-            dtype=rt.autocast_dtype, compiled=hp.compile and rt.device.type == "cuda", rank=rt.rank, log=log.line)
+        self.attention = attention_paths.configure(  # before torch.compile, which then sees one implementation
+            self.model, hp.attention_impl, device=rt.device, dtype=rt.autocast_dtype,
+            compiled=hp.compile and rt.device.type == "cuda", log=log.line)
         self.sampler = BiasSampler(cfg.model, hp.seed)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
@@ -818,7 +818,7 @@ def main(argv: list[str] | None = None) -> dict:
         with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish()
-    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, attention_select.Unavailable) as exc:
+    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, attention_paths.AttentionChoiceError) as exc:
         # refused before the first step, with the reason and the fix: a message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -3,6 +3,7 @@
     python -m bench.attention                                  # four shapes, writes runs/bench/attention.json
     python -m bench.attention --shapes 16x12x1024x64 --out my.json
     SYMGPT_ATTENTION_AUTOTUNE=1 python -m bench.attention      # autotuned kernel tiles instead of the shipped ones
+    python -m bench.attention --write-table                    # also write this GPU's rows of the attention table
 
 For each shape (B x H x T x d; causal; bf16) it times, forward and forward+backward (median of
 triton.testing.do_bench, CUDA events, after a warm-up that also compiles and autotunes), the three implementations
@@ -12,7 +13,9 @@ pinned to each of its backends (`sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`), e
 sampled b_Q, b_V of shape (d,) (docs/model.md defaults, no gradient) and, for the three implementations, `+learned`
 with the same biases as trainable parameters. The library paths are SDPA (every backend) and FlexAttention; each row's
 `x` is the fastest library path's time with the same biases over this row's time (above 1: faster than the library).
-`auto` is what --attention-impl auto would pick from these timings (kernels.attention_select.fastest).
+`auto` is the fastest of the three on these timings (`fastest`: within 2% the library wins). --write-table turns
+them into this GPU's rows of kernels/attention_table.json, which --attention-impl auto reads (`table_rows`: per head
+dim, the fastest by forward+backward time with sampled biases summed over the shapes of that head dim).
 FLOPs follow the FlashAttention convention: forward 4·B·H·T²·d, halved when causal; backward 2.5× forward.
 Every variant's forward output is checked against a float32 reference before it is timed; `first_s` is the wall time
 of that first forward+backward call, compilation (and autotuning, if on) included: the cold start.
@@ -24,6 +27,7 @@ import functools
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,7 +43,7 @@ from triton.testing import do_bench  # noqa: E402
 
 import kernels.attention as attn  # noqa: E402
 import kernels.attention_paths as paths  # noqa: E402
-from kernels.attention_select import fastest  # noqa: E402
+from data.shards import atomic_write  # noqa: E402
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -50,6 +54,8 @@ IMPLEMENTATIONS = {"triton": attn.attention_triton, "sdpa": paths.attention_refe
 LIBRARY = ("sdpa", *(f"sdpa-{b}" for b in SDPA_BACKENDS), "flex")
 BIASES = ("", "+bias", "+learned")
 DEFAULT_SHAPES = [(16, 12, 1024, 64), (64, 12, 512, 64), (8, 12, 2048, 64), (4, 16, 1024, 128)]
+PREFERENCE = ("sdpa", "triton", "flex")  # among timings within TIE of the fastest, the earliest wins: the library
+TIE = 0.02
 Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -152,6 +158,44 @@ def auto_choices(rows: dict) -> dict[str, str | None]:
     return out
 
 
+def fastest(timings: dict[str, float]) -> str:
+    """The fastest path; timings within TIE (relative) of the best count as ties, won by PREFERENCE order."""
+    best = min(timings.values())
+    tied = [name for name, ms in timings.items() if ms <= best * (1 + TIE)]
+    return min(tied, key=PREFERENCE.index)
+
+
+def table_rows(report: dict, commit: str) -> list[dict]:
+    """This GPU's rows of kernels/attention_table.json from a report of `main`: per (head dim, dtype), the path with
+    the least forward+backward time with sampled biases, summed over that head dim's shapes (paths timed at all of
+    them), and the timings in its source."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for shape in report["shapes"]:
+        groups.setdefault((shape["d"], shape["dtype"]), []).append(shape)
+    rows = []
+    for (d, dtype), shapes in sorted(groups.items()):
+        timed = [_timed(shape["variants"], [n + "+bias" for n in IMPLEMENTATIONS], "fwd_bwd_ms") for shape in shapes]
+        common = set.intersection(*(set(t) for t in timed))
+        if not common:
+            continue
+        totals = {n.removesuffix("+bias"): sum(t[n] for t in timed) for n in common}
+        sizes = ", ".join(f"{s['B']}x{s['H']}x{s['T']}x{s['d']}" for s in shapes)
+        rows.append({"gpu": report["device"], "head_dim": d, "dtype": dtype, "impl": fastest(totals), "source": (
+            f"python -m bench.attention {time.strftime('%Y-%m-%d')}, commit {commit}, torch {report['torch']}, "
+            f"Triton {report['triton']}: forward+backward with sampled b_Q, b_V, causal, summed over {sizes}: "
+            + ", ".join(f"{n} {ms:.3f} ms" for n, ms in sorted(totals.items(), key=lambda kv: kv[1])))})
+    return rows
+
+
+def _commit() -> str:
+    """The commit measured: $SYMGPT_COMMIT where the tree travels without .git, else git's."""
+    if os.environ.get("SYMGPT_COMMIT"):
+        return os.environ["SYMGPT_COMMIT"]
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent)
+    return git.stdout.strip() or "unknown"
+
+
 def _ratio(x: float | None) -> str:
     return f"{x:6.2f}" if x is not None else "   n/a"
 
@@ -187,11 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup-ms", type=int, default=100, help="do_bench warm-up per measurement (ms)")
     parser.add_argument("--rep-ms", type=int, default=500, help="do_bench timed repetitions per measurement (ms)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench/attention.json"), help="JSON results path")
+    parser.add_argument("--write-table", action="store_true",
+                        help=f"write this GPU's rows of {paths.TABLE} (what --attention-impl auto runs here) from "
+                             "these timings, replacing its earlier rows")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA GPU and torch.cuda.is_available() is False here; "
                          "run it on a GPU machine (the CPU tests are tests/test_attention_kernel.py and "
-                         "tests/test_attention_select.py)")
+                         "tests/test_attention_paths.py)")
     torch._dynamo.config.recompile_limit = 64  # FlexAttention compiles once per shape and bias setting
 
     results = []
@@ -203,6 +250,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"\n{report['device']}  torch {report['torch']}  triton {report['triton']}  -> {args.out}")
+    if args.write_table:
+        if args.non_causal:
+            raise SystemExit("--write-table records causal attention (the model's): drop --non-causal")
+        rows = table_rows(report, _commit())
+        atomic_write(paths.TABLE, paths.table_text(rows).encode())
+        for row in rows:
+            print(f"{paths.TABLE.name}: {row['gpu']}, head dim {row['head_dim']}, {row['dtype']} -> {row['impl']}")
 
 
 if __name__ == "__main__":

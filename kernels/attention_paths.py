@@ -13,19 +13,27 @@ to the output, which is what every path does. The paths:
 - "flex", `attention_flex`: FlexAttention with b_Q as the per-key score term c_j = b_Q·k_j/√d, under torch.compile
   on CUDA (torch 2.13 has no FlexAttention backward on the CPU).
 
-Which path a training run takes is decided once, before torch.compile, by kernels/attention_select.py
-(--attention-impl).
+Which path a training run takes (`choose`, --attention-impl auto|triton|sdpa|flex) is decided once, before
+torch.compile, and recorded in config.json: a forced path, or under auto the row of kernels/attention_table.json for
+this GPU, head dim and dtype (rows written from measurements by `python -m bench.attention --write-table`); a GPU
+without a row takes the library path, sdpa. The choice changes rounding only, never what is computed.
 """
 from __future__ import annotations
 
 import functools
+import json
 import math
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 HEAD_DIMS = (64, 128)  # the Triton kernel's
 IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...)
+CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention-impl
+TABLE = Path(__file__).with_name("attention_table.json")
+TABLE_KEY = ("gpu", "head_dim", "dtype")
 
 
 # -----------------------------------------------------------------------------
@@ -146,3 +154,97 @@ def attention(
     elif impl != "sdpa":
         raise ValueError(f"attention: impl {impl!r} is not one of {IMPLEMENTATIONS}")
     return attention_reference(q, k, v, b_q, b_v, causal)
+
+
+# -----------------------------------------------------------------------------
+# Which path a run takes
+
+
+class AttentionChoiceError(ValueError):
+    """A forced path that cannot run here, or an unreadable table: a refusal that names the fix."""
+
+
+def path_problem(impl: str, device: torch.device, dtype: torch.dtype, head_dim: int, compiled: bool) -> str | None:
+    """Why path `impl` cannot serve a training run here; None when it can."""
+    if impl == "triton":
+        return kernel_problem(device.type, dtype, head_dim)
+    if impl == "flex":
+        if device.type != "cuda":
+            return f"FlexAttention has no backward pass on {device.type} (torch {torch.__version__})"
+        if not compiled:
+            return "FlexAttention needs torch.compile and this model runs eagerly (--no-compile)"
+    return None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def read_table(path: Path = TABLE) -> list[dict]:
+    """The rows of the table: {gpu, head_dim, dtype, impl, source} each."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        if not all(isinstance(r, dict) and r.get("impl") in IMPLEMENTATIONS and all(k in r for k in TABLE_KEY)
+                   for r in rows):
+            raise ValueError("a row lacks gpu, head_dim, dtype or a path among " + ", ".join(IMPLEMENTATIONS))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise AttentionChoiceError(f"{path}: not a table of attention paths ({type(exc).__name__}: {exc}); restore "
+                                   "it (git checkout) or pass --attention-impl sdpa|triton|flex") from None
+    return rows
+
+
+def table_text(new_rows: list[dict], path: Path = TABLE) -> str:
+    """The table's JSON with `new_rows` added, each replacing any row of the same GPU, head dim and dtype."""
+    document = json.loads(path.read_text()) if path.is_file() else {"rows": []}
+    keys = {tuple(r[k] for k in TABLE_KEY) for r in new_rows}
+    rows = [r for r in document["rows"] if tuple(r[k] for k in TABLE_KEY) not in keys] + new_rows
+    document["rows"] = sorted(rows, key=lambda r: tuple(str(r[k]) for k in TABLE_KEY))
+    return json.dumps(document, indent=1) + "\n"
+
+
+def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, *, compiled: bool,
+           table: Path = TABLE) -> dict:
+    """The record of the path a run takes: requested, choice, source (why). A forced path that cannot run here
+    raises AttentionChoiceError; under auto, a table row whose path cannot run here gives sdpa, as no row does."""
+    if requested != "auto":
+        problem = path_problem(requested, device, dtype, head_dim, compiled)
+        if problem:
+            usable = [i for i in IMPLEMENTATIONS if not path_problem(i, device, dtype, head_dim, compiled)]
+            raise AttentionChoiceError(f"--attention-impl {requested}: {problem}; use auto or one of "
+                                       + ", ".join(usable))
+        return {"requested": requested, "choice": requested, "source": "--attention-impl"}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    key = (gpu, head_dim, dtype_name(dtype))
+    row = next((r for r in read_table(table) if tuple(r[k] for k in TABLE_KEY) == key), None)
+    where = f"{gpu}, head dim {head_dim}, {key[2]}"
+    if row is None:
+        source = (f"no row for {where} in {table.name}: the library path (measure and add the row with "
+                  "`python -m bench.attention --write-table`)")
+        return {"requested": "auto", "choice": "sdpa", "source": source}
+    problem = path_problem(row["impl"], device, dtype, head_dim, compiled)
+    if problem:
+        source = f"{table.name} gives {row['impl']} for {where}, which cannot run here ({problem}): the library path"
+        return {"requested": "auto", "choice": "sdpa", "source": source}
+    return {"requested": "auto", "choice": row["impl"], "source": f"{table.name}, {where}: {row['source']}"}
+
+
+def set_implementation(model: torch.nn.Module, impl: str) -> None:
+    """Set `attention_impl` (a plain attribute the attention modules pass to `attention`) on every module of
+    `model` that has one."""
+    for module in model.modules():
+        if hasattr(module, "attention_impl"):
+            module.attention_impl = impl
+
+
+def configure(model: torch.nn.Module, requested: str, *, device: torch.device, dtype: torch.dtype | None,
+              compiled: bool, log: Callable[[str], None]) -> dict:
+    """The trainer's entry point: choose for `model` (dtype None: float32), set it on the model, log it; returns the
+    record for config.json."""
+    config = model.config
+    if config.attention != "standard":
+        record = {"requested": requested, "choice": None, "source": "the model has no dot-product attention"}
+    else:
+        record = choose(requested, device, dtype or torch.float32, config.head_dim, compiled=compiled)
+        set_implementation(model, record["choice"])
+    log(f"attention: {record['choice']} ({record['source']})")
+    return record

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from cli import flag
-from kernels import ecd as ecd_kernels
 from optim.distributed import ShardedOptimizer, all_reduce_sum, rank_and_world_size
 from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
@@ -146,6 +145,8 @@ class ECD(ShardedOptimizer):
         # The elementwise work runs over a table of blocks that never straddle two keys: the Triton kernels of
         # kernels/ecd.py (fused: CUDA with fp32 parameters, or Triton's CPU interpreter) take blocks of BLOCK
         # elements; their PyTorch references, the path everywhere else, take each key's run whole.
+        from kernels import ecd as ecd_kernels  # Triton: imported when an ECD optimizer is built, not with this module
+
         ranges = [self._ranges(region) for region in self.regions]
         interpreter = os.environ.get("TRITON_INTERPRET") == "1"
         fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
@@ -157,6 +158,7 @@ class ECD(ShardedOptimizer):
         self.block_gather = ecd_kernels.key_gather_index(block_keys, self.num_keys).to(device)
         self.partial_dots = ecd_kernels.partial_dots if self.fused else ecd_kernels.partial_dots_reference
         self.apply_update = ecd_kernels.apply_update if self.fused else ecd_kernels.apply_update_reference
+        self.sum_by_key = ecd_kernels.sum_by_key
         self.pending = torch.zeros((), dtype=torch.bool, device=device)  # logical Π = σ·Π/‖Π‖ (True) or Π
         self.sigma = torch.ones((), dtype=torch.float64, device=device)
         self.skipped = _DeferredFlag(device)
@@ -225,7 +227,7 @@ class ECD(ShardedOptimizer):
             if first:
                 pi.copy_(g.neg())
             rows.append(self.partial_dots(region.local_params, g, pi, *table[:2]))
-        sums = ecd_kernels.sum_by_key(torch.cat(rows), self.block_gather)
+        sums = self.sum_by_key(torch.cat(rows), self.block_gather)
         vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
         coef = self._coefficients(vec, h, kappa)
         lam = self._lam(device) if any(g["weight_decay"] for g in self.param_groups) else None
