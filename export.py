@@ -7,7 +7,7 @@
 Both directions use GPT-2's tensor layout and names (Conv1D weights stored (in, out), the transpose of our
 nn.Linear). The symmetry-breaking biases are folded into c_attn's bias with their evaluation values: the query
 part gains E[b_Q] (q + E[b_Q] = xA_Q + (c_Q + E[b_Q])), the value part E[b_V] (exact, since softmax rows sum to 1),
-and a learned model's b_q, b_v; b_K changes no output and is dropped. The exported model therefore has plain
+and a learned model's b_q, b_v (b_K, which changes no output, is never added). The exported model therefore has plain
 biases and matches our logits with the mean biases. The vocabulary is cut to GPT-2's 50257 tokens: our padded
 rows are never real tokens, and the logits of every real token stay the same.
 
@@ -63,14 +63,14 @@ def folded_attention_biases(model: train_gpt.GPT) -> list[tuple[torch.Tensor | N
     """Per layer, the (C,) query and value biases evaluation adds (E[b_Q], E[b_V], or a learned model's b_q, b_v),
     laid out head after head like c_attn's output; None where the mode adds none."""
     cfg = model.config
-    use_q, _, use_v = cfg.sampled_biases
+    use_q, use_v = cfg.sampled_biases
     folds = []
     for i, block in enumerate(model.transformer.h):
         if cfg.bias_mode == "learned":
             b_q, b_v = block.attn.b_q.detach(), block.attn.b_v.detach()
         else:
             b_q = model.mean_biases[i, 0] if use_q else None
-            b_v = model.mean_biases[i, 2] if use_v else None
+            b_v = model.mean_biases[i, 1] if use_v else None
         folds.append(tuple(None if b is None else b.expand(cfg.n_head, cfg.head_dim).reshape(cfg.n_embd).float()
                            for b in (b_q, b_v)))
     return folds

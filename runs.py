@@ -266,7 +266,7 @@ def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], d
 
 def model_checkpoint(model: nn.Module, config: dict, step: int, **training_state) -> dict:
     """A checkpoint of `model` at `step` with its run config (sections of config.RunConfig.to_dict); the trainer adds
-    its training state (optimizers, loader, sampler, rng, metrics, hooks); a checkpoint without "optimizers" holds
+    its training state (optimizers, loader, rng, metrics, hooks); a checkpoint without "optimizers" holds
     model weights only (--init-from takes it, --resume does not)."""
     state, tied = checkpoint_model_state(model)
     return {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": state, "tied": tied,

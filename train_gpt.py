@@ -49,9 +49,8 @@ model_flag = functools.partial(flag, fixed_on_resume=True)  # a resumed run keep
 
 
 @dataclass
-class GPTConfig(ModelVariants):
-    """GPT-2 architecture and symmetry-breaking biases; defaults are the paper's 124M model (docs/model.md). The
-    model variants' fields (variants.ModelVariants) are part of it."""
+class GPTArchitecture:
+    """GPT-2 architecture and symmetry-breaking biases; defaults are the paper's 124M model (docs/model.md)."""
 
     vocab_size: int = model_flag(50304, "vocabulary (50257 GPT-2 tokens padded to a multiple of 64)", bounds="> 0")
     block_size: int = model_flag(512, "context length (positional embeddings); the paper uses 512, GPT-2 1024",
@@ -70,18 +69,22 @@ class GPTConfig(ModelVariants):
     std_v_min: float = model_flag(0.02, "per-dimension std of b_V = linspace(std_v_min, std_v_max, d)", bounds=">= 0")
     std_v_max: float = model_flag(0.02, "see --std-v-min", bounds=">= 0")
     bias_per_head: bool = model_flag(False, "sample one vector per head instead of one per layer shared by all heads")
-    key_bias: bool = model_flag(False, "also sample b_K ~ N(mean_q, std_q) on keys: an exact no-op, for parity checks")
+    key_bias: bool = flag(False, "the paper's key bias b_K: it cancels exactly in the softmax, so the model does not "
+                                 "add it (docs/model.md#symmetry-breaking-biases)", affects_results=False)
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     @property
-    def sampled_biases(self) -> tuple[bool, bool, bool]:
-        """Which of (b_Q, b_K, b_V) are drawn by the sampler in this mode."""
-        uses_q = self.bias_mode in ("bq", "bqbv")
-        uses_v = self.bias_mode in ("bv", "bqbv")
-        return uses_q, self.key_bias and self.bias_mode != "learned", uses_v
+    def sampled_biases(self) -> tuple[bool, bool]:
+        """Which of (b_Q, b_V) the sampler draws in this mode."""
+        return self.bias_mode in ("bq", "bqbv"), self.bias_mode in ("bv", "bqbv")
+
+
+@dataclass
+class GPTConfig(ModelVariants, GPTArchitecture):
+    """The model: GPTArchitecture's fields, then variants.ModelVariants' (their order in config.json and --help)."""
 
 
 logs = functools.partial(flag, affects_results=False)  # where, how often or how fast: not what the run computes
@@ -172,26 +175,30 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True
-        self.attention_impl = "triton"  # kernels.attention.attention's impl; the trainer sets its choice
-        if config.bias_mode == "learned":
+        self.attention_impl = "triton"  # kernels.attention_paths.attention's impl; the trainer sets its choice
+        self.learned_biases = config.bias_mode == "learned"
+        if self.learned_biases:
             # arXiv 2601.22257 App. F: trainable biases drawn from the sampling distribution (restore the symmetry).
             shape = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
             self.b_q = nn.Parameter(torch.empty(shape))
             self.b_v = nn.Parameter(torch.empty(shape))
 
-    def forward(self, x: torch.Tensor, b_q: torch.Tensor | None, b_k: torch.Tensor | None,
-                b_v: torch.Tensor | None, cache=None) -> torch.Tensor:
+    @torch.no_grad()
+    def init_weights(self, config: GPTConfig) -> None:  # after GPT._init_weights: learned biases as sampled ones
+        if self.learned_biases:
+            mean_q, std_q, mean_v, std_v = bias_distribution(config)
+            self.b_q.copy_(mean_q + std_q * torch.randn_like(self.b_q))
+            self.b_v.copy_(mean_v + std_v * torch.randn_like(self.b_v))
+
+    def forward(self, x: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, cache=None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for t in self.c_attn(x).split(C, dim=2))
-        if hasattr(self, "b_q"):
+        if self.learned_biases:
             b_q, b_v = self.b_q, self.b_v
-        if b_k is not None:  # cancels in the softmax (constant per query row); kept only for parity checks
-            k = k + (b_k if b_k.dim() == 1 else b_k.unsqueeze(1)).to(k.dtype)
         if cache is not None:  # generation: the keys and values of the tokens read before (kv_cache.py)
             k, v = cache.update(k, v)
-        y = attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2),
-                      impl=self.attention_impl)
+        y = attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2), impl=self.attention_impl)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -225,19 +232,18 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, b_q=None, b_k=None, b_v=None, cache=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), b_q, b_k, b_v, cache)
+    def forward(self, x: torch.Tensor, b_q=None, b_v=None, cache=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), b_q, b_v, cache)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
     """GPT-2 (pre-LN, learned positions, tied embeddings) whose attention takes per-batch biases b_Q, b_V.
 
-    forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 3, d) or
-    (n_layer, 3, H, d) holding b_Q, b_K, b_V per layer; None means evaluation, which uses the means (docs/model.md).
-    Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Variants:
-    docs/variants.md.
-    """
+    forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 2, d) or
+    (n_layer, 2, H, d) holding b_Q, b_V per layer; None means evaluation, which uses the means (docs/model.md).
+    Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Without targets,
+    only the last position's logits (generation's; nanoGPT's way) unless all_logits. Variants: docs/variants.md."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -256,8 +262,8 @@ class GPT(nn.Module):
             symmetric_init(self)
 
     def _init_weights(self, module: nn.Module) -> None:
-        """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1), learned
-        attention biases from the sampling distribution (docs/model.md); relational attention initialises its own."""
+        """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1) (docs/model.md);
+        then each attention module initialises its own extras (learned biases, relational attention's score MLP)."""
         if isinstance(module, nn.Linear):
             std = 0.02 / math.sqrt(2 * self.config.n_layer) if hasattr(module, "is_residual_projection") else 0.02
             torch.nn.init.normal_(module.weight, mean=0.0, std=std)
@@ -267,12 +273,7 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
         elif isinstance(module, nn.PReLU):
             torch.nn.init.normal_(module.weight, mean=0.2, std=1.0)
-        elif isinstance(module, CausalSelfAttention) and hasattr(module, "b_q"):
-            mean_q, std_q, mean_v, std_v = bias_distribution(self.config)
-            with torch.no_grad():
-                module.b_q.copy_(mean_q + std_q * torch.randn_like(module.b_q))
-                module.b_v.copy_(mean_v + std_v * torch.randn_like(module.b_v))
-        elif isinstance(module, RelationalAttention):
+        elif isinstance(module, tuple(ATTENTION.values())):
             module.init_weights(self.config)
 
     def get_num_params(self, non_embedding: bool = False) -> int:
@@ -281,24 +282,24 @@ class GPT(nn.Module):
         return n - self.transformer.wpe.weight.numel() if non_embedding else n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, biases: torch.Tensor | None = None,
-                cache: kv_cache.KVCache | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                cache: kv_cache.KVCache | None = None, all_logits: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _, T = idx.shape
         start = 0 if cache is None else cache.length  # with a cache, idx continues the tokens it holds
         if start + T > self.config.block_size:
             raise ValueError(f"sequence length {start + T} exceeds block_size {self.config.block_size}")
-        if biases is None:
-            biases = self.mean_biases
-        use_q, use_k, use_v = self.config.sampled_biases
+        biases = self.mean_biases if biases is None else biases  # evaluation: the means
+        use_q, use_v = self.config.sampled_biases
         pos = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, biases[i, 0] if use_q else None, biases[i, 1] if use_k else None,
-                      biases[i, 2] if use_v else None, None if cache is None else cache[i])
+            x = block(x, biases[i, 0] if use_q else None, biases[i, 1] if use_v else None,
+                      None if cache is None else cache[i])
         x = self.transformer.ln_f(x)
+        if targets is None:  # generation reads the last position: T x vocab logits would be T - 1 rows wasted
+            return self.lm_head(x if all_logits else x[:, -1:]), None
         logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()
@@ -357,51 +358,48 @@ def bias_distribution(config: GPTConfig) -> tuple[float, torch.Tensor, float, to
 
 
 def _bias_shape(config: GPTConfig) -> tuple[int, ...]:
-    return (config.n_layer, 3, config.n_head, config.head_dim) if config.bias_per_head else (
-        config.n_layer, 3, config.head_dim)
+    return (config.n_layer, 2, config.n_head, config.head_dim) if config.bias_per_head else (
+        config.n_layer, 2, config.head_dim)
 
 
 def mean_biases(config: GPTConfig) -> torch.Tensor:
-    """E[b_Q], E[b_K] (= E[b_Q]), E[b_V] per layer, in the sampler's layout: what evaluation uses."""
+    """E[b_Q], E[b_V] per layer, in the sampler's layout: what evaluation uses."""
     out = torch.empty(_bias_shape(config))
     out[:, 0] = config.mean_q
-    out[:, 1] = config.mean_q
-    out[:, 2] = config.mean_v
+    out[:, 1] = config.mean_v
     return out
 
 
 class BiasSampler:
-    """Draws b_Q, b_K, b_V for one optimizer step: one draw per layer per training batch (docs/model.md), shared by
-    every micro-batch and every rank of the step.
+    """Draws b_Q, b_V for one optimizer step: one draw per layer per training batch (docs/model.md), shared by every
+    micro-batch and every rank of the step.
 
-    Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]). It holds no state, so a resumed run
-    and a run on any number of GPUs, with any micro-batch split, see the same biases for the same data.
+    Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]): rows b_Q, b_K, b_V of standard normals,
+    b_K's unused (it cancels; kept so b_Q, b_V stay the draws of earlier runs). No state: a resumed run, or a run on
+    any number of GPUs with any micro-batch split, sees the same biases for the same data.
     """
 
     def __init__(self, config: GPTConfig, seed: int):
         self.config, self.seed = config, seed
         _, std_q, _, std_v = bias_distribution(config)
         self.mean = mean_biases(config)[0].numpy()
-        std = np.stack([std_q.numpy(), std_q.numpy(), std_v.numpy()])  # (3, d)
+        std = np.stack([std_q.numpy(), std_v.numpy()])  # (2, d)
         self.std = std[:, None, :] if config.bias_per_head else std
 
     def sample(self, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-        """The (n_layer, 3, [n_head,] d) draws; None when the mode samples no bias (the forward pass reads none)."""
+        """The (n_layer, 2, [n_head,] d) draws; None when the mode samples no bias (the forward pass reads none)."""
         if not any(self.config.sampled_biases):
             return None
         shape = _bias_shape(self.config)
         draws = np.empty(shape, dtype=np.float32)
         for layer in range(self.config.n_layer):
             rng = np.random.default_rng([self.seed, step, layer])
-            draws[layer] = self.mean + self.std * rng.standard_normal(shape[1:])
+            draws[layer] = self.mean + self.std * rng.standard_normal((3, *shape[2:]))[::2]  # rows b_Q, b_V
         tensor = torch.from_numpy(draws)
         device = torch.device(device)
         if device.type == "cuda":
             tensor = tensor.pin_memory()
         return tensor.to(device, non_blocking=True)
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "rule": "SeedSequence([seed, step, layer])"}
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -527,9 +525,9 @@ class Trainer:
             return None
         return runs.model_checkpoint(
             self.model, {**self.cfg.to_dict(), "data": self.data_record}, self.progress.step,
-            optimizers=optimizer_states, loader=self.loader.state_dict(), sampler=self.sampler.state_dict(),
-            rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
-            hooks={hook.name: hook.state_dict() for hook in self.hooks if hook.state_dict() is not None})
+            optimizers=optimizer_states, loader=self.loader.state_dict(), rng={"torch": torch.get_rng_state()},
+            metrics=asdict(self.progress), hooks={hook.name: state for hook in self.hooks
+                                                  if (state := hook.state_dict()) is not None})
 
     def restore(self) -> None:
         """Continue from --resume: the inverse of `checkpoint`, except that the optimizer settings of the current

@@ -103,7 +103,7 @@ class RelationalAttention(nn.Module):
             nn.init.zeros_(layer.bias)
         nn.init.constant_(self.mix, 0.02 * 0.02 / math.sqrt(2 * config.n_layer) * config.n_embd / config.n_head)
 
-    def forward(self, x: Tensor, b_q=None, b_k=None, b_v=None, cache=None) -> Tensor:
+    def forward(self, x: Tensor, b_q=None, b_v=None, cache=None) -> Tensor:
         if cache is not None:
             raise ValueError("relational attention keeps no KV cache (kv_cache.for_model gives it none)")
         B, T, C = x.shape
@@ -309,9 +309,8 @@ def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch
                 "follow: add --bias-per-head")
     if model.attention != "relational":
         return None
-    if model.bias_mode != "none" or model.key_bias:
-        return ("--attention relational has no queries, keys or values to bias: add --bias-mode none (and drop "
-                "--key-bias)")
+    if model.bias_mode != "none":
+        return "--attention relational has no queries, keys or values to bias: add --bias-mode none"
     if model.init == "symmetric":
         return "--init symmetric sets W_K := W_Q, which --attention relational does not have: use --init normal"
     if research.dynamics_every or research.gauge != "none" or research.gauge_diagnostic_every:

@@ -257,7 +257,7 @@ def score_items(model: train_gpt.GPT, encoded: list[tuple[list[int], int]], devi
         idx = torch.full((len(chunk), longest), EOT_TOKEN, dtype=torch.long)
         for row, (tokens, _) in enumerate(chunk):
             idx[row, :len(tokens)] = torch.tensor(tokens)
-        logits, _ = model(idx.to(device))
+        logits, _ = model(idx.to(device), all_logits=True)  # each prompt ends at its own position
         last = torch.tensor([len(tokens) - 1 for tokens, _ in chunk], device=device)
         final = logits[torch.arange(len(chunk), device=device), last, :vocabulary].float()
         logp = F.log_softmax(final, dim=-1)

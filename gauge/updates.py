@@ -128,13 +128,13 @@ def gram_imbalance(a: Tensor, b: Tensor) -> Tensor:
 
 
 def mean_bias_rows(model: nn.Module) -> dict[str, Tensor]:
-    """{"Q", "K", "V": (L, H, d) float64}: the mean sampled bias that the evaluated model adds to each head's
-    queries, keys or values, for the sectors its --bias-mode samples (none for `none` and `learned`). It is what
-    `factor_pairs` adds to the linear-bias rows (docs/gauge.md#the-biases)."""
-    config, means = model.config, model.mean_biases.double()  # (L, 3, d) or, per head, (L, 3, H, d)
+    """{"Q", "V": (L, H, d) float64}: the mean sampled bias that the evaluated model adds to each head's queries or
+    values, for the sectors its --bias-mode samples (none for `none` and `learned`). It is what `factor_pairs` adds
+    to the linear-bias rows (docs/gauge.md#the-biases)."""
+    config, means = model.config, model.mean_biases.double()  # (L, 2, d) or, per head, (L, 2, H, d)
     if means.dim() == 3:
         means = means.unsqueeze(2).expand(-1, -1, config.n_head, -1)
-    return {sector: means[:, i] for i, (sector, sampled) in enumerate(zip("QKV", config.sampled_biases)) if sampled}
+    return {sector: means[:, i] for i, (sector, sampled) in enumerate(zip("QV", config.sampled_biases)) if sampled}
 
 
 def _shift_bias_rows(factors: dict[str, Tensor], tensors: Mapping[str, Tensor], layer: int,

@@ -233,26 +233,6 @@ def test_new_rows_replace_the_rows_of_their_gpu_head_dim_and_dtype(tmp_path: Pat
     assert json.loads(path.read_text())["about"] == "test"
 
 
-def test_the_bench_writes_the_fastest_path_per_head_dim_with_its_timings() -> None:
-    bench = pytest.importorskip("bench.attention")
-
-    def shape(d: int, ms: dict[str, float]) -> dict:
-        variants = {f"{name}+bias": {"fwd_bwd_ms": t} for name, t in ms.items()}
-        variants["triton"] = {"fwd_bwd_ms": 0.001}  # without biases: not what the table is chosen by
-        return {"B": 4, "H": 12, "T": 512, "d": d, "dtype": "bfloat16", "variants": variants}
-
-    report = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "shapes": [
-        shape(64, {"triton": 1.0, "sdpa": 1.5, "flex": 1.2}), shape(64, {"triton": 2.0, "sdpa": 1.6, "flex": 2.0}),
-        shape(128, {"triton": 1.99, "sdpa": 2.0}), ]}
-    rows = bench.table_rows(report, "abc1234")
-    assert [(r["gpu"], r["head_dim"], r["dtype"], r["impl"]) for r in rows] == [
-        ("NVIDIA H100 80GB HBM3", 64, "bfloat16", "triton"),  # 3.0 ms summed against sdpa 3.1, flex 3.2
-        ("NVIDIA H100 80GB HBM3", 128, "bfloat16", "sdpa")]  # within 2%: the library
-    assert "commit abc1234" in rows[0]["source"] and "triton 3.000 ms, sdpa 3.100 ms, flex 3.200 ms" in rows[0]["source"]
-    assert bench.fastest({"sdpa": 1.0, "triton": 0.8, "flex": 0.9}) == "triton"
-    assert bench.fastest({"flex": 0.5, "triton": 0.5}) == "triton"
-
-
 def test_no_entry_point_imports_triton_until_a_kernel_runs() -> None:
     """Importing the trainer, sampling, export and the config, --help and a CPU forward pass on the triton path
     (which runs SDPA there) leave Triton unimported."""

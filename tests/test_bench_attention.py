@@ -1,5 +1,5 @@
 """bench.attention's bookkeeping on the CPU (the timings need a GPU): which variants it times, the ratio to the
-fastest library path, and what auto would pick."""
+fastest library path, what auto would pick and the table rows it writes."""
 from __future__ import annotations
 
 import torch
@@ -31,3 +31,22 @@ def test_ratios_are_to_the_fastest_library_path_with_the_same_biases() -> None:
     assert r["triton+bias"]["x_fwd_bwd"] == 0.5 and r["flex+bias"]["x_fwd_bwd"] == 0.75  # SDPA+bias is
     assert r["triton"]["x_fwd"] == r["triton"]["x_fwd_bwd"] and "x_fwd" not in r["sdpa-flash+bias"]
     assert bench_attention.auto_choices(r) == {"none": "triton", "+bias": "sdpa", "+learned": None}
+
+
+def test_the_bench_writes_the_fastest_path_per_head_dim_with_its_timings() -> None:
+    def shape(d: int, ms: dict[str, float]) -> dict:
+        variants = {f"{name}+bias": {"fwd_bwd_ms": t} for name, t in ms.items()}
+        variants["triton"] = {"fwd_bwd_ms": 0.001}  # without biases: not what the table is chosen by
+        return {"B": 4, "H": 12, "T": 512, "d": d, "dtype": "bfloat16", "variants": variants}
+
+    report = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6", "shapes": [
+        shape(64, {"triton": 1.0, "sdpa": 1.5, "flex": 1.2}), shape(64, {"triton": 2.0, "sdpa": 1.6, "flex": 2.0}),
+        shape(128, {"triton": 1.99, "sdpa": 2.0})]}
+    rows = bench_attention.table_rows(report, "abc1234")
+    assert [(r["gpu"], r["head_dim"], r["dtype"], r["impl"]) for r in rows] == [
+        ("NVIDIA H100 80GB HBM3", 64, "bfloat16", "triton"),  # 3.0 ms summed against sdpa 3.1, flex 3.2
+        ("NVIDIA H100 80GB HBM3", 128, "bfloat16", "sdpa")]  # within 2%: the library
+    assert "commit abc1234" in rows[0]["source"]
+    assert "triton 3.000 ms, sdpa 3.100 ms, flex 3.200 ms" in rows[0]["source"]
+    assert bench_attention.fastest({"sdpa": 1.0, "triton": 0.8, "flex": 0.9}) == "triton"
+    assert bench_attention.fastest({"flex": 0.5, "triton": 0.5}) == "triton"

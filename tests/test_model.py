@@ -1,8 +1,10 @@
 """The GPT-2 model and the symmetry-breaking biases (docs/model.md)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,15 +87,52 @@ def test_query_bias_equals_per_key_logit_bias():
     assert (attention_reference(q, k, v, b_q=b_q) - attention_reference(q, k, v)).abs().max() > 1e-3
 
 
-def test_key_bias_is_a_no_op():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_key_bias_is_a_no_op(per_head):
+    """A key bias b_K ~ N(μ_Q, σ_Q²) adds (q_i + b_Q)·b_K/√d to every logit of row i, a constant the softmax removes:
+    added to every key (through the key rows of c_attn's bias), with sampled b_Q and b_V present, it changes no
+    output. The same shift on the query rows does (the check can fail)."""
     torch.manual_seed(0)
-    with_key = GPT(tiny_config(key_bias=True)).double()
-    without_key = GPT(tiny_config(key_bias=False)).double()
-    without_key.load_state_dict(with_key.state_dict())
+    cfg = tiny_config(bias_per_head=per_head, mean_v=0.5)
+    model = GPT(cfg).double()
     idx = torch.randint(0, 97, (2, 16))
-    biases = BiasSampler(with_key.config, seed=3).sample(step=5).double()
-    assert biases[:, 1].abs().min() > 0  # b_K really was drawn
-    torch.testing.assert_close(with_key(idx, biases=biases)[0], without_key(idx, biases=biases)[0])
+    biases = BiasSampler(cfg, seed=3).sample(step=5).double()
+    before = model(idx, biases=biases, all_logits=True)[0]
+    _, std_q, _, _ = train_gpt.bias_distribution(cfg)
+    C, gen = cfg.n_embd, torch.Generator().manual_seed(4)
+    shifts = [cfg.mean_q + std_q.double() * torch.randn(cfg.n_head if per_head else 1, cfg.head_dim,
+                                                         generator=gen, dtype=torch.float64) for _ in range(2)]
+    with torch.no_grad():
+        for block, b_k in zip(model.transformer.h, shifts):
+            block.attn.c_attn.bias[C:2 * C] += b_k.expand(cfg.n_head, -1).reshape(C)
+    torch.testing.assert_close(model(idx, biases=biases, all_logits=True)[0], before, rtol=1e-10, atol=1e-10)
+    with torch.no_grad():
+        for block, b_k in zip(model.transformer.h, shifts):
+            block.attn.c_attn.bias[:C] += b_k.expand(cfg.n_head, -1).reshape(C)
+    assert (model(idx, biases=biases, all_logits=True)[0] - before).abs().max() > 1e-5
+
+
+def test_without_targets_the_head_projects_the_last_position_only():
+    """Generation reads the last position's logits: without targets the head runs on B rows, not B·T; all_logits
+    (evaluations, export checks) and a loss see every position, the same numbers."""
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).double()
+    idx = torch.randint(0, 97, (3, 16))
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:2]))
+    last, every = model(idx)[0], model(idx, all_logits=True)[0]
+    assert last.shape == (3, 1, 97) and every.shape == (3, 16, 97) and rows == [(3, 1), (3, 16)]
+    torch.testing.assert_close(last, every[:, -1:], rtol=1e-12, atol=1e-12)  # a (B, C) product rounds alike
+    logits, loss = model(idx, idx)
+    torch.testing.assert_close(logits, every, rtol=0, atol=0)
+    assert rows[-1] == (3, 16) and loss is not None
+
+
+def test_the_model_config_lists_the_architecture_before_the_variants():
+    names = [f.name for f in dataclasses.fields(GPTConfig)]
+    variants = [f.name for f in dataclasses.fields(train_gpt.ModelVariants)]
+    assert names[:5] == ["vocab_size", "block_size", "n_layer", "n_head", "n_embd"]
+    assert names[-len(variants):] == variants
 
 
 @pytest.mark.parametrize("mode", ["bq", "bv", "bqbv"])
@@ -102,9 +141,9 @@ def test_evaluation_uses_the_means(mode):
     cfg = tiny_config(bias_mode=mode, mean_v=0.5)
     model = GPT(cfg).double()
     idx = torch.randint(0, 97, (2, 16))
-    at_means = model(idx, biases=mean_biases(cfg).double())[0]
-    torch.testing.assert_close(model(idx)[0], at_means)
-    sampled = model(idx, biases=BiasSampler(cfg, seed=0).sample(0).double())[0]
+    at_means = model(idx, biases=mean_biases(cfg).double(), all_logits=True)[0]
+    torch.testing.assert_close(model(idx, all_logits=True)[0], at_means)
+    sampled = model(idx, biases=BiasSampler(cfg, seed=0).sample(0).double(), all_logits=True)[0]
     assert (sampled - at_means).abs().max() > 1e-6
 
 
@@ -121,15 +160,28 @@ def test_mean_biases_fold_into_a_standard_gpt2():
             block.attn.c_attn.bias[:C] += cfg.mean_q
             block.attn.c_proj.bias += block.attn.c_proj.weight @ torch.full((C,), cfg.mean_v, dtype=torch.float64)
     idx = torch.randint(0, 97, (2, 16))
-    torch.testing.assert_close(broken(idx)[0], plain(idx)[0])
+    torch.testing.assert_close(broken(idx, all_logits=True)[0], plain(idx, all_logits=True)[0])
 
 
 def test_sampler_draws_nothing_when_the_mode_samples_no_bias():
-    for mode, key_bias in (("none", False), ("learned", False), ("learned", True)):
+    for mode, key_bias in (("none", False), ("none", True), ("learned", False), ("learned", True)):
         assert BiasSampler(tiny_config(bias_mode=mode, key_bias=key_bias), seed=0).sample(0) is None
     for mode in ("bq", "bv", "bqbv"):
         assert BiasSampler(tiny_config(bias_mode=mode), seed=0).sample(0) is not None
-    assert BiasSampler(tiny_config(bias_mode="none", key_bias=True), seed=0).sample(0) is not None
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_sampler_keeps_the_stream_of_three_rows_per_layer(per_head):
+    """Layer i's draw at a step is rows 0 and 2 of default_rng([seed, step, i]).standard_normal((3, [H,] d)) (the
+    stream's rows b_Q, b_K, b_V; b_K's unused): b_Q and b_V are the draws of runs that also drew b_K."""
+    cfg = tiny_config(bias_per_head=per_head, mean_v=0.3)
+    _, std_q, _, std_v = train_gpt.bias_distribution(cfg)
+    std = torch.stack([std_q, std_v]).double()[:, None] if per_head else torch.stack([std_q, std_v]).double()
+    mean = torch.tensor([cfg.mean_q, cfg.mean_v]).double().view(2, *[1] * (std.dim() - 1))
+    draws = BiasSampler(cfg, seed=11).sample(step=7)
+    for layer in range(cfg.n_layer):
+        z = np.random.default_rng([11, 7, layer]).standard_normal((3, *draws.shape[2:]))
+        torch.testing.assert_close(draws[layer], (mean + std * torch.from_numpy(z[[0, 2]])).float(), rtol=0, atol=0)
 
 
 def test_sampler_is_a_function_of_seed_and_step():
@@ -149,16 +201,16 @@ def test_sampler_distribution_matches_spec(per_head):
     cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=128, bias_per_head=per_head,
                     mean_v=0.5, std_v_min=0.02, std_v_max=0.05)
     sampler = BiasSampler(cfg, seed=0)
-    draws = torch.stack([sampler.sample(step)[0] for step in range(3000)])  # (N, 3, [H,] d)
+    draws = torch.stack([sampler.sample(step)[0] for step in range(3000)])  # (N, 2, [H,] d)
     if per_head:
-        assert draws.shape == (3000, 3, 2, 64)
-        draws = draws.transpose(1, 2).reshape(6000, 3, 64)
+        assert draws.shape == (3000, 2, 2, 64)
+        draws = draws.transpose(1, 2).reshape(6000, 2, 64)
     std_q = torch.linspace(0.05, 0.15, 64)
     std_v = torch.linspace(0.02, 0.05, 64)
     torch.testing.assert_close(draws[:, 0].mean(0), torch.full((64,), 0.5), atol=0.012, rtol=0)
-    torch.testing.assert_close(draws[:, 2].mean(0), torch.full((64,), 0.5), atol=0.005, rtol=0)
+    torch.testing.assert_close(draws[:, 1].mean(0), torch.full((64,), 0.5), atol=0.005, rtol=0)
     torch.testing.assert_close(draws[:, 0].std(0), std_q, rtol=0.1, atol=0)
-    torch.testing.assert_close(draws[:, 2].std(0), std_v, rtol=0.1, atol=0)
+    torch.testing.assert_close(draws[:, 1].std(0), std_v, rtol=0.1, atol=0)
 
 
 def test_learned_biases_are_parameters_and_get_gradients():
@@ -178,4 +230,4 @@ def test_symmetric_model_ignores_biases():
     model = GPT(tiny_config(bias_mode="none"))
     idx = torch.randint(0, 97, (1, 16))
     sampled = BiasSampler(model.config, seed=0).sample(0)
-    torch.testing.assert_close(model(idx)[0], model(idx, biases=sampled)[0])
+    torch.testing.assert_close(model(idx, all_logits=True)[0], model(idx, biases=sampled, all_logits=True)[0])

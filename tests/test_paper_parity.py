@@ -130,7 +130,7 @@ def tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loss_of(model: train_gpt.GPT, step: int) -> torch.Tensor:
     """Cross-entropy in float64 (the model's own loss is computed in float32) with the mean biases."""
     x, y = tokens(step)
-    logits = model(x)[0]
+    logits = model(x, all_logits=True)[0]
     return torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), y.reshape(-1))
 
 

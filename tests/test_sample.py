@@ -101,10 +101,10 @@ def test_the_kv_cache_reads_each_token_once_while_the_context_fits(model, monkey
 
 def test_cached_logits_equal_the_full_forward(model):
     idx = torch.randint(0, GPT2_VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    full = model(idx)[0]
+    full = model(idx, all_logits=True)[0]
     cache = kv_cache.for_model(model.config)
-    stepwise = torch.cat([model(idx[:, :4], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0]
-                                                                 for t in range(4, 12)], dim=1)
+    stepwise = torch.cat([model(idx[:, :4], cache=cache, all_logits=True)[0]]
+                         + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(4, 12)], dim=1)
     torch.testing.assert_close(stepwise, full, rtol=1e-5, atol=1e-5)
     assert cache.length == 12
     with pytest.raises(ValueError, match="exceeds block_size 32"):
@@ -203,9 +203,9 @@ def test_kv_cache_on_cuda_in_bf16_matches_the_full_forward():
     idx = torch.randint(0, GPT2_VOCAB, (2, 12), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     cache = kv_cache.for_model(model.config)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        full = model(idx)[0].float()
-        stepwise = torch.cat([model(idx[:, :4], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0]
-                                                                     for t in range(4, 12)], dim=1).float()
+        full = model(idx, all_logits=True)[0].float()
+        stepwise = torch.cat([model(idx[:, :4], cache=cache, all_logits=True)[0]]
+                             + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(4, 12)], dim=1).float()
     torch.testing.assert_close(stepwise, full, rtol=5e-2, atol=5e-2)
 
 
