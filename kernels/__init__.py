@@ -1,2 +1,2 @@
 """Kernels, each next to its PyTorch reference and tested against it; import from the submodules
-(`from kernels.attention import attention`): a re-export here would shadow the `kernels.attention` module."""
+(`from kernels.attention_paths import attention`), which import Triton only where a kernel runs."""

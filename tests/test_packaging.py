@@ -15,14 +15,15 @@ pytest.importorskip("setuptools", reason="building the package needs setuptools 
 pytestmark = pytest.mark.slow  # two offline pip builds and two fresh interpreters importing torch: ~20 s on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["train_gpt", "cli", "config", "runs", "variants", "sample", "export", "kernels.attention", "kernels.ecd",
-           "optim", "gauge.dynamics", "gauge.updates", "data.tokenizer", "data.loader", "data.lookup", "eval.common",
-           "eval.logic_puzzles", "bench"]
+MODULES = ["train_gpt", "cli", "config", "runs", "variants", "sample", "export", "kernels.attention",
+           "kernels.attention_paths", "kernels.ecd", "optim", "gauge.dynamics", "gauge.updates", "data.tokenizer",
+           "data.loader", "data.lookup", "eval.common", "eval.logic_puzzles", "bench"]
 IMPORT_CHECK = (
     "import importlib, sys\n"
     f"mods = [importlib.import_module(m) for m in {MODULES!r}]\n"
     "import eval.logic_puzzles as lp\n"
     "assert lp.FIXED_SUITE.is_file(), lp.FIXED_SUITE\n"
+    "importlib.import_module('kernels.attention_paths').read_table()  # the attention table travels with it\n"
     "assert '--top-k' in importlib.import_module('sample').build_parser().format_help()\n"
     "print(mods[0].__file__)\n"
 )
@@ -59,7 +60,7 @@ def test_wheel_holds_every_module_and_imports_outside_the_repository(source, tmp
         names = set(archive.namelist())
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     for module in ("train_gpt.py", "cli.py", "sample.py", "export.py", "modeling_symgpt.py", "kv_cache.py",
-                   "kernels/attention.py", "optim/__init__.py", "data/shards.py", "eval/suites/logic_fixed.json",
+                   "kernels/attention.py", "kernels/attention_table.json", "optim/__init__.py", "data/shards.py", "eval/suites/logic_fixed.json",
                    "bench/e2e.py"):
         assert module in names, module
     assert not any(n.startswith("tests/") for n in names)
