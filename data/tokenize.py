@@ -549,6 +549,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hub-revision", default=None)
     parser.add_argument("--hub-endpoint", default=None, help="default: $HF_ENDPOINT or huggingface.co")
     args = parser.parse_args(argv)
+    if Path(args.prefix).name != args.prefix or args.prefix.strip(".") == "":
+        parser.error(f"--prefix {args.prefix!r}: a name for the shard files, without '/' (put the directory in --out, "
+                     "e.g. --out data/mine --prefix mine)")
     stats = CorpusStats()
     try:
         paths = resolve_sources(args.inputs)
