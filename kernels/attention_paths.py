@@ -184,9 +184,10 @@ def read_table(path: Path = TABLE) -> list[dict]:
     """The rows of the table: {gpu, head_dim, dtype, impl, source} each."""
     try:
         rows = json.loads(path.read_text())["rows"]
-        if not all(isinstance(r, dict) and r.get("impl") in IMPLEMENTATIONS and all(k in r for k in TABLE_KEY)
-                   for r in rows):
-            raise ValueError("a row lacks gpu, head_dim, dtype or a path among " + ", ".join(IMPLEMENTATIONS))
+        if not all(isinstance(r, dict) and r.get("impl") in IMPLEMENTATIONS and type(r.get("head_dim")) is int
+                   and all(isinstance(r.get(k), str) for k in ("gpu", "dtype", "source")) for r in rows):
+            raise ValueError("each row needs gpu, dtype and source (text), head_dim (an integer) and a path among "
+                             + ", ".join(IMPLEMENTATIONS))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise AttentionChoiceError(f"{path}: not a table of attention paths ({type(exc).__name__}: {exc}); restore "
                                    "it (git checkout) or pass --attention-impl sdpa|triton|flex") from None

@@ -210,8 +210,9 @@ def test_a_forced_path_runs_or_is_refused_with_the_reason() -> None:
         paths.choose("flex", CPU, torch.float32, 64, compiled=True)
 
 
-@pytest.mark.parametrize("text", ["{not json", '{"rows": [{"gpu": "x", "head_dim": 64, "dtype": "float32", '
-                                              '"impl": "fastest"}]}', '{"rows": 3}'])
+@pytest.mark.parametrize("text", ["{not json", '{"rows": 3}', '{"table": []}', json.dumps({"rows": [row("fastest")]}),
+                                  json.dumps({"rows": [{**row("sdpa"), "head_dim": "64"}]}),
+                                  json.dumps({"rows": [{k: v for k, v in row("sdpa").items() if k != "source"}]})])
 def test_an_unreadable_table_is_refused_naming_the_file(tmp_path: Path, text: str) -> None:
     path = tmp_path / "table.json"
     path.write_text(text)
