@@ -70,8 +70,9 @@ class GPTArchitecture:
     std_v_min: float = model_flag(0.02, "per-dimension std of b_V = linspace(std_v_min, std_v_max, d)", bounds=">= 0")
     std_v_max: float = model_flag(0.02, "see --std-v-min", bounds=">= 0")
     bias_per_head: bool = model_flag(False, "sample one vector per head instead of one per layer shared by all heads")
-    key_bias: bool = flag(False, "the paper's key bias b_K: it cancels exactly in the softmax, so the model does not "
-                                 "add it (docs/model.md#symmetry-breaking-biases)", affects_results=False)
+    key_bias: bool = model_flag(False, "the paper's key bias b_K: it cancels exactly in the softmax, so the model "
+                                       "does not add it (docs/model.md#symmetry-breaking-biases)",
+                                affects_results=False)
 
     @property
     def head_dim(self) -> int:
