@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cli import add_flags, field_problem, option
+from cli import ArgumentParser, add_flags, field_problem, option
 from optim import OPTIMIZERS, OptimizerConfig
 from optim.registry import upgrade_saved_config
 from runs import (
@@ -186,11 +186,10 @@ def preset_lines(report: dict) -> str:
             + "".join(f"\n  {note}" for note in report.get("sources", [])))
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+TRAINER = "train_gpt.py"  # how the trainer is run (python or torchrun): the name its messages give
 
 
-def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, dict]) -> argparse.ArgumentParser:
+def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, dict]) -> ArgumentParser:
     """A parser with one flag per field of every section, defaulting to `base` (defaults <- preset <- resumed
     config); the epilog lists every optimizer and the others' flags."""
     lines = ["optimizers (--optimizer NAME; its flags replace the optimizer group above):"]
@@ -200,9 +199,8 @@ def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, d
         if name != optimizer:
             own = [f for f in dataclasses.fields(spec.config) if f.name not in shared]
             lines.append("         " + ", ".join(f"{option(f.name)} {f.default}" for f in own))
-    parser = argparse.ArgumentParser(
-        description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
-        formatter_class=_HelpFormatter, epilog="\n".join(lines))
+    parser = ArgumentParser(prog=TRAINER, epilog="\n".join(lines),
+                            description="Train GPT-2 with symmetry-breaking attention biases (see README.md).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
                         help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, "
                              "whose values are also the defaults (docs/optimizers.md#paper-parity)")
@@ -221,7 +219,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     """Defaults <- preset <- resumed checkpoint's config <- command-line flags, then checked; model and train are the
     trainer's flag dataclasses."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(prog=TRAINER, add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
     pre.add_argument("--resume", default="")
     pre.add_argument("--optimizer", choices=sorted(OPTIMIZERS))

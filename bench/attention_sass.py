@@ -9,7 +9,6 @@ that spills or has no HGMMA is flagged; speed still has to be measured on a GPU 
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import subprocess
@@ -21,6 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
+from cli import ArgumentParser
 from kernels import attention as attn
 
 TARGET = GPUTarget("cuda", 90, 128)
@@ -65,7 +65,7 @@ def compile_pass(name: str, head_dim: int, block_m: int, block_n: int, warps: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.attention_sass", description=__doc__)
     parser.add_argument("--all", action="store_true", help="also every config the autotuner would try")
     args = parser.parse_args()
     jobs = [(name, d, t.block_m, t.block_n, t.num_warps, t.num_stages)

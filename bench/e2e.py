@@ -12,7 +12,6 @@ allocator warm-up) are excluded from the steady-state figures. MFU uses the data
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cli import ArgumentParser
 import runs
 import train_gpt
 from config import PRESETS
@@ -29,9 +29,9 @@ from data.shards import write_shard
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
-    parser.add_argument("--optimizer", default="adamw")
+    parser = ArgumentParser(module="bench.e2e", description=__doc__)
+    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS), help="the model and batch to time")
+    parser.add_argument("--optimizer", default="adamw", help="optimizer of the timed steps")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
     parser.add_argument("--log-every", type=int, default=5, help="steps per timed interval")
     parser.add_argument("--warmup", type=int, default=2, help="timed intervals to discard")

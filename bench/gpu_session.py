@@ -13,7 +13,6 @@ the steps, with the interpreter that runs it.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from cli import ArgumentParser  # noqa: E402
 from data.shards import atomic_write  # noqa: E402
 
 BUDGET_S = 575
@@ -179,7 +179,7 @@ def write_report(steps: list[Step], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.gpu_session", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"),
                         help="directory for the report, the JSON and each step's log (default: $OUT or runs/gpu)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these steps (names as in the report)")

@@ -22,7 +22,6 @@ BENCHMARKS.md records both effects on Muon.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cli import ArgumentParser  # noqa: E402
 import train_gpt  # noqa: E402
 from optim import OPTIMIZERS, optimizer_state_bytes  # noqa: E402
 
@@ -110,7 +110,7 @@ def time_optimizer(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.d
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.optim", description=__doc__)
     parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm",
                         help="comma-separated registry names; NAME:unfused turns a fused path off")
     parser.add_argument("--n-layer", type=int, default=12, help="model layers (12: the 124M preset)")

@@ -10,7 +10,6 @@ efficiency even when the wall time is inflated by other load.
 """
 from __future__ import annotations
 
-import argparse
 import platform
 import resource
 import tempfile
@@ -18,6 +17,7 @@ import time
 
 import numpy as np
 
+from cli import ArgumentParser
 from data.embedded import prepare_embedded_corpus
 from data.shards import EOT_TOKEN, find_shards, open_shard
 from data.tokenize import default_workers, documents_to_shards
@@ -57,9 +57,9 @@ def best_time(fn, repeats: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(module="bench.tokenize", description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=16.0, help="megabytes of text to tokenize")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (the best is reported)")
     parser.add_argument("--workers", type=int, nargs="*", default=None, help="default: 1, 2, 4, ... up to all cores")
     args = parser.parse_args()
     cores = default_workers()

@@ -17,7 +17,6 @@ Shards go to `<cache>/embedded/` (`<repo>/data/cache`, or `$SYMGPT_CACHE`): `emb
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import hashlib
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cli import ArgumentParser
 from data.shards import ShardError, read_shard_header, shard_globs
 from data.tokenize import TokenizeError, default_workers, documents_to_shards, parallel_map
 from data.tokenize import main as tokenize_main
@@ -224,16 +224,18 @@ def prepare_embedded_corpus(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the embedded corpus (or shards from local text files).")
+    parser = ArgumentParser(module="data.embedded",
+                            description="Build the embedded corpus (or shards from local text files).")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                         help="cap on the extracted text (UTF-8 bytes)")
-    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                        help="fraction of the tokens in the validation shard")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: data/cache/embedded (or data/cache/text with --text)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
                         help="instead: shards with prefix 'text' from these .txt/.jsonl/.parquet files or globs "
                         "(one document per .txt file; replaces earlier text_* shards in --out)")
-    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     args = parser.parse_args(argv)
     if args.text is not None:
         out = args.out or cache_root() / "text"

@@ -14,7 +14,6 @@ Offline, it stops at the first file it cannot fetch and says what to do instead.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from cli import ArgumentParser
 from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, cache_root, open_shard, read_shard_header, remember_sha256,
                          sha256_file, shard_globs)
 
@@ -143,12 +143,13 @@ def download_shards(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md).")
+    parser = ArgumentParser(module="data.fineweb_edu",
+                            description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md).")
     parser.add_argument("--chunks", type=int, default=FULL_TRAIN_CHUNKS,
                         help=f"train shards 1..N (100M tokens each; default all {FULL_TRAIN_CHUNKS})")
-    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)
+    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST, help="directory the shards go to")
     parser.add_argument("--repo", default=DEFAULT_REPO, help="Hub dataset repo")
-    parser.add_argument("--val-file", default=VAL_FILE)
+    parser.add_argument("--val-file", default=VAL_FILE, help="name of the validation shard in the repo")
     parser.add_argument("--train-format", default=TRAIN_FORMAT, help="printf pattern of train file names")
     parser.add_argument("--revision", default=None, help="branch, tag or commit of the repo")
     parser.add_argument("--endpoint", default=None, help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")

@@ -19,7 +19,6 @@ corpus of which nothing is left is an error that gives the counts per reason and
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import dataclasses
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from cli import ArgumentParser
 from data.shards import EOT_TOKEN, HEADER_BYTES, atomic_write, sha256_file, shard_globs, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
 
@@ -524,11 +524,12 @@ def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, re
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Tokenize text corpora into GPT-2 token shards (docs/data.md).")
+    parser = ArgumentParser(module="data.tokenize",
+                            description="Tokenize text corpora into GPT-2 token shards (docs/data.md).")
     parser.add_argument("inputs", nargs="*", help="local .txt/.jsonl/.parquet files or globs (quote globs)")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--prefix", default="corpus", help="shard name prefix: <prefix>_val_000000.bin, ...")
-    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per training shard")
     parser.add_argument("--val-tokens", type=int, default=None,
                         help="tokens in the val shard (default: --shard-tokens)")
     parser.add_argument("--val-fraction", type=float, default=None,
@@ -546,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hub-pattern", default="*.parquet",
                         help="glob over the repo's file names, e.g. 'sample/10BT/*.parquet'")
     parser.add_argument("--hub-max-files", type=int, default=None, help="only the first N matching files")
-    parser.add_argument("--hub-revision", default=None)
+    parser.add_argument("--hub-revision", default=None, help="branch, tag or commit of --hub-repo (default: main)")
     parser.add_argument("--hub-endpoint", default=None, help="default: $HF_ENDPOINT or huggingface.co")
     args = parser.parse_args(argv)
     stats = CorpusStats()

@@ -11,11 +11,11 @@ symmetry-broken runs that have a baseline; its 95% interval is Fisher's (z = ata
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
 
+from cli import ArgumentParser
 from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, write_json, write_text
 from runs import read_log
 
@@ -142,11 +142,12 @@ def plot_enrichment(rows: list[dict], correlation: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.compare", description=__doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--out", type=Path, default=Path("runs") / "compare", help="output directory")
     parser.add_argument("--suite", default=None, help="logic suite name (default: the generated suite, else the first)")
-    parser.add_argument("--alignment-mode", default="raw", choices=("raw", "ln", "residual"))
+    parser.add_argument("--alignment-mode", default="raw", choices=("raw", "ln", "residual"),
+                        help="which eval.alignment mode the table shows")
     args = parser.parse_args(argv)
     missing = [str(r) for r in args.runs if not (r / "config.json").is_file()]
     if missing:

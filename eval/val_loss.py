@@ -10,7 +10,6 @@ with the checkpoint in `manifest.json` (docs/evaluation.md#validation-loss).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cli import ArgumentParser
 import runs
 import train_gpt
 from eval.common import (
@@ -67,7 +67,7 @@ def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.val_loss", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--val-files", default=None, help="validation shard glob (default: the run's config)")
     parser.add_argument("--val-tokens", type=int, default=None, help="token budget (default: the run's val_tokens)")
