@@ -6,7 +6,7 @@ resembles, and every refusal is one line (no usage block before it). `flag()` de
 choices and what the rest of the code needs to know about it (its allowed range, whether it changes a run's numbers,
 whether a resumed run may change it) in one place; `add_flags()` turns every field of a config dataclass into
 `--field-name` (booleans also get `--no-field-name`), and `field_problem()` checks every value against its declared
-range. `progress()` is tqdm on a terminal and plain periodic lines in a log file or a pipe.
+range. `progress_bar()` is tqdm on a terminal and plain periodic lines in a log file or a pipe.
 """
 from __future__ import annotations
 
@@ -227,7 +227,7 @@ class _LineProgress(tqdm):
         super().close()
 
 
-def progress(iterable: typing.Iterable | None = None, **kwargs) -> tqdm:
+def progress_bar(iterable: typing.Iterable | None = None, **kwargs) -> tqdm:
     """A progress bar on stderr (or `file=`): tqdm's on a terminal, elsewhere a plain line every LINE_INTERVAL_S."""
     stream = kwargs.setdefault("file", sys.stderr)
     if stream is not None and hasattr(stream, "isatty") and stream.isatty():

@@ -13,7 +13,9 @@ allocator warm-up) are excluded from the steady-state figures. MFU uses the data
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -38,6 +40,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args, passthrough = parser.parse_known_args()
     passthrough = [a for a in passthrough if a != "--"]
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    warning = busy_warning(load, cores)
+    if warning:
+        print(warning, file=sys.stderr)
 
     cfg = train_gpt.parse_config(["--preset", args.preset, "--optimizer", args.optimizer, *passthrough])
     hp = cfg.train
@@ -67,6 +73,7 @@ def main() -> None:
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
         "passthrough": passthrough, "final_val_loss": summary["val_loss"], "attention": attention,
+        "load_average_before": load, "cores": cores,
     }
     print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'attention':>9} {'tokens/s':>12} "
           f"{'step ms':>9} {'MFU':>6}")
@@ -75,6 +82,18 @@ def main() -> None:
           f"{str(attention['choice']):>9} {tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+    if warning:
+        print(warning, file=sys.stderr)  # again under the numbers it qualifies
+
+
+def busy_warning(load: float, cores: int) -> str | None:
+    """A warning when other work competes for the cores (1-minute load average above their number): the timing
+    then measures the machine's load as much as the trainer."""
+    if load <= cores:
+        return None
+    return (f"WARNING: this machine is busy (load average {load:.1f} on {cores} cores, before this benchmark): its "
+            "numbers are slower than on an idle machine and do not compare with other runs; rerun when the load is "
+            f"below {cores}")
 
 
 def count_parameters(model_cfg: train_gpt.GPTConfig) -> int:

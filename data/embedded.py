@@ -30,9 +30,8 @@ import sysconfig
 import tokenize
 from pathlib import Path
 
-from tqdm import tqdm
 
-from cli import ArgumentParser
+from cli import ArgumentParser, progress_bar
 from data.shards import ShardError, read_shard_header, shard_globs
 from data.tokenize import TokenizeError, default_workers, documents_to_shards, parallel_map
 from data.tokenize import main as tokenize_main
@@ -133,8 +132,7 @@ def extract_corpus(files: list[Path], max_bytes: int, workers: int = 1, progress
     if max_bytes < 1:
         raise TokenizeError(f"max_bytes must be >= 1 (got {max_bytes})")
     docs, stats = [], ExtractStats()
-    bar = tqdm(total=max_bytes, unit="B", unit_scale=True, desc="extracting text", disable=not progress,
-               file=sys.stderr)
+    bar = progress_bar(total=max_bytes, unit="B", unit_scale=True, desc="extracting text", disable=not progress)
     for text in parallel_map(module_text, files, workers):
         stats.files += 1
         if text is None:

@@ -19,9 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
 
-from cli import ArgumentParser
+from cli import ArgumentParser, progress_bar
 from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, cache_root, open_shard, read_shard_header, remember_sha256,
                          sha256_file, shard_globs)
 
@@ -126,8 +125,8 @@ def download_shards(
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     paths = []
-    bar = tqdm(shard_names(chunks, val_file, train_format), unit="shard", desc=f"{repo} -> {dest}",
-               disable=not progress, file=sys.stderr)
+    bar = progress_bar(shard_names(chunks, val_file, train_format), unit="shard", desc=f"{repo} -> {dest}",
+                       disable=not progress)
     for name in bar:
         path = dest / name
         if path.is_file():
@@ -136,7 +135,7 @@ def download_shards(
                 paths.append(path)
                 continue
             except ShardError as e:
-                tqdm.write(f"{e}; downloading it again", file=sys.stderr)
+                bar.write(f"{e}; downloading it again", file=sys.stderr)
                 path.unlink()
         paths.append(_download_one(name, dest, repo, revision, endpoint))
     return paths

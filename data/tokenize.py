@@ -34,9 +34,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from cli import ArgumentParser
+from cli import ArgumentParser, progress_bar
 from data.shards import EOT_TOKEN, HEADER_BYTES, atomic_write, sha256_file, shard_globs, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
 
@@ -306,7 +305,7 @@ def documents_to_shards(
     staging = _staging_dir(out_dir, prefix)
     try:
         chunks = parallel_map(encode_batch, _batches(documents), workers, initializer=_init_encoder)
-        bar = tqdm(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress, file=sys.stderr)
+        bar = progress_bar(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress)
         chunks = _counted(chunks, bar)
         if val_fraction is not None:
             chunks = list(chunks)
@@ -354,7 +353,7 @@ def _too_small(total: int, val_tokens: int, val_fraction: float | None) -> str:
             f"{val_tokens:,}); pass a smaller --val-tokens (e.g. {max(1, total // 10):,}) or more text")
 
 
-def _counted(chunks: Iterator[np.ndarray], bar: tqdm) -> Iterator[np.ndarray]:
+def _counted(chunks: Iterator[np.ndarray], bar) -> Iterator[np.ndarray]:
     for chunk in chunks:
         bar.update(chunk.size)
         yield chunk
@@ -508,7 +507,7 @@ def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, re
     if not names:
         raise TokenizeError(f"no files in Hub dataset {repo!r} match {pattern!r} (see --hub-pattern)")
     files = []
-    for name in tqdm(names, desc=f"downloading {repo}", unit="file", file=sys.stderr):
+    for name in progress_bar(names, desc=f"downloading {repo}", unit="file"):
         try:
             path = hf_hub_download(repo, name, repo_type="dataset", revision=revision, endpoint=endpoint,
                                    cache_dir=cache_dir)

@@ -153,3 +153,30 @@ def test_stray_values_and_several_unknown_flags():
     assert cli.unknown_arguments(["--sed", "--lrr"], known, "p") == \
         "unknown flag --sed: did you mean --seed? (also unknown: --lrr)"
     assert cli.unknown_arguments(["-1"], known, "p") == "unexpected argument: -1"
+
+
+def test_progress_outside_a_terminal_is_plain_lines(tmp_path, capsys):
+    """A bar in a log file or a pipe writes whole lines (no carriage returns, no padding), the last with the total;
+    data.tokenize's bar is one of them."""
+    out = io.StringIO()
+    for _ in cli.progress_bar(range(4), file=out, mininterval=0, desc="work"):
+        pass
+    lines = out.getvalue().split("\n")
+    assert "\r" not in out.getvalue() and lines[-1] == "" and lines[-2].startswith("work: 100%|")
+    assert all(line.startswith("work: ") and line == line.rstrip() for line in lines[:-1])
+    assert len(lines[:-1]) >= 2
+
+    from data.tokenize import documents_to_shards
+
+    documents_to_shards([f"document {i} " * 50 for i in range(40)], tmp_path, "p", val_tokens=100, workers=1,
+                        progress=True)
+    err = capsys.readouterr().err
+    assert "tokenizing p" in err and "\r" not in err and err.endswith("\n")
+
+
+def test_bench_e2e_warns_on_a_busy_machine():
+    from bench.e2e import busy_warning
+
+    assert busy_warning(1.9, 2) is None
+    warning = busy_warning(5.2, 2)
+    assert warning.startswith("WARNING: this machine is busy (load average 5.2 on 2 cores") and "below 2" in warning
