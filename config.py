@@ -155,10 +155,11 @@ def fields_where(section: object, key: str) -> list[str]:
     return [f.name for f in dataclasses.fields(section) if f.metadata.get(key)]
 
 
-def preset_report(cfg: RunConfig) -> dict:
+def preset_report(cfg: RunConfig, dtype: str | None = None) -> dict:
     """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
     start of log.txt; docs/optimizers.md#paper-parity): every flag that affects results and differs from the paper
-    preset. A run without --preset is compared with gpt2-124m, whose values are the defaults."""
+    preset. A run without --preset is compared with gpt2-124m, whose values are the defaults. dtype: the precision
+    the run computes in (runs.Runtime.dtype_name; default: --dtype's)."""
     name = cfg.preset
     if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
         return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
@@ -174,7 +175,7 @@ def preset_report(cfg: RunConfig) -> dict:
             if value != published:
                 differs.append(f"{option(field_name)} {value} ({reference}: {published})")
     return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
-            "differs": differs + [PRECISION_NOTES[cfg.train.dtype], VALIDATION_PROTOCOL_NOTE],
+            "differs": differs + [PRECISION_NOTES[dtype or cfg.train.dtype], VALIDATION_PROTOCOL_NOTE],
             "sources": [SOURCE_CONFLICTS[optimizer]] if optimizer in SOURCE_CONFLICTS else []}
 
 
