@@ -18,6 +18,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -669,6 +670,15 @@ def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: in
         kept = (f"the finite checkpoint of step {checkpoint_step} is kept in {run_dir / 'checkpoints'}; continue "
                 f"with --resume {run_dir} and {advice}")
     return f"step {step}: {what} is not finite; stopping: {kept}."
+
+
+def next_steps(run_dir: Path) -> str:
+    """The lines a finished run ends with: where it is and the three commands a user runs next."""
+    run = shlex.quote(str(run_dir))
+    return (f"the run is in {run} (log.txt, config.json, checkpoints/latest.pt); next:\n"
+            f"  python -m eval.report --run {run}    # the evaluations and a page: {run}/report.md\n"
+            f"  python -m sample --run {run} --prompt \"The meaning of\"\n"
+            f"  python -m export to-hf --run {run} --out {shlex.quote(str(run_dir / 'hf'))}    # a Hugging Face model")
 
 
 def format_duration(seconds: float) -> str:

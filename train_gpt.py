@@ -796,6 +796,7 @@ class Trainer:
                       + (f", target reached at step {progress.reached_target['step']}"
                          if progress.reached_target else ""))
         self.log.record({"summary": True, **summary})
+        self.log.line(runs.next_steps(self.run_dir.path))
         return summary
 
     def close(self) -> None:

@@ -100,6 +100,11 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     log_text = (run / "log.txt").read_text()
     assert log_text.startswith(Path(train_gpt.__file__).read_text()[:200])
     assert "| device cpu | fp32 | world 1" in log_text
+    assert log_text.endswith(  # where the run is and what to run next
+        f"the run is in {run} (log.txt, config.json, checkpoints/latest.pt); next:\n"
+        f"  python -m eval.report --run {run}    # the evaluations and a page: {run}/report.md\n"
+        f"  python -m sample --run {run} --prompt \"The meaning of\"\n"
+        f"  python -m export to-hf --run {run} --out {run / 'hf'}    # a Hugging Face model\n")
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
     ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizers", "loader", "sampler", "rng", "config"}
