@@ -228,9 +228,11 @@ class _LineProgress(tqdm):
 
 
 def progress_bar(iterable: typing.Iterable | None = None, **kwargs) -> tqdm:
-    """A progress bar on stderr (or `file=`): tqdm's on a terminal, elsewhere a plain line every LINE_INTERVAL_S."""
+    """A progress bar on stderr (or `file=`): tqdm's on a terminal; elsewhere a plain line every LINE_INTERVAL_S
+    (the first after that long) and one with the totals at the end, so a short task writes one line."""
     stream = kwargs.setdefault("file", sys.stderr)
     if stream is not None and hasattr(stream, "isatty") and stream.isatty():
         return tqdm(iterable, **kwargs)
     kwargs.setdefault("mininterval", LINE_INTERVAL_S)
+    kwargs.setdefault("delay", LINE_INTERVAL_S)
     return _LineProgress(iterable, **kwargs)

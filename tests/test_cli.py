@@ -159,12 +159,16 @@ def test_progress_outside_a_terminal_is_plain_lines(tmp_path, capsys):
     """A bar in a log file or a pipe writes whole lines (no carriage returns, no padding), the last with the total;
     data.tokenize's bar is one of them."""
     out = io.StringIO()
-    for _ in cli.progress_bar(range(4), file=out, mininterval=0, desc="work"):
+    for _ in cli.progress_bar(range(4), file=out, mininterval=0, delay=0, desc="work"):
         pass
     lines = out.getvalue().split("\n")
     assert "\r" not in out.getvalue() and lines[-1] == "" and lines[-2].startswith("work: 100%|")
     assert all(line.startswith("work: ") and line == line.rstrip() for line in lines[:-1])
     assert len(lines[:-1]) >= 2
+    out = io.StringIO()
+    for _ in cli.progress_bar(range(4), file=out, desc="quick"):  # shorter than the interval: the final line only
+        pass
+    assert out.getvalue().startswith("quick: 100%|") and out.getvalue().count("\n") == 1
 
     from data.tokenize import documents_to_shards
 
