@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.optim import add_step_flags  # noqa: E402
 from cli import ArgumentParser  # noqa: E402
 import train_gpt  # noqa: E402
 from optim import OPTIMIZERS  # noqa: E402
@@ -59,14 +60,7 @@ def main() -> None:
     parser.add_argument("--modes", default="correct,correct:diagonal,project,project:o,dress,hyperball",
                         help="comma-separated --gauge modes to time (mode:variant as in the module's docstring)")
     parser.add_argument("--gauge-every", type=int, default=10, help="dressing period used for the amortised figure")
-    parser.add_argument("--n-layer", type=int, default=12, help="model layers")
-    parser.add_argument("--n-head", type=int, default=12, help="attention heads")
-    parser.add_argument("--n-embd", type=int, default=768, help="model width")
-    parser.add_argument("--batch", type=int, default=2, help="sequences of the pass giving the gradients")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per mode (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to time")
+    add_step_flags(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
