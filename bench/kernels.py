@@ -3,6 +3,7 @@
     python -m bench.kernels                    # every configuration for both targets
     python -m bench.kernels --subset           # the GPT-2 training configuration of each kernel (what CI builds)
     python -m bench.kernels --targets sm_90 --json kernels.json
+    python -m bench.kernels --subset --autotune-tiles   # also every tile SYMGPT_ATTENTION_AUTOTUNE=1 would try
 
 Needs no GPU: Triton ships ptxas, cuobjdump and nvdisasm. The launches are captured from the real host code with
 the launch replaced by a recorder: kernels.attention's forward and backward on q, k, v viewed out of one (B, T, 3C)
@@ -14,7 +15,8 @@ registers, spills and instructions are those of the kernel that runs.
 
 Per build: registers, spill bytes, shared memory, SASS instructions, tensor-core instructions (HGMMA is wgmma, sm_90
 only; HMMA the older path), TMA instructions (UTMALDG, UTMASTG, UBLKCP) and the widest global load. Exits 1 on a build
-error, a spill or shared memory over the target's limit; speed has to be measured on a GPU (bench/attention.py).
+error, a spill or shared memory over the target's limit in a shipped configuration (autotuning candidates are
+flagged only); speed has to be measured on a GPU (bench/attention.py).
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -60,7 +63,7 @@ class Launch:
     kernel: JITFunction
     args: tuple
     kwargs: dict
-    builds: dict = field(default_factory=dict)
+    shipped: bool = True  # a configuration that runs (not an autotuning candidate)
 
 
 @contextlib.contextmanager
@@ -73,8 +76,10 @@ def recording(label: str, launches: list[Launch]):
         yield
 
 
-def attention_launches(arch: int, d: int, dtype: str, biases: bool, causal: bool) -> list[Launch]:
-    """The launches of one forward and backward pass on GPT-2-shaped views, with `arch`'s shipped tiles."""
+def attention_launches(arch: int, d: int, dtype: str, biases: bool, causal: bool,
+                       tiles: dict[str, attn.Tile] | None = None) -> list[Launch]:
+    """The launches of one forward and backward pass on GPT-2-shaped views, with `arch`'s shipped tiles or, for the
+    passes in `tiles`, those."""
     heads = C // d
     qkv = torch.empty(B, T, 3 * C, dtype=DTYPES[dtype], requires_grad=True)
     q, k, v = (t.view(B, T, heads, d).transpose(1, 2) for t in qkv.split(C, dim=2))
@@ -82,9 +87,11 @@ def attention_launches(arch: int, d: int, dtype: str, biases: bool, causal: bool
     grad = torch.empty(B, T, heads, d, dtype=qkv.dtype).transpose(1, 2)  # the gradient of y.transpose(1, 2)
 
     def tile_for(pass_name: str, x: torch.Tensor) -> attn.Tile:
-        return attn.TILES[(TILE_CLASS[arch], pass_name, x.shape[-1])]
+        return (tiles or {}).get(pass_name) or attn.TILES[(TILE_CLASS[arch], pass_name, x.shape[-1])]
 
     label = f"d{d} {dtype} {'biases' if biases else 'no bias'} {'causal' if causal else 'bidir'}"
+    if tiles:
+        label += " " + ",".join(f"{t.block_m}x{t.block_n}" for t in tiles.values())
     launches: list[Launch] = []
     with recording(label, launches), mock.patch.object(attn, "tile_for", tile_for), \
             mock.patch.dict(os.environ, {attn.AUTOTUNE_ENV: "0"}):
@@ -113,9 +120,21 @@ def ecd_launches(pi_dtype: str, noise: bool, aligned: bool = True) -> list[Launc
     return launches
 
 
-def captured(arch: int, subset: bool) -> list[Launch]:
-    """Every configuration's launches for one target (the training configuration only with `subset`), each distinct
-    build once."""
+def autotune_launches(arch: int) -> list[Launch]:
+    """The training configuration's attention passes with every tile their autotuner tries."""
+    tuned = {"fwd": attn._attn_fwd_tuned, "dkdv": attn._attn_bwd_dkdv_tuned, "dq": attn._attn_bwd_dq_tuned}
+    launches = []
+    for pass_name, autotuner in tuned.items():
+        for config in autotuner.configs:
+            tile = attn.Tile(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+            launches += [dataclasses.replace(x, shipped=False) for x in
+                         attention_launches(arch, 64, "bf16", True, True, {pass_name: tile}) if x.kernel is autotuner.fn]
+    return launches
+
+
+def captured(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Launch]:
+    """Every configuration's launches for one target (the training configuration only with `subset`; every
+    autotuning tile too with `autotune_tiles`), each distinct build once."""
     attention = [(64, "bf16", True, True)] if subset else [
         (d, dtype, biases, causal) for d in attn.HEAD_DIMS for dtype in DTYPES for biases in (True, False)
         for causal in (True, False)]
@@ -124,6 +143,7 @@ def captured(arch: int, subset: bool) -> list[Launch]:
         ecd_configs += [("fp32", True, True), ("bf16", False, True)]
     launches = [x for config in attention for x in attention_launches(arch, *config)]
     launches += [x for config in ecd_configs for x in ecd_launches(*config)]
+    launches += autotune_launches(arch) if autotune_tiles else []
     unique: dict[str, Launch] = {}
     for launch in launches:
         unique.setdefault(build_key(launch, TARGETS[f"sm_{arch}"]), launch)
@@ -204,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subset", action="store_true",
                         help="only the GPT-2 training configuration of each kernel (d 64, bf16, biases, causal; "
                              "ECD with fp32 Π, bf16 Π with noise, and one unaligned chunk)")
+    parser.add_argument("--autotune-tiles", action="store_true",
+                        help="also the training configuration's attention passes with every tile the autotuner tries")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     print(f"triton {triton.__version__}, {torch.__version__}: B={B} T={T} C={C}; registers, spill bytes, shared KiB, "
@@ -215,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         triton.knobs.cache.dir = cache  # a fresh cache: every build runs ptxas (and reports)
         for name in args.targets:
             target = TARGETS[name]
-            for launch in captured(target.arch, args.subset):
+            for launch in captured(target.arch, args.subset, args.autotune_tiles):
                 try:
                     row = build(launch, target)
                 except Exception as exc:  # a build error is a result: report it and go on
@@ -223,16 +245,16 @@ def main(argv: list[str] | None = None) -> int:
                            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
                     print(f"{name:>6} {row['kernel']:<20} {row['config']:<28} build error: {row['error']}",
                           flush=True)
-                    failed += 1
+                    failed += launch.shipped
                     rows.append(row)
                     continue
                 row["problems"] = problems(row)
-                failed += bool(row["problems"])
+                failed += bool(row["problems"]) and launch.shipped
                 print_row(row)
                 rows.append(row)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"{len(rows)} builds, {failed} with problems")
+    print(f"{len(rows)} builds, {failed} shipped with problems")
     return 1 if failed else 0
 
 
