@@ -22,7 +22,8 @@ class TrainingClock:
 
     Time is read between marks in stream order: CUDA events on a GPU (the device's own timeline, gaps where it
     waited for the host included), time.perf_counter on a CPU (where the work is done when a call returns). The
-    clock runs from `resume` to `pause`; `pause` waits for the device, nothing else does. `later` holds a log
+    clock runs from `start` or `resume` to `pause`; `pause` waits for the device, and so does `ready` when the device
+    has not passed the record's mark yet. `later` holds a log
     record whose scalars (the loss, the gradient norm) are copied into pinned host memory behind an event; `ready`
     returns it one step later with the scalars, the training time at its mark and the rates since the last one.
     """
@@ -41,9 +42,9 @@ class TrainingClock:
         event.record()
         return event
 
-    def since_start(self, mark: Mark) -> float:
-        """Training time at `mark` (which the device must have passed) in the current run of the clock."""
-        return self.seconds + (self.origin.elapsed_time(mark) / 1000 if self.cuda else mark - self.origin)
+    def at(self, mark: Mark, seconds: float, origin: Mark) -> float:
+        """Training time at `mark` (which the device must have passed), `seconds` having passed at `origin`."""
+        return seconds + (origin.elapsed_time(mark) / 1000 if self.cuda else mark - origin)
 
     def start(self, seconds: float, step: int, tokens: int) -> None:
         """Run the clock from `seconds` of training at `step` and `tokens`; the first rates count from there."""
@@ -59,7 +60,7 @@ class TrainingClock:
         end = self.mark()
         if self.cuda:
             end.synchronize()
-        self.seconds, self.origin = self.since_start(end), end
+        self.seconds, self.origin = self.at(end, self.seconds, self.origin), end
         return self.seconds
 
     def later(self, record: dict, scalars: list[torch.Tensor]) -> None:
@@ -69,17 +70,17 @@ class TrainingClock:
         if self.cuda:
             host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
             host.copy_(stacked, non_blocking=True)
-        self.pending = record, host, self.mark()
+        self.pending = record, host, self.mark(), self.seconds, self.origin
 
     def ready(self) -> tuple[dict, list[float]] | None:
         """The held record (None if none) with train_time_s, step_ms and tokens_per_s since the last one, and the
         scalars as floats; waits for the device only if it has not passed the record's mark yet."""
         if self.pending is None:
             return None
-        (record, host, mark), self.pending = self.pending, None
+        (record, host, mark, *run), self.pending = self.pending, None
         if self.cuda:
             mark.synchronize()
-        seconds = self.since_start(mark)
+        seconds = self.at(mark, *run)
         elapsed = max(seconds - self.last["time"], 1e-9)
         record.update(train_time_s=seconds, elapsed_s=seconds,
                       step_ms=1e3 * elapsed / max(record["step"] - self.last["step"], 1),
@@ -93,7 +94,8 @@ def parse_window(spec: str) -> tuple[int, int]:
     try:
         first, last = (int(part) for part in spec.split(":"))
     except ValueError:
-        raise ValueError(f"--profile-steps {spec!r}: write A:B, the steps after step A up to step B, e.g. 10:12") from None
+        raise ValueError(f"--profile-steps {spec!r}: write A:B, the steps after step A up to step B, e.g. "
+                         "10:12") from None
     if not 0 <= first < last:
         raise ValueError(f"--profile-steps {spec!r}: needs 0 <= A < B (the steps after step A up to step B)")
     return first, last

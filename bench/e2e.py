@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         "world_size": world_size_from_env(), "parameters": count_parameters(cfg.model),
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
-        "passthrough": passthrough, "final_val_loss": summary["val_loss"] if args.final else None, "attention": attention, "profile": profile,
+        "passthrough": passthrough, "final_val_loss": summary["val_loss"] if args.final else None,
+        "attention": attention, "profile": profile,
     }
     print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'attention':>9} {'tokens/s':>12} "
           f"{'step ms':>9} {'MFU':>6}")

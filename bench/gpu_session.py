@@ -25,13 +25,11 @@ steps run under the interpreter the environment check chose.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

@@ -127,8 +127,9 @@ def autotune_launches(arch: int) -> list[Launch]:
     for pass_name, autotuner in tuned.items():
         for config in autotuner.configs:
             tile = attn.Tile(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
-            launches += [dataclasses.replace(x, shipped=False) for x in
-                         attention_launches(arch, 64, "bf16", True, True, {pass_name: tile}) if x.kernel is autotuner.fn]
+            launches += [dataclasses.replace(x, shipped=False)
+                         for x in attention_launches(arch, 64, "bf16", True, True, {pass_name: tile})
+                         if x.kernel is autotuner.fn]
     return launches
 
 
