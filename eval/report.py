@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="run no evaluation: report the outputs that exist, marking those of another checkpoint")
     args = parser.parse_args(argv)
     run_dir, ckpt_path, _ = resolve_target(args.checkpoint)
+    config = read_config(run_dir)  # before the evaluations: a damaged config.json fails at once
     eval_dir = output_dir(args, run_dir)
     step = load_target_checkpoint(ckpt_path).get("step")
     identity = checkpoint_identity(ckpt_path, step)
@@ -130,7 +131,6 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             status[name] = reason
     manifest = read_manifest(eval_dir)["outputs"]
-    config = read_config(run_dir)
     log = read_log(run_dir)
     summary = training_summary(log)
     if log:
