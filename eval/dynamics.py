@@ -40,7 +40,8 @@ from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts,
 LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
 LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
           "f_rot_QK": "rotational fraction of QK", "f_rot_VO": "rotational fraction of VO",
-          "f_rot_QK_approx": "rotational fraction of QK (eq. 24)", "f_rot_VO_approx": "rotational fraction of VO (eq. 24)"}
+          "f_rot_QK_approx": "rotational fraction of QK (eq. 24)",
+          "f_rot_VO_approx": "rotational fraction of VO (eq. 24)"}
 
 
 def _params(ckpt: dict) -> dict[str, torch.Tensor]:

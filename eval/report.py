@@ -68,18 +68,21 @@ def training_summary(log: list[dict]) -> dict:
             "tokens_per_s": speeds[-1] if speeds else None, "mfu": mfus[-1] if mfus else None}
 
 
-def trained_tokens(checkpoint: dict) -> int:
-    """Tokens the checkpoint's run trained on (its metrics, else steps × --batch-tokens)."""
+def trained_tokens(checkpoint: dict) -> int | None:
+    """Tokens the checkpoint's run trained on (its metrics, else steps × --batch-tokens); None when it does not
+    say (an exported model)."""
     tokens = checkpoint.get("metrics", {}).get("tokens")
-    if tokens is not None:
+    if tokens is not None or not checkpoint.get("step"):
         return tokens
-    return (checkpoint.get("step") or 0) * run_hyperparameters(checkpoint.get("config", {})).batch_tokens
+    return checkpoint["step"] * run_hyperparameters(checkpoint.get("config", {})).batch_tokens
 
 
-def choose_budget(quick: bool, full: bool, tokens: int) -> tuple[str, str]:
-    """("quick" or "full", why) for a report on a run that trained `tokens`."""
+def choose_budget(quick: bool, full: bool, tokens: int | None) -> tuple[str, str]:
+    """("quick" or "full", why) for a report on a run that trained `tokens` (None: unknown, the full set)."""
     if quick or full:
         return ("quick" if quick else "full"), "chosen with --" + ("quick" if quick else "full")
+    if tokens is None:
+        return "full", "the checkpoint does not say how long its run trained; --quick for the quick set"
     if tokens < QUICK_BELOW_TOKENS:
         return "quick", f"the run trained {tokens:,} tokens, fewer than {QUICK_BELOW_TOKENS:,}; --full for the full set"
     return "full", f"the run trained {tokens:,} tokens"
@@ -150,7 +153,7 @@ class Page:
     def settle(self, name: str, reason: str | None, skip_missing: bool) -> None:
         """Take evaluation `name`'s outputs as they are: current, stale (shown with --skip-missing) or absent."""
         entry = read_manifest(self.eval_dir)["outputs"].get(name)
-        if reason is None or (skip_missing and entry is not None and reason.startswith("computed")):
+        if reason is None or (skip_missing and entry is not None and reason.startswith("computed from")):
             self.results[name] = json.loads((self.eval_dir / f"{name}.json").read_text())
             self.status[name] = "current" if reason is None else f"stale: {reason}"
         else:
@@ -221,14 +224,16 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = load_target_checkpoint(ckpt_path)
     step = checkpoint.get("step")
     identity = checkpoint_identity(ckpt_path, step)
-    budget = choose_budget(args.quick, args.full, trained_tokens(checkpoint))
+    budget = choose_budget(args.quick, args.full,
+                           None if export.is_exported(ckpt_path) else trained_tokens(checkpoint))
     page = Page(run_dir, eval_dir, ckpt_path, step, identity, budget)
     todo = []
     for name in EVALUATIONS:
         if name == "dynamics" and export.is_exported(ckpt_path):
             page.status[name] = "not applicable: an exported model keeps no optimizer state"
             continue
-        reason = current_reason(eval_dir, name, identity, budget[0])
+        reason = (stale_reason(eval_dir, name, identity) if args.skip_missing
+                  else current_reason(eval_dir, name, identity, budget[0]))
         if reason is not None and not args.skip_missing:
             todo.append((name, reason))
             page.status[name] = f"to run: {reason}"
@@ -252,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(130) from None
         reason = stale_reason(eval_dir, name, identity)
         if error is None and reason is not None:
-            error = f"it ran but left no outputs recorded for this checkpoint ({reason}; see eval.common.record_outputs)"
+            error = (f"it ran but left no outputs recorded for this checkpoint ({reason}; see "
+                     "eval.common.record_outputs)")
             print(f"report: eval.{name} failed: {error}", file=sys.stderr, flush=True)
         if error is not None:
             page.failures[name] = error

@@ -70,8 +70,10 @@ def run_parser() -> argparse.ArgumentParser:
 
 
 def _plan_record(runs) -> list[dict]:
-    return [{"name": r.name, "path": str(r.path), "steps": r.steps, "batch_tokens": r.batch_tokens,
-             "stop_at_target": r.stop_at_target, "device": r.device, "problem": r.problem} for r in runs]
+    """The runs as grid.jsonl's start record keeps them (what `status` and `report` read)."""
+    return [{"name": r.name, "values": r.values, "path": str(r.path), "steps": r.steps,
+             "batch_tokens": r.batch_tokens, "stop_at_target": r.stop_at_target, "device": r.device,
+             "problem": r.problem} for r in runs]
 
 
 def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:

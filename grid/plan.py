@@ -37,8 +37,7 @@ def train_flags() -> dict[str, bool]:
     flags = {"preset": False}
     for optimizer in OPTIMIZERS:
         for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer).values():
-            hints = dataclasses.fields(cls)
-            flags.update({f.name.replace("_", "-"): f.type in (bool, "bool") for f in hints})
+            flags.update({f.name.replace("_", "-"): f.type in (bool, "bool") for f in dataclasses.fields(cls)})
     return flags
 
 

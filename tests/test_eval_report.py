@@ -231,6 +231,8 @@ def test_report_budget_follows_the_run_with_progress_and_a_full_report_reruns_qu
     report.main(["--run", str(run)])
     assert argvs == {}  # full outputs stand for a quick report
     assert report.choose_budget(False, False, 20_000_000)[0] == "full"
+    assert report.choose_budget(False, False, None)[0] == "full"  # an exported model: its training is unknown
+    assert report.trained_tokens({"step": 3, "config": {"train": {"batch_tokens": 100}}}) == 300
 
 
 def test_an_interrupted_report_leaves_a_page_with_what_was_done(tmp_path, val_file, monkeypatch, capsys):
