@@ -35,6 +35,7 @@ import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from data.shards import ShardError
 from kernels import attention_select
 from kernels.attention import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
@@ -123,7 +124,8 @@ class TrainConfig:
     log_every: int = logs(10, "print and log a line every N steps", bounds="> 0")
     checkpoint_every: int = logs(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
                                        "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
-    keep_checkpoints: bool = logs(False, "also keep checkpoints/step_XXXXXX.pt at every checkpoint")
+    keep_checkpoints: int = logs(0, "also keep checkpoints/step_XXXXXX.pt of the last K checkpoints, removing older "
+                                    "ones (0: latest.pt only; -1: every one)", bounds=">= -1")
     target_val_loss: float = logs(0.0, "report the first step and training time reaching this validation loss "
                                        "(0: off)", bounds=">= 0")
     stop_at_target: bool = logs(False, "stop the run once target_val_loss is reached")
@@ -136,7 +138,8 @@ class TrainConfig:
     init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
                               "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
                               "data and step start fresh; ignored by --resume")
-    seed: int = logs(1337, "seed for initialisation and the bias sampler", bounds=">= 0", fixed_on_resume=True)
+    seed: int = logs(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
+                     fixed_on_resume=True)
     device: str = logs("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
                               "states the precision separately)", choices=("bf16", "fp32"))
@@ -459,7 +462,7 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
 
 @dataclass
 class Progress:
-    """What a checkpoint records of where the run is and what it has measured (also every log record's head)."""
+    """What a checkpoint records of where the run is and what it has measured (also each validation record)."""
 
     step: int = 0
     tokens: int = 0
@@ -526,9 +529,9 @@ class Trainer:
         if not self.rt.is_master:
             return None
         return runs.model_checkpoint(
-            self.model, {**self.cfg.to_dict(), "data": self.data_record}, self.progress.step,
-            optimizers=optimizer_states, loader=self.loader.state_dict(), sampler=self.sampler.state_dict(),
-            rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
+            self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
+            self.progress.step, optimizers=optimizer_states, loader=self.loader.state_dict(),
+            sampler=self.sampler.state_dict(), rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
             hooks={hook.name: hook.state_dict() for hook in self.hooks if hook.state_dict() is not None})
 
     def restore(self) -> None:
@@ -560,11 +563,12 @@ class Trainer:
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
             raise runs.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
-                                  "earlier checkpoint (--keep-checkpoints keeps checkpoints/step_XXXXXX.pt)")
+                                  "earlier checkpoint (--keep-checkpoints K keeps checkpoints/step_XXXXXX.pt)")
         changed = config.changed_settings(self.cfg, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
                       + "".join(f" | {k} {old} -> {new}" for k, (old, new) in changed.items()))
-        self.resumed = {"resumed_from": str(path), "step": self.progress.step, "changed": changed}
+        self.resumed = {"resumed_from": str(path), "step": self.progress.step, "tokens": self.progress.tokens,
+                        "changed": changed}
 
     def state_is_finite(self) -> bool:
         """Whether parameters, optimizer state and the loss the parameters give on the last micro-batch are all
@@ -579,14 +583,12 @@ class Trainer:
         return all_reduce_sum(bad).item() == 0
 
     def save(self) -> None:
-        """checkpoints/latest.pt (and step_XXXXXX.pt with --keep-checkpoints), written only from a finite state."""
+        """checkpoints/latest.pt (and the last --keep-checkpoints step_XXXXXX.pt), only from a finite state."""
         if not self.state_is_finite():
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
         ckpt = self.checkpoint()
         if ckpt is not None:
-            folder = self.run_dir.path / "checkpoints"
-            runs.save_checkpoint([folder / "latest.pt"] + [folder / f"step_{self.progress.step:06d}.pt"]
-                                 * self.cfg.train.keep_checkpoints, ckpt)
+            runs.save_run_checkpoint(self.run_dir.path, ckpt, self.cfg.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
@@ -710,7 +712,8 @@ class Trainer:
         tokens_per_s = (progress.tokens - throughput["tokens"]) / max(progress.train_time_s - throughput["time"], 1e-9)
         mfu = throughput["mfu_per_token_s"] * tokens_per_s if throughput["mfu_per_token_s"] else None
         eta = (hp.steps - progress.step) * hp.batch_tokens / tokens_per_s
-        record = {**asdict(progress), "train_loss": loss_value, "lr": self.optimizers[0].param_groups[0]["lr"],
+        record = {"step": progress.step, "tokens": progress.tokens, "train_time_s": progress.train_time_s,
+                  "train_loss": loss_value, "lr": self.optimizers[0].param_groups[0]["lr"],  # no val_loss: not measured
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": progress.train_time_s}
         texts = []
         if self.optimizers[0].grad_norm is not None:  # with --grad-clip: the norm before clipping
@@ -818,9 +821,10 @@ def main(argv: list[str] | None = None) -> dict:
         with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish()
-    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, attention_select.Unavailable) as exc:
-        # refused before the first step, with the reason and the fix: a message, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, ShardError,
+            attention_select.Unavailable) as exc:
+        log.error(exc)  # bad input, refused before the first step (or a shard read later): the traceback in log.txt,
+        print(f"error: {exc}", file=sys.stderr)  # the reason and the fix in one line here
         raise SystemExit(2) from None
     except BaseException as exc:
         if not isinstance(exc, TrainingStopped):

@@ -194,9 +194,21 @@ def _finite(obj: object) -> object:
 
 
 def read_config(run_dir: Path) -> dict:
-    """config.json of a run ({"model", "train", "optim", "layout"}); {} if absent."""
+    """config.json of a run ({"model", "train", "optim", "layout"}); {} if absent; a one-line error naming the file
+    when it is not a JSON object."""
     path = Path(run_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"not valid JSON ({exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason})"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = f"holds a JSON {type(config).__name__}, not a run's configuration"
+    raise SystemExit(f"error: {path}: {problem}; it is damaged: restore it, or move it away (every checkpoint of the "
+                     "run holds its configuration too)")
 
 
 def pyplot():

@@ -24,6 +24,7 @@ from eval.common import (
     add_target_args,
     checkpoint_identity,
     markdown_table,
+    load_target_checkpoint,
     output_dir,
     plot_head_maps,
     pyplot,
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
-        ckpt = runs.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)
+        ckpt = load_target_checkpoint(path)  # verified, mapped
         if previous is not None and previous.get("step") == ckpt.get("step"):
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_dynamics(ckpt)

@@ -138,10 +138,10 @@ class Page:
     """The report's state (per evaluation: results, status) and its files, written again after each change."""
 
     def __init__(self, run_dir: Path, eval_dir: Path, ckpt_path: Path, step: int | None, identity: dict,
-                 budget: tuple[str, str]) -> None:
+                 budget: tuple[str, str], config: dict) -> None:
         self.run_dir, self.eval_dir, self.ckpt_path, self.step, self.identity = (run_dir, eval_dir, ckpt_path, step,
                                                                                identity)
-        self.budget = budget
+        self.budget, self.config = budget, config
         self.results: dict[str, dict] = {}
         self.status: dict[str, str] = {}
         self.failures: dict[str, str] = {}
@@ -163,7 +163,7 @@ class Page:
         """report.md and eval/report.json from the state so far; returns the index."""
         run_dir, eval_dir, results, status, step = self.run_dir, self.eval_dir, self.results, self.status, self.step
         manifest = read_manifest(eval_dir)["outputs"]
-        config = read_config(run_dir)
+        config = self.config
         rel = eval_dir.relative_to(run_dir) if eval_dir.is_relative_to(run_dir) else eval_dir
         model, train, optim = config.get("model", {}), config.get("train", {}), config.get("optim", {})
         lines = [f"# Run report — {run_dir.name}, step {step}", "",
@@ -220,13 +220,14 @@ def main(argv: list[str] | None = None) -> dict:
                                    f"{QUICK_BELOW_TOKENS:,} tokens or more)")
     args = parser.parse_args(argv)
     run_dir, ckpt_path, _ = resolve_target(args.checkpoint)
+    config = read_config(run_dir)  # before the evaluations: a damaged config.json fails at once
     eval_dir = output_dir(args, run_dir)
     checkpoint = load_target_checkpoint(ckpt_path)
     step = checkpoint.get("step")
     identity = checkpoint_identity(ckpt_path, step)
     budget = choose_budget(args.quick, args.full,
                            None if export.is_exported(ckpt_path) else trained_tokens(checkpoint))
-    page = Page(run_dir, eval_dir, ckpt_path, step, identity, budget)
+    page = Page(run_dir, eval_dir, ckpt_path, step, identity, budget, config)
     todo = []
     for name in EVALUATIONS:
         if name == "dynamics" and export.is_exported(ckpt_path):

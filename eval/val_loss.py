@@ -19,6 +19,7 @@ import torch
 
 import runs
 import train_gpt
+from data.shards import ShardError
 from eval.common import (
     add_target_args,
     load_model,
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
     add_target_args(parser)
     parser.add_argument("--val-files", default=None, help="validation shard glob (default: the run's config)")
     parser.add_argument("--val-tokens", type=int, default=None, help="token budget (default: the run's val_tokens)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's seq_len")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="default: the run's seq_len (at most the model's block size, for an exported model)")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the run's micro_batch")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype on CUDA")
     args = parser.parse_args(argv)
@@ -56,12 +58,23 @@ def main(argv: list[str] | None = None) -> dict:
                                              target.device)
     hp = run_hyperparameters(ckpt["config"])
     files = args.val_files or validation_files(ckpt["config"])
-    seq_len, micro_batch = args.seq_len or hp.seq_len, args.micro_batch or hp.micro_batch
-    num_tokens = args.val_tokens or hp.val_tokens
     model = load_model(ckpt, device)
+    block_size = model.config.block_size  # an exported model records no run, hence no seq_len of its own
+    seq_len, micro_batch = args.seq_len or min(hp.seq_len, block_size), args.micro_batch or hp.micro_batch
+    num_tokens = args.val_tokens or hp.val_tokens
+    if not 0 < seq_len <= block_size:
+        parser.error(f"--seq-len {seq_len}: the model reads 1 to {block_size} positions (its block size); give "
+                     f"--seq-len {block_size} or less")
+    if num_tokens < seq_len:
+        parser.error(f"--val-tokens {num_tokens} is less than one sequence of --seq-len {seq_len}")
+    if micro_batch < 1:
+        parser.error(f"--micro-batch must be >= 1, got {micro_batch}")
     dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
     start = time.perf_counter()
-    result = validation_loss(model, files, num_tokens, seq_len, micro_batch, device, dtype)
+    try:
+        result = validation_loss(model, files, num_tokens, seq_len, micro_batch, device, dtype)
+    except ShardError as exc:  # shards missing, malformed or too small for the budget: the message names them
+        raise SystemExit(f"error: {exc}") from None
     result.update(checkpoint=target.identity, step=target.identity["step"], val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
