@@ -240,9 +240,13 @@ def grid_report(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = {"status": grid_status, "report": grid_report}
-    if argv and argv[0] in commands:
-        return commands[argv[0]](argv[1:])
-    return run_grid(argv)
+    try:
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        return run_grid(argv)
+    except KeyboardInterrupt:  # before any run started (while planning), or in a report of its own
+        print("\ngrid: interrupted; the same command continues", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

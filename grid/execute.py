@@ -174,7 +174,7 @@ class Scheduler:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.signals.append(signum)
-        for active in self.active.values():
+        for active in list(self.active.values()):
             try:
                 active.process.send_signal(signum if len(self.signals) == 1 else signal.SIGINT)
             except ProcessLookupError:

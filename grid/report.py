@@ -66,17 +66,19 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     """Report every run of `run_dirs` (finished runs), then compare them into `directory`; `failed` names the
     runs that did not finish, listed at the end of compare.md. Returns 0, 1 when a report failed, or 130 when
     interrupted."""
+    if not run_dirs:
+        print("grid: no finished run to report", flush=True)
+        return 0
     failures, interrupted = report_runs(directory, run_dirs, budget, slots)
     if interrupted:
-        print("grid: reports interrupted; `python -m grid report DIR` finishes them", file=sys.stderr)
+        print(f"grid: reports interrupted; `python -m grid report {directory}` finishes them", file=sys.stderr)
         return 130
-    if run_dirs:
-        compare.main([arg for run in run_dirs for arg in ("--run", str(run))] + ["--out", str(directory)])
-        if failed:
-            page = directory / "compare.md"
-            write_text(page, page.read_text() + "Runs of the grid that did not finish (not in the tables): "
-                       + ", ".join(f"`{name}`" for name in failed) + f" (`python -m grid status {directory}` says "
-                       "why).\n")
+    compare.main([arg for run in run_dirs for arg in ("--run", str(run))] + ["--out", str(directory)])
+    if failed:
+        page = directory / "compare.md"
+        write_text(page, page.read_text() + "Runs of the grid that did not finish (not in the tables): "
+                   + ", ".join(f"`{name}`" for name in failed) + f" (`python -m grid status {directory}` says "
+                   "why).\n")
     for failure in failures:
         print(f"grid: report incomplete: {failure}", file=sys.stderr)
     return 1 if failures else 0

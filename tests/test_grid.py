@@ -115,6 +115,8 @@ def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags
     assert "1 finished" in status and "1 failed" in status and "2 invalid" in status
     assert main(args[:8] + ["--dry-run"] + args[8:]) == 0  # failed runs wait for --retry-failed
     assert "[failed] n-head=2,val-tokens=100000000 (--retry-failed runs it again)" in capsys.readouterr().out
+    assert main(args[:8] + ["--dry-run", "--retry-failed"] + args[8:]) == 0
+    assert "[new] n-head=2,val-tokens=100000000 -> CPU worker 1" in capsys.readouterr().out
 
 
 def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes_them_bit_identically(
