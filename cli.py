@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import sys
 import typing
-
-from tqdm import tqdm
 
 _RANGE = re.compile(r"^\s*(?:(>=|>|<=|<)\s*(\S+)|([\[(])\s*([^,]+),\s*([^\])]+)([\])]))\s*$")
 
@@ -210,29 +209,38 @@ def _is_number(text: str) -> bool:
 LINE_INTERVAL_S = 15.0  # how often a progress line is written where no terminal shows a bar
 
 
-class _LineProgress(tqdm):
-    """tqdm for a log file or a pipe: every refresh is one plain line (no carriage returns, no padding)."""
+@functools.cache
+def _line_progress() -> type:
+    """tqdm for a log file or a pipe: every refresh is one plain line (no carriage returns, no padding). Built on
+    first use, so that this module needs only the standard library (bench/gpu_session.py's driver imports it)."""
+    from tqdm import tqdm
 
-    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
-        if msg == "":  # tqdm clearing its bar: nothing to clear
-            return False
-        self.fp.write(f"{self if msg is None else msg}\n")
-        self.fp.flush()
-        return True
+    class LineProgress(tqdm):
+        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+            if msg == "":  # tqdm clearing its bar: nothing to clear
+                return False
+            self.fp.write(f"{self if msg is None else msg}\n")
+            self.fp.flush()
+            return True
 
-    def close(self) -> None:
-        if not self.disable and self.leave is not False and getattr(self, "last_print_t", None) is not None:
-            self.display()  # the final count, then nothing more (tqdm would end the bar with a newline)
-        self.leave = False
-        super().close()
+        def close(self) -> None:
+            if not self.disable and self.leave is not False and getattr(self, "last_print_t", None) is not None:
+                self.display()  # the final count, then nothing more (tqdm would end the bar with a newline)
+            self.leave = False
+            super().close()
+
+    return LineProgress
 
 
-def progress_bar(iterable: typing.Iterable | None = None, **kwargs) -> tqdm:
-    """A progress bar on stderr (or `file=`): tqdm's on a terminal; elsewhere a plain line every LINE_INTERVAL_S
-    (the first after that long) and one with the totals at the end, so a short task writes one line."""
+def progress_bar(iterable: typing.Iterable | None = None, **kwargs) -> typing.Any:
+    """A progress bar (a tqdm) on stderr (or `file=`): tqdm's own on a terminal; elsewhere a plain line every
+    LINE_INTERVAL_S (the first after that long) and one with the totals at the end, so a short task writes one
+    line."""
     stream = kwargs.setdefault("file", sys.stderr)
     if stream is not None and hasattr(stream, "isatty") and stream.isatty():
+        from tqdm import tqdm
+
         return tqdm(iterable, **kwargs)
     kwargs.setdefault("mininterval", LINE_INTERVAL_S)
     kwargs.setdefault("delay", LINE_INTERVAL_S)
-    return _LineProgress(iterable, **kwargs)
+    return _line_progress()(iterable, **kwargs)

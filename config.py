@@ -32,6 +32,7 @@ from runs import (
     run_dir_of,
     world_size_from_env,
 )
+from timing import parse_window
 from variants import ModelVariants, ResearchConfig, variant_problem
 
 # The paper's training run (docs/model.md#the-papers-model): 8 x 512 tokens per step in one pass (no gradient
@@ -315,6 +316,11 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     problem = variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len)
     if problem:
         return problem
+    if hp.profile_steps:
+        try:
+            parse_window(hp.profile_steps)
+        except ValueError as exc:
+            return str(exc)
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     if hp.wandb_project and not module_available("wandb"):

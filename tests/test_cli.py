@@ -31,7 +31,7 @@ def command_modules() -> list[str]:
     modules = []
     for path in [*REPO.glob("*.py"), *REPO.glob("*/*.py")]:
         if path.parent.name != "tests" and 'if __name__ == "__main__":' in path.read_text(encoding="utf-8"):
-            modules.append(".".join(path.relative_to(REPO).with_suffix("").parts))
+            modules.append(".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__main__"))
     return sorted(modules)
 
 
@@ -48,7 +48,8 @@ def parser_of(module_name: str, monkeypatch) -> argparse.ArgumentParser:
         raise _Captured(self)
 
     monkeypatch.setattr(cli.ArgumentParser, "parse_known_args", capture)
-    main = importlib.import_module(module_name).main
+    module = importlib.import_module(module_name)
+    main = module.main if hasattr(module, "main") else importlib.import_module(f"{module_name}.__main__").main
     with pytest.raises(_Captured) as caught:
         main(["--help"]) if inspect.signature(main).parameters else main()
     return caught.value.parser
