@@ -22,7 +22,6 @@ BENCHMARKS.md records both effects on Muon.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cli import ArgumentParser  # noqa: E402
 import train_gpt  # noqa: E402
 from optim import OPTIMIZERS, optimizer_state_bytes  # noqa: E402
 
@@ -109,20 +109,26 @@ def time_optimizer(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.d
             "floor_bytes": floor_bytes}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm",
-                        help="comma-separated registry names; NAME:unfused turns a fused path off")
+def add_step_flags(parser: ArgumentParser) -> None:
+    """The flags of an optimizer-step benchmark (this one and bench.gauge): the model's shape, the batch whose
+    gradients are stepped, how many steps are timed, the device."""
     parser.add_argument("--n-layer", type=int, default=12, help="model layers (12: the 124M preset)")
     parser.add_argument("--n-head", type=int, default=12, help="attention heads")
     parser.add_argument("--n-embd", type=int, default=768, help="model width")
     parser.add_argument("--batch", type=int, default=2, help="sequences of the forward/backward giving the gradients")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence of that pass")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per optimizer (median, min, max reported)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps of each variant (the median is reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2 for SOAP)")
-    parser.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"], help="--optim-state-dtype")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="cuda if available, else cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(module="bench.optim", description=__doc__)
+    parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm",
+                        help="comma-separated registry names; NAME:unfused turns a fused path off")
+    add_step_flags(parser)
+    parser.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"], help="--optim-state-dtype")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     model_cfg = train_gpt.GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)

@@ -23,12 +23,12 @@ differences are not rounding. Writes gauge.json, gauge.md and gauge.png (per-hea
 """
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 import torch
 
+from cli import ArgumentParser
 import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
@@ -63,9 +63,10 @@ def optimizer_config(checkpoint_config: dict, optimizer: str | None, lr: float |
 
 
 def plot(result: dict, path: Path, title: str) -> None:
-    keys = [f"relative_difference_{s}" for s in SECTORS] + [f"gram_imbalance_gauged_{s}" for s in SECTORS]
+    labels = {**{f"relative_difference_{s}": f"relative change of one step's ΔM_{s}" for s in SECTORS},
+              **{f"gram_imbalance_gauged_{s}": f"Gram imbalance of the gauged {s} factors" for s in SECTORS}}
     condition = f", condition {result['condition']:g}" if result["gauge"] == "gl" else ""
-    plot_head_maps(result, keys, path,
+    plot_head_maps(result, labels, path,
                    f"{title}: {result['optimizer']} step, {result['samples']} {result['gauge']} gauges{condition}")
 
 
@@ -93,7 +94,7 @@ def report(result: dict, run_name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.gauge", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--optimizer", default=None, choices=sorted(OPTIMIZERS),
                         help="optimizer of the step (default: the run's, with its hyperparameters; another one "

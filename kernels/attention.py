@@ -349,7 +349,7 @@ class Tile:
 
 # Hopper (sm_90): the shapes of Triton's fused-attention tutorial for Hopper (forward 128 x 64; backward 32 x 128
 # for dK/dV and 128 x 32 for dQ, deep pipelines), with the warp counts that compile without register spills in the
-# offline sm_90 build (bench/attention_sass.py). Other GPUs (and the CPU interpreter): smaller, shallower tiles.
+# offline sm_90 build (bench/kernels.py). Other GPUs (and the CPU interpreter): smaller, shallower tiles.
 # Chosen, not yet tuned on a GPU: measure with SYMGPT_ATTENTION_AUTOTUNE=1 and bench/attention.py, then update.
 TILES: dict[tuple[str, str, int], Tile] = {
     ("hopper", "fwd", 64): Tile(128, 64, 4, 3),

@@ -194,6 +194,7 @@ def test_an_exported_directory_is_evaluated_like_a_checkpoint(runs, tmp_path, ca
         dynamics.main(["--checkpoint", str(exported)])
     index = report.main(["--checkpoint", str(exported), "--skip-missing"])
     assert index["evaluations"]["val_loss"] == {"status": "current", "step": 0}
+    assert index["budget"] == "full"  # an exported model does not say how long it trained
     assert index["evaluations"]["dynamics"]["status"].startswith("not applicable: an exported model")
     with pytest.raises(SystemExit):
         val_loss.main(["--run", str(broken), "--checkpoint", str(exported)])

@@ -15,7 +15,7 @@ pytest.importorskip("setuptools", reason="building the package needs setuptools 
 pytestmark = pytest.mark.slow  # two offline pip builds and two fresh interpreters importing torch: ~20 s on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["train_gpt", "cli", "config", "runs", "variants", "sample", "export", "kernels.attention",
+MODULES = ["train_gpt", "cli", "config", "runs", "timing", "variants", "sample", "export", "kernels.attention",
            "kernels.attention_paths", "kernels.ecd", "optim", "gauge.dynamics", "gauge.updates", "data.tokenizer",
            "data.loader", "data.lookup", "eval.common", "eval.logic_puzzles", "bench"]
 IMPORT_CHECK = (
@@ -60,8 +60,8 @@ def test_wheel_holds_every_module_and_imports_outside_the_repository(source, tmp
         names = set(archive.namelist())
         metadata = archive.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     for module in ("train_gpt.py", "cli.py", "sample.py", "export.py", "modeling_symgpt.py", "kv_cache.py",
-                   "kernels/attention.py", "kernels/attention_table.json", "optim/__init__.py", "data/shards.py", "eval/suites/logic_fixed.json",
-                   "bench/e2e.py"):
+                   "kernels/attention.py", "kernels/attention_table.json", "optim/__init__.py", "data/shards.py",
+                   "eval/suites/logic_fixed.json", "bench/e2e.py"):
         assert module in names, module
     assert not any(n.startswith("tests/") for n in names)
     requirements = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist")]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import runs
 import train_gpt
@@ -113,7 +114,7 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
 def test_a_failed_run_ends_its_wandb_run_as_failed(args, monkeypatch):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
-    monkeypatch.setattr(train_gpt.Trainer, "finish", lambda trainer: 1 / 0)
+    monkeypatch.setattr(train_gpt.Trainer, "finish", lambda trainer, final=True: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train_gpt.main([*args, "--wandb-project", "p", "--steps", "1", "--val-every", "0"])
     assert calls[-1] == ("finish", 1) and [c[0] for c in calls].count("finish") == 1
@@ -140,7 +141,8 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     cfg = train_gpt.parse_config([*args, "--wandb-project", "p"])
     log = runs.RunLog(is_master=False)
-    rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2)
+    rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2, device=torch.device("cpu"),
+                               dtype_name="fp32")
     trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
                                     data_record=None, run_dir=None, resumed=None, progress=train_gpt.Progress(),
                                     attention=None)
