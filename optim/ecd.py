@@ -146,7 +146,8 @@ class ECD(ShardedOptimizer):
         # The elementwise work runs over a table of blocks that never straddle two keys: the Triton kernels of
         # kernels/ecd.py (fused: CUDA with fp32 parameters, or Triton's CPU interpreter) take blocks of BLOCK
         # elements; their PyTorch references, the path everywhere else, take each key's run whole.
-        ranges = [self._ranges(region) for region in self.regions]
+        ranges = [[(run.key, run.lo, run.hi) for run in region.runs(self.key_of.__getitem__)]
+                  for region in self.regions]
         interpreter = os.environ.get("TRITON_INTERPRET") == "1"
         fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
         self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
@@ -162,17 +163,6 @@ class ECD(ShardedOptimizer):
         self.skipped = _DeferredFlag(device)
         self.warned = False
         self._lam_cache: tuple[tuple[float, ...], Tensor] | None = None
-
-    def _ranges(self, region) -> list[tuple[int, int, int]]:
-        """(key, lo, hi) runs of this rank's chunk that share a key (whole weight-decay groups, or tensors)."""
-        runs: list[tuple[int, int, int]] = []
-        for piece in region.pieces:
-            key = self.key_of[piece.index]
-            if runs and runs[-1][0] == key and runs[-1][2] == piece.offset:
-                runs[-1] = (key, runs[-1][1], piece.offset + piece.numel)
-            else:
-                runs.append((key, piece.offset, piece.offset + piece.numel))
-        return runs
 
     def _lam(self, device) -> Tensor:
         """Weight decay λ per key as a float64 device vector (rebuilt only when a group's value changes)."""
