@@ -53,7 +53,8 @@ def session_steps(out: Path, python: str) -> list[Step]:
         Step("cuda_tests", 110, [python, "-m", "pytest", "-q", "-m", "cuda", "tests/"]),  # ~60 s, mostly compiles
         Step("attention", 125, [python, "-m", "bench.attention", "--warmup-ms", "25", "--rep-ms", "100",  # ~90 s
                                 "--out", str(out / "attention.json")]),
-        Step("optim", 40, [python, "-m", "bench.optim", "--optimizers", "ecd,ecd:unfused,adamw"]),  # ~20 s
+        Step("optim", 40, [python, "-m", "bench.optim", "--optimizers", "ecd,ecd:unfused,soap,adamw",  # ~30 s (est.)
+                           "--rounds", "2", "--steps", "10"]),  # SOAP's step at 124M against torch's fused AdamW
         Step("sample", 15, [python, "-m", "bench.sample", "--device", "cuda", "--shapes", "gpt2-124m",  # ~10 s
                             "--max-new-tokens", "200", "--repeats", "1"]),  # generation with and without KV cache
         *e2e,
