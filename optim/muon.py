@@ -158,7 +158,7 @@ class Muon(ShardedOptimizer):
 
     def _muon(self, j: int, region, g: Tensor, buf_state: Tensor) -> None:
         compute = torch.promote_types(g.dtype, torch.float32)
-        buf = buf_state.to(compute)
+        buf, g = buf_state.to(compute), g.to(compute)
         buf.lerp_(g, 1 - self.momentum)
         update = self.scratch[j]  # the Nesterov update, written in bf16 in one pass: Newton–Schulz's input
         torch.lerp(g, buf, self.momentum, out=update) if self.nesterov else update.copy_(buf)
@@ -178,7 +178,7 @@ class Muon(ShardedOptimizer):
         """torch's AdamW, in place: m/(√v/c + ε) = c·m/(√v + c·ε) with c = √(1−β2ᵗ)."""
         compute = torch.promote_types(g.dtype, torch.float32)
         beta1, beta2 = self.betas
-        m, v = m_state.to(compute), v_state.to(compute)
+        m, v, g = m_state.to(compute), v_state.to(compute), g.to(compute)
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         correction = (1 - beta2**self.calls) ** 0.5
