@@ -238,7 +238,8 @@ def build_variant(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.de
 
 
 def measure(variants: list[Variant], args) -> dict[str, list[float]]:
-    """Mean step time per round and variant, the variants interleaved (alternating order) after the warm-up."""
+    """Mean step time per round and variant, the variants interleaved (alternating order) after the warm-up; each
+    round's figures go to stderr as it ends (long runs keep what they measured)."""
     for v in variants:
         for _ in range(args.warmup):
             v.step()
@@ -246,6 +247,8 @@ def measure(variants: list[Variant], args) -> dict[str, list[float]]:
     for r in range(args.rounds):
         for v in variants if r % 2 == 0 else variants[::-1]:
             rounds[v.name].append(sum(v.step() for _ in range(args.steps)) / args.steps)
+        print(f"round {r + 1}/{args.rounds} (load {load()}): " + ", ".join(
+            f"{name} {1e3 * times[-1]:.1f} ms" for name, times in rounds.items()), file=sys.stderr, flush=True)
     return rounds
 
 

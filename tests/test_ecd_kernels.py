@@ -7,10 +7,7 @@ of the JSON it writes. The interpreter has no bf16; a bf16 Π travels as int16 b
 """
 from __future__ import annotations
 
-import json
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -129,11 +126,9 @@ def optimizer_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import run_in_interpreter
+    from tests.conftest import interpreter_results
 
-    data = run_in_interpreter(__file__, tmp_path_factory.mktemp("ecd_interpreter"), timeout=900)
-    assert "traceback" not in data, data["traceback"]
-    return data
+    return interpreter_results(__file__, tmp_path_factory)
 
 
 def test_kernels_match_their_references(results: dict) -> None:
@@ -171,16 +166,7 @@ def test_bf16_pi_with_stochastic_rounding_stays_near_fp32(results: dict) -> None
     assert o["bf16_sr_100_steps"] < 0.05, o
 
 
-def _interpreter_main(path: str) -> None:
-    from tests.conftest import patch_triton_interpreter
-
-    patch_triton_interpreter()
-    try:
-        results = {"kernels": kernel_checks(), "optimizer": optimizer_checks()}
-    except Exception:
-        results = {"traceback": traceback.format_exc()}
-    Path(path).write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    _interpreter_main(sys.argv[1])
+    from tests.conftest import write_interpreter_results
+
+    write_interpreter_results(sys.argv[1], kernels=kernel_checks, optimizer=optimizer_checks)

@@ -8,14 +8,13 @@ JSON it writes. The interpreter has no bf16; bf16 moments travel as int16 bit pa
 from __future__ import annotations
 
 import copy
-import json
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+from tests.test_ecd_kernels import relative_difference
 
 STEPS = 20
 
@@ -53,12 +52,6 @@ def run_soap(fused: bool, optim_state_dtype: str = "fp32", steps: int = STEPS, s
     assert opt.fused == fused
     train(model, opt, steps)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """|a − b| / |b| over all tensors together."""
-    diff = torch.cat([(a[k] - b[k]).flatten() for k in a])
-    return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
 
 
 def kernel_checks() -> dict:
@@ -146,11 +139,9 @@ def optimizer_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import run_in_interpreter
+    from tests.conftest import interpreter_results
 
-    data = run_in_interpreter(__file__, tmp_path_factory.mktemp("soap_interpreter"), timeout=900)
-    assert "traceback" not in data, data["traceback"]
-    return data
+    return interpreter_results(__file__, tmp_path_factory)
 
 
 def test_kernel_matches_its_reference(results: dict) -> None:
@@ -217,17 +208,7 @@ def test_fused_soap_on_cuda_equals_reference() -> None:
     assert relative_difference(run(True, "bf16", 60), run(False, "fp32", 60)) < 0.02
 
 
-def _interpreter_main(path: str) -> None:
-    from tests.conftest import patch_triton_interpreter
-
-    patch_triton_interpreter()
-    torch.set_num_threads(1)  # tiny products: with several threads each waits for the interpreter's busy cores
-    try:
-        results = {"kernels": kernel_checks(), "optimizer": optimizer_checks()}
-    except Exception:
-        results = {"traceback": traceback.format_exc()}
-    Path(path).write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    _interpreter_main(sys.argv[1])
+    from tests.conftest import write_interpreter_results
+
+    write_interpreter_results(sys.argv[1], kernels=kernel_checks, optimizer=optimizer_checks)
