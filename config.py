@@ -8,7 +8,9 @@ preset <- the resumed checkpoint's config <- command-line flags (docs/runs.md#co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,11 +26,13 @@ from runs import (
     existing_run_problem,
     load_checkpoint,
     module_available,
+    newer_checkpoints,
     resolve_checkpoint_path,
     resolve_resume,
     run_dir_of,
     world_size_from_env,
 )
+from timing import parse_window
 from variants import ModelVariants, ResearchConfig, variant_problem
 
 # The paper's training run (docs/model.md#the-papers-model): 8 x 512 tokens per step in one pass (no gradient
@@ -237,12 +241,20 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
         except CheckpointError as exc:
             pre.error(str(exc))
         saved = {**checkpoint["config"], "optim": upgrade_saved_config(checkpoint["config"].get("optim", {})),
+                 "train": upgrade_saved_train(checkpoint["config"].get("train", {})),
                  # runs from before --gauge-project-velocity projected the step only: they go on doing so
                  "research": {"gauge_project_velocity": False, **checkpoint["config"].get("research", {})}}
+    preset = known.preset
+    if saved:
+        preset = saved_preset(saved, resume_from)
+        if known.preset and preset and known.preset != preset:
+            pre.error(f"--preset {known.preset}: the resumed run was started with --preset {preset}, which it keeps "
+                      "(flags given with --resume change single settings)")
+        preset = preset or known.preset
     optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
-                 or PRESETS.get(known.preset, {}).get("optimizer") or train.optimizer)
+                 or PRESETS.get(preset, {}).get("optimizer") or train.optimizer)
     classes = section_classes(model, train, optimizer)
-    base = preset_values(classes, known.preset, optimizer)
+    base = preset_values(classes, preset, optimizer)
     if saved:
         same_optimizer = saved["train"].get("optimizer") == optimizer
         for section, cls in classes.items():
@@ -254,11 +266,12 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     if foreign:
         parser.error(foreign)
     args = vars(parser.parse_args(argv))
-    cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), known.preset,
+    cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), preset,
                     resume_from=resume_from, notes=notes)
     if saved:
         given = {arg.split("=")[0].removeprefix("--").replace("-", "_") for arg in argv if arg.startswith("--")}
-        cfg.continue_in = resume_home(cfg.train, resume_from, given)
+        cfg.continue_in, note = resume_home(cfg.train, resume_from, checkpoint["step"], given)
+        cfg.notes += [note] * bool(note)
         if cfg.continue_in is None and "run_name" not in given:
             cfg.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
     problem = config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None)
@@ -293,6 +306,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
         return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
     if hp.seq_len > model.block_size:
         return f"--seq-len {hp.seq_len} exceeds --block-size {model.block_size}"
+    if hp.val_tokens < hp.seq_len:
+        return (f"--val-tokens {hp.val_tokens} is less than one sequence of --seq-len {hp.seq_len}; raise --val-tokens "
+                f"to at least {hp.seq_len}")
     if hp.init_from and not hp.resume:
         try:
             load_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), mmap=True, verify=True)
@@ -301,6 +317,11 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     problem = variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len)
     if problem:
         return problem
+    if hp.profile_steps:
+        try:
+            parse_window(hp.profile_steps)
+        except ValueError as exc:
+            return str(exc)
     if hp.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda: no CUDA device is available (use --device cpu)"
     if hp.wandb_project and not module_available("wandb"):
@@ -332,10 +353,32 @@ def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
     return None
 
 
-def resume_home(hp, checkpoint: Path, given: set[str]) -> Path | None:
-    """The directory a resumed run goes on in: the checkpoint's run directory (run_dir_of), unless the flags given
-    (`given`) name another with --run-name/--run-dir; None means a new run directory."""
+def resume_home(hp, checkpoint: Path, step: int, given: set[str]) -> tuple[Path | None, str | None]:
+    """(directory, note): the directory a resumed run goes on in, the checkpoint's run directory (run_dir_of),
+    unless the flags given (`given`) name another with --run-name/--run-dir, or --resume named a checkpoint file of
+    a run that holds checkpoints of later steps than `step`, which going on there would replace (then the note says
+    so; --resume RUN takes the newest intact checkpoint, see resolve_resume); None means a new run directory."""
     home = run_dir_of(checkpoint)
-    if home is None or not given & {"run_name", "run_dir"}:
-        return home
-    return home if hp.run_name and (Path(hp.run_dir) / hp.run_name).absolute() == home else None
+    if home is not None and given & {"run_name", "run_dir"}:
+        home = home if hp.run_name and (Path(hp.run_dir) / hp.run_name).absolute() == home else None
+    newer = newer_checkpoints(home, step) if home is not None and Path(hp.resume).is_file() else []
+    if not newer:
+        return home, None
+    return None, (f"--resume {checkpoint}: {home} holds later checkpoints ({', '.join(newer)}), which going on "
+                  "there would replace: this run starts a new run directory (--run-name names it)")
+
+
+def saved_preset(saved: dict, checkpoint: Path) -> str | None:
+    """The --preset a resumed run was started with: recorded in its checkpoints' config, or for checkpoints written
+    before they recorded it, in config.json of the checkpoint's run directory (None: no preset, or unknown)."""
+    preset = saved.get("preset")
+    if "preset" not in saved and (home := run_dir_of(checkpoint)) is not None:
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            preset = json.loads((home / "config.json").read_text())["preset"]["name"]
+    return preset if preset in PRESETS else None
+
+
+def upgrade_saved_train(train: dict) -> dict:
+    """A saved training section in today's fields: --keep-checkpoints was a switch, whose on kept every step file."""
+    keep = train.get("keep_checkpoints")
+    return {**train, "keep_checkpoints": -int(keep)} if isinstance(keep, bool) else train

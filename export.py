@@ -198,6 +198,9 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
     return [note] if note else []
 
 
+HF_SIZES = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768}  # defaults
+
+
 def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
     """Our GPTConfig for a directory's config.json: a GPT2Config, our SymGPTConfig (PReLU), or the PReLU format
     written before it."""
@@ -206,7 +209,14 @@ def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
     if meta.get("model_type") not in ("gpt2", MODEL_TYPE):
         raise ExportError(f"{source / CONFIG_FILE}: neither a GPT-2 config (model_type 'gpt2') nor one of ours "
                           f"(model_type '{MODEL_TYPE}'); its model_type is {meta.get('model_type')!r}")
-    n_embd = meta.get("n_embd", 768)
+    sizes = {key: meta.get(key, default) for key, default in HF_SIZES.items()}
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ExportError(f"{source / CONFIG_FILE}: {key} = {value!r}; a GPT-2 needs a positive integer")
+    n_embd = sizes["n_embd"]
+    if n_embd % sizes["n_head"]:
+        raise ExportError(f"{source / CONFIG_FILE}: n_embd = {n_embd} does not split into n_head = {sizes['n_head']} "
+                          "heads")
     unsupported = {
         "n_inner": (meta.get("n_inner") or 4 * n_embd, 4 * n_embd),
         "layer_norm_epsilon": (meta.get("layer_norm_epsilon", LAYER_NORM_EPS), LAYER_NORM_EPS),
@@ -222,8 +232,8 @@ def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
     if activation not in supported:
         raise ExportError(f"{source / CONFIG_FILE}: activation_function {activation!r}; model_type "
                           f"{meta['model_type']!r} supports {', '.join(supported)} here")
-    return train_gpt.GPTConfig(vocab_size=meta.get("vocab_size", GPT2_VOCAB), block_size=meta.get("n_positions", 1024),
-                               n_layer=meta.get("n_layer", 12), n_head=meta.get("n_head", 12), n_embd=n_embd,
+    return train_gpt.GPTConfig(vocab_size=sizes["vocab_size"], block_size=sizes["n_positions"],
+                               n_layer=sizes["n_layer"], n_head=sizes["n_head"], n_embd=n_embd,
                                activation="prelu" if activation == "prelu" else "gelu", bias_mode="none")
 
 
@@ -316,13 +326,14 @@ def load_model(source: str | os.PathLike, flag: str = "--checkpoint") -> train_g
     file = model_file(source, flag)
     if is_exported(file):
         return load_exported(file.parent)
-    return train_gpt.model_from_checkpoint(runs.load_checkpoint(file, mmap=True))
+    return train_gpt.model_from_checkpoint(load_as_checkpoint(file))
 
 
 def load_as_checkpoint(file: Path) -> dict:
-    """A model_file as our checkpoint dict: the checkpoint itself (mapped), or an exported model at step 0."""
+    """A model_file as our checkpoint dict: the checkpoint itself (mapped, its checksum verified: a damaged file is
+    a CheckpointError, not a wrong number), or an exported model at step 0."""
     return checkpoint_of(load_exported(file.parent), str(file.parent)) if is_exported(file) else (
-        runs.load_checkpoint(file, mmap=True))
+        runs.load_checkpoint(file, mmap=True, verify=True))
 
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:

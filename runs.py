@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import re
 import secrets
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cli import option
-from data.shards import atomic_writer
+from data.shards import atomic_writer, dead_temporaries
 from optim.distributed import init_process_group
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -202,18 +203,53 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     return link_tied(ckpt)
 
 
+def step_of(path: Path) -> int:
+    """The step in a step checkpoint's name (checkpoints/step_000500.pt -> 500)."""
+    return int(re.sub(r"\D", "", path.stem) or 0)
+
+
 def run_checkpoints(run_dir: Path) -> list[Path]:
     """A run's checkpoints/step_XXXXXX.pt in step order, then latest.pt (if present)."""
     folder = Path(run_dir) / "checkpoints"
-    steps = sorted(folder.glob("step_*.pt"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    steps = sorted(folder.glob("step_*.pt"), key=step_of)
     latest = folder / "latest.pt"
     return steps + ([latest] if latest.is_file() else [])
+
+
+def newer_checkpoints(run_dir: Path, step: int) -> list[str]:
+    """The checkpoints of a run from later steps than `step`, as "PATH (step N)": step files by their name, and
+    latest.pt when it reads (a damaged latest.pt has no step to compare)."""
+    newer = []
+    for path in run_checkpoints(run_dir):
+        if path.name == "latest.pt":
+            try:
+                later = load_checkpoint(path, mmap=True)["step"]
+            except CheckpointError:
+                continue
+        else:
+            later = step_of(path)
+        if later > step:
+            newer.append(f"{path} (step {later})")
+    return newer
+
+
+def save_run_checkpoint(run_dir: Path, checkpoint: dict, keep: int) -> None:
+    """A run's checkpoint: checkpoints/latest.pt and, unless keep is 0, checkpoints/step_XXXXXX.pt of its step;
+    then every step file up to this step but the newest `keep` is removed (keep -1: all are kept). Step files of
+    later steps (left by an earlier stretch of the run that this one replaces) are not counted."""
+    folder = Path(run_dir) / "checkpoints"
+    step = checkpoint["step"]
+    save_checkpoint([folder / "latest.pt"] + [folder / f"step_{step:06d}.pt"] * bool(keep), checkpoint)
+    if keep >= 0:
+        earlier = [p for p in run_checkpoints(run_dir) if p.name != "latest.pt" and step_of(p) <= step]
+        for path in earlier[:len(earlier) - keep]:
+            path.unlink(missing_ok=True)
 
 
 def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
     """The checkpoint `--resume SOURCE` continues from, verified, and notes on what was passed over. A file is
     used as given; a run directory uses checkpoints/latest.pt, or when that is missing or damaged the newest intact
-    step_XXXXXX.pt (--keep-checkpoints). Raises CheckpointError when nothing intact is found."""
+    step_XXXXXX.pt (--keep-checkpoints K). Raises CheckpointError when nothing intact is found."""
     source = Path(source)
     latest = source / "checkpoints" / "latest.pt"
     steps = [p for p in reversed(run_checkpoints(source)) if p != latest] if source.is_dir() else []
@@ -225,7 +261,7 @@ def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
             if not source.is_dir():
                 raise
             raise CheckpointError(f"--resume {source}: {path} is damaged ({exc.reason}) and the run kept no "
-                                  "step_XXXXXX.pt to fall back on (--keep-checkpoints); start a new run") from exc
+                                  "step_XXXXXX.pt to fall back on (--keep-checkpoints K); start a new run") from exc
         return path, []
     passed = [] if latest.is_file() else [f"{latest} (missing)"]
     for path in [latest] * latest.is_file() + steps:
@@ -415,8 +451,9 @@ class RunDirectory:
         raise RuntimeError(f"no free run directory name {stem}-N under {parent}")
 
     def claim(self, new_run: bool) -> list[str]:
-        """Take the lock (RunInUseError naming the owner when another live process holds it), remove temporary
-        files dead writers left, and for a new run in a directory an earlier run left without a checkpoint, move
+        """Take the lock (RunInUseError naming the owner when another live process holds it), remove the temporary
+        files that writers which no longer run left beside the trainer's files (data.shards.dead_temporaries of the
+        directory and checkpoints/), and for a new run in a directory an earlier run left without a checkpoint, move
         that run's files aside. Returns what was done, for the log."""
         self.path.mkdir(parents=True, exist_ok=True)
         if new_run and (problem := existing_run_problem(self.path)):  # another run's, or not a run's at all
@@ -442,9 +479,9 @@ class RunDirectory:
         handle.flush()
         self._lock = handle
         notes = []
-        for stale in sorted(self.path.rglob("*.tmp")):  # the lock is ours: no live writer owns these
+        for stale in dead_temporaries(self.path) + dead_temporaries(self.path / "checkpoints"):
             size = stale.stat().st_size
-            stale.unlink()
+            stale.unlink(missing_ok=True)
             notes.append(f"removed {stale} ({size / 2**20:,.1f} MiB), left by an interrupted write")
         if new_run and (problem := existing_run_problem(self.path)):  # a checkpoint written before we locked
             self.release()
@@ -622,10 +659,19 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
     own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
     config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, opens the optional trackers at
     `step` and logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
-    run_dir = None
+    run_dir, refusal = None, None
     if rt.is_master:
-        run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
-        notes = [note] * bool(note) + run_dir.claim(new_run=continue_in is None)
+        try:
+            run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
+            notes = [note] * bool(note) + run_dir.claim(new_run=continue_in is None)
+        except RunInUseError as exc:
+            refusal = str(exc)
+    box = [run_dir.path if run_dir else None, refusal]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box)  # every rank names the run in its messages, or exits with rank 0's refusal
+    if box[1]:
+        raise RunInUseError(box[1])
+    if rt.is_master:
         run_dir.copy_code()
         run_dir.write_json("config.json", record)
         log.attach(run_dir.path, code)
@@ -636,26 +682,43 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
         log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}{gpu} | world "
                  f"{rt.world}")
         log.line(f"run directory {run_dir.path}")
-    path = [run_dir.path if run_dir else None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(path)  # every rank names the run in its messages
-    return run_dir or RunDirectory(path[0])
+    return run_dir or RunDirectory(box[0])
+
+
+# Flags changed on --resume in the direction the non-finite stop advises: lower, longer, clipped (or clipped harder).
+SAFER_ON_RESUME = {"optim.lr": lambda old, new: new < old, "train.warmup_steps": lambda old, new: new > old,
+                   "train.grad_clip": lambda old, new: 0 < new < (old or math.inf)}
 
 
 def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: int | None, resumed: dict | None,
                             run_dir: Path) -> str:
     """The line a run that met a non-finite `what` at `step` stops with: what exists (no checkpoint, the unchanged
-    checkpoint it resumed from, or a finite checkpoint of its own) and what to do in each case."""
+    checkpoint it resumed from, or a finite checkpoint of its own) and what to do in each case. A resumed run that
+    diverged although it followed the advice (a lower --lr, ...) is told that its checkpoint was already on its way
+    and pointed to an earlier step file of that run."""
     advice = f"a lower --lr (now {lr:g}), more --warmup-steps or --grad-clip"
     if checkpoint_step is None:
         kept = (f"no checkpoint was written (the run diverged before its first); start a new run with {advice}"
                 + (" — at the first step, the flags themselves are the likely cause" if step <= 1 else ""))
     elif resumed and checkpoint_step == resumed["step"]:
-        changes = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in resumed["changed"].items())
-        kept = (f"the checkpoint this run resumed from (step {checkpoint_step}, {resumed['resumed_from']}) is "
-                "unchanged and finite; " + (f"the flags changed on --resume ({changes}) are the first suspects; "
-                                            if changes else "")
-                + f"resume from it again with {advice}, or from an earlier step_XXXXXX.pt")
+        source = Path(resumed["resumed_from"])
+        safer, others = [], []
+        for key, (old, new) in resumed["changed"].items():
+            (safer if key in SAFER_ON_RESUME and SAFER_ON_RESUME[key](old, new) else others).append(
+                f"{key} {old} -> {new}")
+        kept = f"the checkpoint this run resumed from (step {checkpoint_step}, {source}) is unchanged and finite"
+        if safer:
+            earlier = [p for p in run_checkpoints(run_dir_of(source) or source.parent)
+                       if p.name != "latest.pt" and step_of(p) < checkpoint_step]
+            kept += (f", but the run diverged again with the safer settings given on --resume ({', '.join(safer)}"
+                     + (f"; also changed: {', '.join(others)}" if others else "") + "): that state was probably "
+                     "already diverging; resume from an earlier checkpoint, "
+                     + (f"the newest being --resume {earlier[-1]}" if earlier else "but the run kept none "
+                        f"(--keep-checkpoints K keeps step_XXXXXX.pt): start a new run with {advice}"))
+        else:
+            kept += ("; " + (f"the flags changed on --resume ({', '.join(others)}) are the first suspects; "
+                             if others else "") + f"resume from it again with {advice}, or from an earlier "
+                     "step_XXXXXX.pt")
     else:
         kept = (f"the finite checkpoint of step {checkpoint_step} is kept in {run_dir / 'checkpoints'}; continue "
                 f"with --resume {run_dir} and {advice}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from pathlib import Path
 
@@ -68,8 +69,10 @@ def input_problem(args: argparse.Namespace) -> str | None:
         return f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"
     if args.num_samples < 1:
         return f"--num-samples must be >= 1, got {args.num_samples}"
-    if args.temperature < 0:
-        return f"--temperature must be >= 0 (0: greedy), got {args.temperature}"
+    if not 0 <= args.temperature < math.inf:
+        return f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}"
+    if not 0 <= args.seed <= 2**32 - 1:
+        return f"--seed must be in [0, 4294967295], got {args.seed}"
     if args.top_k < 0:
         return f"--top-k must be >= 0 (0: no cut), got {args.top_k}"
     if args.prompt_file is not None:

@@ -18,7 +18,6 @@ import math
 import os
 import signal
 import sys
-import time
 from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
@@ -35,10 +34,12 @@ import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from data.shards import ShardError
 from kernels import attention_select
 from kernels.attention import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
+from timing import ProfileWindow, TrainingClock, summary_lines
 from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -123,7 +124,8 @@ class TrainConfig:
     log_every: int = logs(10, "print and log a line every N steps", bounds="> 0")
     checkpoint_every: int = logs(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
                                        "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
-    keep_checkpoints: bool = logs(False, "also keep checkpoints/step_XXXXXX.pt at every checkpoint")
+    keep_checkpoints: int = logs(0, "also keep checkpoints/step_XXXXXX.pt of the last K checkpoints, removing older "
+                                    "ones (0: latest.pt only; -1: every one)", bounds=">= -1")
     target_val_loss: float = logs(0.0, "report the first step and training time reaching this validation loss "
                                        "(0: off)", bounds=">= 0")
     stop_at_target: bool = logs(False, "stop the run once target_val_loss is reached")
@@ -136,11 +138,17 @@ class TrainConfig:
     init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
                               "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
                               "data and step start fresh; ignored by --resume")
-    seed: int = logs(1337, "seed for initialisation and the bias sampler", bounds=">= 0", fixed_on_resume=True)
+    seed: int = logs(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
+                     fixed_on_resume=True)
     device: str = logs("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
     dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
                               "states the precision separately)", choices=("bf16", "fp32"))
     compile: bool = logs(True, "torch.compile the model on CUDA")
+    compile_mode: str = logs("default", "torch.compile mode: default, reduce-overhead (CUDA graphs: one launch per "
+                                        "graph, for small steps) or max-autotune (also tunes its kernels)",
+                             choices=("default", "reduce-overhead", "max-autotune"))
+    profile_steps: str = logs("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace in "
+                                  "the run directory, host and device time per step in log.txt (empty: off)")
     attention_impl: str = logs("auto", "attention implementation, all exact: auto (the fastest measured on this GPU, "
                                        "cached; SDPA on a CPU), triton, sdpa or flex (docs/model.md#choosing-the-"
                                        "implementation)", choices=attention_select.CHOICES)
@@ -347,6 +355,8 @@ def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
 # -----------------------------------------------------------------------------------------------------------------
 # Symmetry-breaking bias sampler (docs/model.md): stateless, each draw a function of (seed, step, layer).
 
+BIAS_STEPS_AHEAD = 64  # steps the trainer's sampler draws and copies to the device at once
+
 
 def bias_distribution(config: GPTConfig) -> tuple[float, torch.Tensor, float, torch.Tensor]:
     """(μ_Q, σ_Q, μ_V, σ_V) with σ per dimension = linspace(min, max, d)."""
@@ -375,27 +385,36 @@ class BiasSampler:
     every micro-batch and every rank of the step.
 
     Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]). It holds no state, so a resumed run
-    and a run on any number of GPUs, with any micro-batch split, see the same biases for the same data.
+    and a run on any number of GPUs, with any micro-batch split, see the same biases for the same data. With
+    `ahead` > 1 it draws that many steps at once and copies them to the device in one transfer, which the next
+    steps then index: the same numbers, without a host-to-device copy per step.
     """
 
-    def __init__(self, config: GPTConfig, seed: int):
-        self.config, self.seed = config, seed
+    def __init__(self, config: GPTConfig, seed: int, ahead: int = 1):
+        self.config, self.seed, self.ahead = config, seed, ahead
         _, std_q, _, std_v = bias_distribution(config)
         self.mean = mean_biases(config)[0].numpy()
         std = np.stack([std_q.numpy(), std_q.numpy(), std_v.numpy()])  # (3, d)
         self.std = std[:, None, :] if config.bias_per_head else std
+        self._drawn: tuple[int, torch.Tensor] | None = None  # (first step, draws of `ahead` steps on the device)
 
     def sample(self, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The (n_layer, 3, [n_head,] d) draws; None when the mode samples no bias (the forward pass reads none)."""
         if not any(self.config.sampled_biases):
             return None
-        shape = _bias_shape(self.config)
-        draws = np.empty(shape, dtype=np.float32)
-        for layer in range(self.config.n_layer):
-            rng = np.random.default_rng([self.seed, step, layer])
-            draws[layer] = self.mean + self.std * rng.standard_normal(shape[1:])
-        tensor = torch.from_numpy(draws)
         device = torch.device(device)
+        if self._drawn is None or not 0 <= step - self._drawn[0] < self.ahead or self._drawn[1].device != device:
+            self._drawn = step, self._draw(range(step, step + self.ahead), device)
+        return self._drawn[1][step - self._drawn[0]]
+
+    def _draw(self, steps: range, device: torch.device) -> torch.Tensor:
+        shape = _bias_shape(self.config)
+        draws = np.empty((len(steps), *shape), dtype=np.float32)
+        for i, step in enumerate(steps):
+            for layer in range(self.config.n_layer):
+                rng = np.random.default_rng([self.seed, step, layer])
+                draws[i, layer] = self.mean + self.std * rng.standard_normal(shape[1:])
+        tensor = torch.from_numpy(draws)
         if device.type == "cuda":
             tensor = tensor.pin_memory()
         return tensor.to(device, non_blocking=True)
@@ -459,7 +478,7 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
 
 @dataclass
 class Progress:
-    """What a checkpoint records of where the run is and what it has measured (also every log record's head)."""
+    """What a checkpoint records of where the run is and what it has measured (also each validation record)."""
 
     step: int = 0
     tokens: int = 0
@@ -507,7 +526,7 @@ class Trainer:
         self.attention = attention_select.configure(  # before torch.compile, which then sees one implementation
             self.model, hp.attention_impl, batch=rt.micro_batch, seq_len=hp.seq_len, device=rt.device,
             dtype=rt.autocast_dtype, compiled=hp.compile and rt.device.type == "cuda", rank=rt.rank, log=log.line)
-        self.sampler = BiasSampler(cfg.model, hp.seed)
+        self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
         self.step_model: nn.Module = self.model  # what the loop calls: compiled on CUDA, in DDP where needed
@@ -517,6 +536,9 @@ class Trainer:
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
+        self.clock = TrainingClock(rt.device)  # also holds the last log step's record until its numbers arrive
+        self.profile = ProfileWindow(hp.profile_steps, rt.device)
+        self.cudagraphs = False  # whether the compiled model replays CUDA graphs (--compile-mode)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -526,9 +548,9 @@ class Trainer:
         if not self.rt.is_master:
             return None
         return runs.model_checkpoint(
-            self.model, {**self.cfg.to_dict(), "data": self.data_record}, self.progress.step,
-            optimizers=optimizer_states, loader=self.loader.state_dict(), sampler=self.sampler.state_dict(),
-            rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
+            self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
+            self.progress.step, optimizers=optimizer_states, loader=self.loader.state_dict(),
+            sampler=self.sampler.state_dict(), rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
             hooks={hook.name: hook.state_dict() for hook in self.hooks if hook.state_dict() is not None})
 
     def restore(self) -> None:
@@ -560,11 +582,12 @@ class Trainer:
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
             raise runs.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
-                                  "earlier checkpoint (--keep-checkpoints keeps checkpoints/step_XXXXXX.pt)")
+                                  "earlier checkpoint (--keep-checkpoints K keeps checkpoints/step_XXXXXX.pt)")
         changed = config.changed_settings(self.cfg, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
                       + "".join(f" | {k} {old} -> {new}" for k, (old, new) in changed.items()))
-        self.resumed = {"resumed_from": str(path), "step": self.progress.step, "changed": changed}
+        self.resumed = {"resumed_from": str(path), "step": self.progress.step, "tokens": self.progress.tokens,
+                        "changed": changed}
 
     def state_is_finite(self) -> bool:
         """Whether parameters, optimizer state and the loss the parameters give on the last micro-batch are all
@@ -579,22 +602,21 @@ class Trainer:
         return all_reduce_sum(bad).item() == 0
 
     def save(self) -> None:
-        """checkpoints/latest.pt (and step_XXXXXX.pt with --keep-checkpoints), written only from a finite state."""
+        """checkpoints/latest.pt (and the last --keep-checkpoints step_XXXXXX.pt), only from a finite state."""
         if not self.state_is_finite():
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
         ckpt = self.checkpoint()
         if ckpt is not None:
-            folder = self.run_dir.path / "checkpoints"
-            runs.save_checkpoint([folder / "latest.pt"] + [folder / f"step_{self.progress.step:06d}.pt"]
-                                 * self.cfg.train.keep_checkpoints, ckpt)
+            runs.save_run_checkpoint(self.run_dir.path, ckpt, self.cfg.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
 
-    def stop_non_finite(self, what: str) -> None:
+    def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop every rank (exit 2), saying what exists and what to do."""
-        self.log.line(runs.non_finite_stop_message(what, self.progress.step, self.cfg.optim.lr, self.checkpoint_step,
-                                                   self.resumed, self.run_dir.path))
+        self.log.line(runs.non_finite_stop_message(what, self.progress.step if step is None else step,
+                                                   self.cfg.optim.lr, self.checkpoint_step, self.resumed,
+                                                   self.run_dir.path))
         raise TrainingStopped(2)
 
     # -- the run directory --------------------------------------------------------------------------------------
@@ -618,9 +640,11 @@ class Trainer:
     def compile(self) -> None:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
         acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
-        rt = self.rt
-        if rt.device.type == "cuda" and self.cfg.train.compile:
-            self.step_model = torch.compile(self.step_model)
+        rt, hp = self.rt, self.cfg.train
+        if rt.device.type == "cuda" and hp.compile:
+            self.step_model = torch.compile(self.step_model, mode=None if hp.compile_mode == "default" else
+                                            hp.compile_mode)
+            self.cudagraphs = hp.compile_mode != "default"  # both other modes replay CUDA graphs
         if rt.world > 1 and not self.spec.reduces_gradients:
             self.step_model = nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
@@ -649,6 +673,8 @@ class Trainer:
         for micro in range(rt.grad_accum):
             x, y, chunk = self.loader.next_batch()  # chunk * micro_batch: the first row's index in the step's batch
             x, y = self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step))
+            if self.cudagraphs:  # the last replay's outputs (the loss, added below) are no longer read
+                torch.compiler.cudagraph_mark_step_begin()
             with self.accumulating(micro < rt.grad_accum - 1), rt.autocast():
                 loss = self.step_model(x, y, biases)[1]
                 (loss / rt.grad_accum).backward()
@@ -700,74 +726,80 @@ class Trainer:
                       f"{progress.train_time_s:.1f}s of training ({progress.tokens:,} tokens)")
         return True
 
-    def log_progress(self, loss: torch.Tensor, throughput: dict) -> None:
-        """A log line and record: the loop's only host sync. throughput: the tokens and training time at the last
-        log line, and the MFU of one token per second (None when the GPU's peak is unknown)."""
-        hp, progress = self.cfg.train, self.progress
-        loss_value = all_reduce_sum(loss.float().reshape(1)).item() / self.rt.world
-        if not math.isfinite(loss_value):
-            self.stop_non_finite(f"the training loss ({loss_value})")
-        tokens_per_s = (progress.tokens - throughput["tokens"]) / max(progress.train_time_s - throughput["time"], 1e-9)
-        mfu = throughput["mfu_per_token_s"] * tokens_per_s if throughput["mfu_per_token_s"] else None
-        eta = (hp.steps - progress.step) * hp.batch_tokens / tokens_per_s
-        record = {**asdict(progress), "train_loss": loss_value, "lr": self.optimizers[0].param_groups[0]["lr"],
-                  "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": progress.train_time_s}
-        texts = []
+    def log_later(self, loss: torch.Tensor) -> None:
+        """Start this log step's record: the loss averaged over ranks and the gradient norm go to the host behind an
+        event (no host sync) and the hooks' fields are computed now; `write_log` finishes it a step later."""
+        progress = self.progress
+        scalars = [all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
         if self.optimizers[0].grad_norm is not None:  # with --grad-clip: the norm before clipping
-            record["grad_norm"] = self.optimizers[0].grad_norm.item()
-            texts.append(f"grad norm {record['grad_norm']:.3f}")
+            scalars.append(self.optimizers[0].grad_norm)
+        record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizers[0].param_groups[0]["lr"],
+                  "texts": []}  # no val_loss: not measured; texts: the hooks', popped by write_log
         for hook in self.hooks:
             fields, text = hook.log(self.model, self.optimizers, self.last_batch, progress.step)
             record.update(fields)
-            texts += [text] if text else []
+            record["texts"] += [text] if text else []
+        self.clock.later(record, scalars)
+
+    def write_log(self) -> None:
+        """The held log line and record, once its numbers are on the host: loss, lr, ms per step, tokens/s and MFU
+        since the last one, by the training clock (which excludes validation, logs and checkpoints)."""
+        ready = self.clock.ready()
+        if ready is None:
+            return
+        (record, (loss, *grad_norm)), hp = ready, self.cfg.train
+        texts = [f"grad norm {grad_norm[0]:.3f}" for _ in grad_norm] + record.pop("texts")
+        record.update(train_loss=loss, **dict(zip(["grad_norm"], grad_norm)))
+        if not math.isfinite(loss):
+            self.stop_non_finite(f"the training loss ({loss})", record["step"])
+        record["mfu"] = self.mfu_per_token_s * record["tokens_per_s"] if self.mfu_per_token_s else None
         self.log.record(record)
-        self.log.line(" | ".join([f"step {progress.step}/{hp.steps}", f"loss {loss_value:.4f}",
-                                  f"lr {record['lr']:.2e}", *texts, f"{tokens_per_s:,.0f} tok/s"]
-                                 + ([f"mfu {100 * mfu:.1f}%"] if mfu else [])
-                                 + [f"{progress.train_time_s:.1f}s", f"eta {runs.format_duration(eta)}"]))
-        throughput.update(tokens=progress.tokens, time=progress.train_time_s)
+        eta = (hp.steps - record["step"]) * record["step_ms"] / 1e3
+        self.log.line(" | ".join([f"step {record['step']}/{hp.steps}", f"loss {loss:.4f}", f"lr {record['lr']:.2e}",
+                                  *texts, f"{record['step_ms']:.2f} ms/step", f"{record['tokens_per_s']:,.0f} tok/s"]
+                                 + ([f"mfu {100 * record['mfu']:.1f}%"] if record["mfu"] else [])
+                                 + [f"{record['train_time_s']:.1f}s", f"eta {runs.format_duration(eta)}"]))
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
-    def tick(self) -> None:
-        """Add the time since the last tick to the training time, once the device has caught up."""
-        self.rt.synchronize()
-        now = time.perf_counter()
-        self.progress.train_time_s += now - self._clock_start
-        self._clock_start = now
-
     @contextlib.contextmanager
     def clock_paused(self):
-        """The training clock runs during training steps only: stopped around validation, logs and checkpoints
-        (the speedrun's timing)."""
-        self.tick()
+        """The training clock runs during training steps only: stopped (once the device has caught up) around
+        validation, checkpoints and the profiler (the speedrun's timing); the held log line is written first."""
+        self.write_log()
+        self.progress.train_time_s = self.clock.pause()
         yield
-        self.rt.synchronize()
-        self._clock_start = time.perf_counter()
+        self.clock.resume()
 
     def train(self, stop: runs.StopRequest) -> None:
         """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
-        (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal)."""
+        (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal). Between
+        log steps nothing waits for the device: a log step's line is written after the next step is issued."""
         hp, progress = self.cfg.train, self.progress
         first = progress.step
         peak = runs.peak_flops(self.rt.device)
-        throughput = {"tokens": progress.tokens, "time": progress.train_time_s, "mfu_per_token_s":
-                      self.model.estimate_flops_per_token(hp.seq_len) / (peak * self.rt.world) if peak else None}
-        self.rt.synchronize()
-        self._clock_start = time.perf_counter()
+        self.mfu_per_token_s = (self.model.estimate_flops_per_token(hp.seq_len) / (peak * self.rt.world) if peak
+                                else None)
+        self.clock.start(progress.train_time_s, progress.step, progress.tokens)
         while progress.step < hp.steps:
             if hp.val_every and progress.step % hp.val_every == 0 and progress.val_step != progress.step:
                 with self.clock_paused():
                     if self.validate() and hp.stop_at_target:
                         break
+            if self.profile.opens_at(progress.step):
+                with self.clock_paused():
+                    self.profile.start(progress.step)
             loss = self.train_step()
+            self.profile.step_done()
+            self.write_log()  # the last log step's: the device has finished it while this step was issued
             signum = stop.agreed()
             if progress.step % hp.log_every == 0 or progress.step == hp.steps or signum:
-                with self.clock_paused():
-                    self.log_progress(loss, throughput)
+                self.log_later(loss)
             if progress.step == first + 1:
                 per_parameter = optimizer_state_bytes(self.optimizers) / self.model.get_num_params()
                 self.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {self.rt.rank}")
+            if self.profile.closes_at(progress.step):
+                self.end_profile()
             if signum and progress.step < hp.steps:
                 with self.clock_paused():
                     self.save()
@@ -777,21 +809,32 @@ class Trainer:
             if hp.checkpoint_every and progress.step % hp.checkpoint_every == 0 and progress.step < hp.steps:
                 with self.clock_paused():
                     self.save()
-        self.tick()
+        if self.profile.profiler is not None:  # the run ended inside the window
+            self.end_profile()
+        with self.clock_paused():
+            pass  # the last log line, and the training time up to the end
 
-    def finish(self) -> dict:
-        """The final checkpoint, then the final validation (so an evaluation error loses no training), the summary."""
+    def end_profile(self) -> None:
+        """Close --profile-steps' window: its trace in the run directory, its summary in the logs."""
+        with self.clock_paused():
+            summary = self.profile.stop(self.run_dir.path if self.rt.is_master else None)
+            self.log.line(summary_lines(summary))
+            self.log.record({"step": self.progress.step, "profile": summary})
+
+    def finish(self, final: bool = True) -> dict:
+        """The final checkpoint, then the final validation (so an evaluation error loses no training), the summary;
+        final=False skips both (a benchmark's run)."""
         progress = self.progress
-        if self.checkpoint_step != progress.step:
+        if final and self.checkpoint_step != progress.step:
             self.save()
-        if progress.val_step != progress.step:
+        if final and progress.val_step != progress.step:
             self.validate()
         summary = {**asdict(progress), "run_dir": str(self.run_dir.path),
                    "tokens_per_s": progress.tokens / progress.train_time_s if progress.train_time_s else None}
         first = self.first_val
         start = f"{first[1]:.4f} at step {first[0]} -> " if first and first[0] != progress.step else ""
-        self.log.line(f"done: {progress.step} steps, val loss {start}{progress.val_loss:.4f} at step "
-                      f"{progress.step}, {progress.train_time_s:.1f}s of training"
+        val = f"val loss {start}{progress.val_loss:.4f} at step {progress.val_step}, " if final else ""
+        self.log.line(f"done: {progress.step} steps, {val}{progress.train_time_s:.1f}s of training"
                       + (f", target reached at step {progress.reached_target['step']}"
                          if progress.reached_target else ""))
         self.log.record({"summary": True, **summary})
@@ -803,8 +846,9 @@ class Trainer:
             self.run_dir.release()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl)."""
+def main(argv: list[str] | None = None, final: bool = True) -> dict:
+    """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl).
+    final=False ends without the final checkpoint and validation (bench.e2e)."""
     cfg = parse_config(argv)
     rt = runs.setup(cfg.train)
     log = runs.RunLog(rt.is_master)
@@ -817,10 +861,11 @@ def main(argv: list[str] | None = None) -> dict:
         trainer.compile()
         with runs.StopRequest(rt.world) as stop:
             trainer.train(stop)
-        summary = trainer.finish()
-    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, attention_select.Unavailable) as exc:
-        # refused before the first step, with the reason and the fix: a message, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+        summary = trainer.finish(final)
+    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, ShardError,
+            attention_select.Unavailable) as exc:
+        log.error(exc)  # bad input, refused before the first step (or a shard read later): the traceback in log.txt,
+        print(f"error: {exc}", file=sys.stderr)  # the reason and the fix in one line here
         raise SystemExit(2) from None
     except BaseException as exc:
         if not isinstance(exc, TrainingStopped):

@@ -61,8 +61,9 @@ class ResearchConfig:
     gauge_group: str = flag("gl", "--gauge project: remove motion along GL(d) (gl) or only O(d) rotations (o)",
                             choices=("gl", "o"))
     gauge_project_velocity: bool = flag(True, "--gauge project: also remove the orbit component of the optimizer's "
-                                              "velocity (ECD's Π, momentum buffers, AdamW's first moment), which "
-                                              "redirects its motion instead of dropping it (docs/gauge.md#projection)")
+                                              "velocity (ECD's Π, SGDM's and Muon's momentum; not Adam's first "
+                                              "moment, whose step is normalised per coordinate), which redirects its "
+                                              "motion instead of dropping it (docs/gauge.md#the-velocity)")
     hyperball_lr: float = flag(0.01, "--gauge hyperball: step length η relative to each head factor's norm (times "
                                      "the learning-rate schedule)", bounds="> 0")
     dynamics_every: int = flag(0, "log angular momentum / rotational fraction every N steps (0: off; "

@@ -1,6 +1,6 @@
 """Attention benchmark: every implementation side by side, as a ratio to the fastest library path (CUDA only).
 
-    python -m bench.attention                                  # four shapes, writes runs/bench/attention.json
+    python -m bench.attention                                  # five shapes, writes runs/bench/attention.json
     python -m bench.attention --shapes 16x12x1024x64 --out my.json
     SYMGPT_ATTENTION_AUTOTUNE=1 python -m bench.attention      # autotuned kernel tiles instead of the shipped ones
 
@@ -15,7 +15,9 @@ with the same biases as trainable parameters. The library paths are SDPA (every 
 `auto` is what --attention-impl auto would pick from these timings (kernels.attention_select.fastest).
 FLOPs follow the FlashAttention convention: forward 4·B·H·T²·d, halved when causal; backward 2.5× forward.
 Every variant's forward output is checked against a float32 reference before it is timed; `first_s` is the wall time
-of that first forward+backward call, compilation (and autotuning, if on) included: the cold start.
+of that first forward+backward call, compilation (and autotuning, if on) included: the cold start. The JSON is
+rewritten after every variant (a shape still in progress has "complete": false), so a run cut short keeps what it
+measured.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 import kernels.attention as attn  # noqa: E402
+from data.shards import atomic_write  # noqa: E402
 from kernels.attention_select import fastest  # noqa: E402
 
 SDPA_BACKENDS = {
@@ -48,7 +51,7 @@ SDPA_BACKENDS = {
 IMPLEMENTATIONS = {"triton": attn.attention_triton, "sdpa": attn.attention_reference, "flex": attn.attention_flex}
 LIBRARY = ("sdpa", *(f"sdpa-{b}" for b in SDPA_BACKENDS), "flex")
 BIASES = ("", "+bias", "+learned")
-DEFAULT_SHAPES = [(16, 12, 1024, 64), (64, 12, 512, 64), (8, 12, 2048, 64), (4, 16, 1024, 128)]
+DEFAULT_SHAPES = [(16, 12, 1024, 64), (8, 12, 512, 64), (64, 12, 512, 64), (8, 12, 2048, 64), (4, 16, 1024, 128)]
 Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -80,8 +83,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, rep_ms: int,
-                device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
-    """Check and time every variant on fresh random inputs of one shape."""
+                device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                progress: Callable[[dict], None] = lambda shape: None) -> dict:
+    """Check and time every variant on fresh random inputs of one shape; `progress` gets the shape's result so far
+    after every variant."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, grad_out = (torch.randn(B, H, T, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
     b_q = 0.5 + torch.linspace(0.05, 0.15, d, device=device) * torch.randn(d, device=device, generator=gen)
@@ -93,6 +98,8 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
 
     fwd_flops = attention_flops(B, H, T, d, causal)
     rows: dict[str, dict] = {}
+    result = {"B": B, "H": H, "T": T, "d": d, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+              "variants": rows, "complete": False}
     for name, fn in make_variants(causal, biases).items():
         inputs = [q, k, v] + (list(biases["+learned"]) if name.endswith("+learned") else [])
         try:
@@ -100,10 +107,12 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
             with torch.no_grad():
                 err = relative_error(fn(q, k, v), ref_bias if "+" in name else ref_plain)
             torch.autograd.grad(fn(q, k, v), inputs, grad_out)  # compile / autotune the backward too
-            torch.cuda.synchronize()  # surface asynchronous launch errors here, inside the try
+            if q.is_cuda:
+                torch.cuda.synchronize()  # surface asynchronous launch errors here, inside the try
             first_s = time.perf_counter() - start
         except Exception as exc:  # a backend this GPU or build lacks: report it, keep going
             rows[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+            progress(result)
             continue
 
         def forward(fn=fn):
@@ -117,6 +126,7 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
         fb_ms = do_bench(forward_backward, warmup=warmup_ms, rep=rep_ms, return_mode="median")
         rows[name] = {"rel_err": err, "first_s": first_s, "fwd_ms": fwd_ms, "fwd_tflops": fwd_flops / fwd_ms * 1e-9,
                       "fwd_bwd_ms": fb_ms, "fwd_bwd_tflops": 3.5 * fwd_flops / fb_ms * 1e-9}
+        progress(result)
     add_ratios(rows)
 
     if os.environ.get(attn.AUTOTUNE_ENV) == "1":  # which tiles autotuning picked (private autotuner objects)
@@ -124,8 +134,8 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
                  for name in ("_attn_fwd_tuned", "_attn_bwd_dkdv_tuned", "_attn_bwd_dq_tuned")}
     else:
         tiles = {name: str(attn.tile_for(name, q)) for name in ("fwd", "dkdv", "dq")}
-    return {"B": B, "H": H, "T": T, "d": d, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
-            "variants": rows, "tiles": tiles, "auto": auto_choices(rows)}
+    result.update(tiles=tiles, auto=auto_choices(rows), complete=True)
+    return result
 
 
 def _timed(rows: dict, names, key: str) -> dict[str, float]:
@@ -180,8 +190,8 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=DEFAULT_SHAPES,
-                        help="BxHxTxd shapes (default: the two GPT-2 training shapes, T = 2048 with the same "
-                             "tokens, and d = 128)")
+                        help="BxHxTxd shapes (default: 16x12x1024x64, the paper's batch 8x12x512x64, 64x12x512x64, "
+                             "T = 2048 with the same tokens, and d = 128)")
     parser.add_argument("--non-causal", action="store_true", help="time non-causal attention instead")
     parser.add_argument("--warmup-ms", type=int, default=100, help="do_bench warm-up per measurement (ms)")
     parser.add_argument("--rep-ms", type=int, default=500, help="do_bench timed repetitions per measurement (ms)")
@@ -193,14 +203,20 @@ def main(argv: list[str] | None = None) -> None:
                          "tests/test_attention_select.py)")
     torch._dynamo.config.recompile_limit = 64  # FlexAttention compiles once per shape and bias setting
 
-    results = []
-    for shape in args.shapes:
-        results.append(bench_shape(*shape, causal=not args.non_causal, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms))
-        print_table(results[-1])
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "cuda": torch.version.cuda, "python": platform.python_version(), "shapes": results}
+              "cuda": torch.version.cuda, "python": platform.python_version(), "shapes": []}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
+
+    def save(shape: dict) -> None:
+        report["shapes"][-1] = shape
+        atomic_write(args.out, json.dumps(report, indent=2).encode())
+
+    for shape in args.shapes:
+        report["shapes"].append(None)
+        result = bench_shape(*shape, causal=not args.non_causal, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                             progress=save)
+        save(result)
+        print_table(result)
     print(f"\n{report['device']}  torch {report['torch']}  triton {report['triton']}  -> {args.out}")
 
 

@@ -4,11 +4,15 @@
     python -m bench.e2e --preset smoke --steps 30                # CPU
     python -m bench.e2e --preset gpt2-124m --optimizer sgdm -- --micro-batch 16   # flags after -- go to train_gpt
     python -m bench.e2e --preset gpt2-124m -- --attention-impl sdpa              # one attention implementation
+    python -m bench.e2e --preset gpt2-124m --steps 30 -- --profile-steps 26:28   # and a profile of two steps
     torchrun --nproc_per_node=2 -m bench.e2e --preset smoke --optimizer ecd -- --no-overlap-reduce   # 2 ranks
 
 Runs the real training loop (train_gpt.main) on random tokens written to a temporary shard, so it measures the
 model, the optimizer, the loader and the loop together. The first `--warmup` logged intervals (compilation,
-allocator warm-up) are excluded from the steady-state figures. MFU uses the datasheet dense bf16 peak of the GPU.
+allocator warm-up) are excluded from the steady-state figures, and so is an interval that overlaps a
+`--profile-steps` window (whose summary, host and device time per step and the top kernels, goes into the JSON).
+The run ends without the final checkpoint and validation unless `--final`. MFU uses the datasheet dense bf16 peak of
+the GPU.
 """
 from __future__ import annotations
 
@@ -28,15 +32,18 @@ from runs import world_size_from_env
 from data.shards import write_shard
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
     parser.add_argument("--log-every", type=int, default=5, help="steps per timed interval")
     parser.add_argument("--warmup", type=int, default=2, help="timed intervals to discard")
+    parser.add_argument("--final", action="store_true",
+                        help="also write the final checkpoint and run the final validation (a 124M model's "
+                             "checkpoint is 1.5 GB)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    args, passthrough = parser.parse_known_args()
+    args, passthrough = parser.parse_known_args(argv)
     passthrough = [a for a in passthrough if a != "--"]
 
     cfg = train_gpt.parse_config(["--preset", args.preset, "--optimizer", args.optimizer, *passthrough])
@@ -51,12 +58,13 @@ def main() -> None:
             "--val-tokens", str(hp.micro_batch * hp.seq_len * world_size_from_env()),
             "--log-every", str(args.log_every), "--checkpoint-every", "0",
             "--run-dir", tmp, "--run-name", "bench", *passthrough,
-        ])
+        ], final=args.final)
         if summary["run_dir"] is None:  # not the master rank: it has nothing to report
             return
         records = runs.read_log(summary["run_dir"])
         attention = json.loads((Path(summary["run_dir"]) / "config.json").read_text())["attention"]
-    timed = [r for r in records if "tokens_per_s" in r and not r.get("summary")][args.warmup:]
+    profile = next((r["profile"] for r in records if "profile" in r), None)
+    timed = steady_intervals(records, args.warmup, profile["steps"] if profile else None)
     if not timed:
         raise SystemExit("no timed intervals left after warm-up: raise --steps or lower --warmup")
     tok_s = statistics.median(r["tokens_per_s"] for r in timed)
@@ -66,7 +74,8 @@ def main() -> None:
         "world_size": world_size_from_env(), "parameters": count_parameters(cfg.model),
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
-        "passthrough": passthrough, "final_val_loss": summary["val_loss"], "attention": attention,
+        "passthrough": passthrough, "final_val_loss": summary["val_loss"] if args.final else None,
+        "attention": attention, "profile": profile,
     }
     print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'attention':>9} {'tokens/s':>12} "
           f"{'step ms':>9} {'MFU':>6}")
@@ -75,6 +84,17 @@ def main() -> None:
           f"{str(attention['choice']):>9} {tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+
+
+def steady_intervals(records: list[dict], warmup: int, profiled: list[int] | None) -> list[dict]:
+    """The training log records after the first `warmup`, less any whose interval (the steps since the record
+    before) overlaps the profiled steps [first, last]."""
+    training = [r for r in records if "tokens_per_s" in r and not r.get("summary")]
+    kept = []
+    for before, record in zip([{"step": -1}] + training, training):
+        if profiled is None or record["step"] < profiled[0] or before["step"] >= profiled[1]:
+            kept.append(record)
+    return [r for r in kept if r in training[warmup:]]
 
 
 def count_parameters(model_cfg: train_gpt.GPTConfig) -> int:

@@ -1,206 +1,437 @@
-"""One GPU session in one command: the CUDA tests, the attention benchmark, the optimizer benchmark, sampling with and
-without the KV cache and end-to-end training with each attention implementation, into one Markdown report and one
-JSON file.
+"""One GPU session in one command of at most 10 minutes, whose only results are 3 small files and the output's tail.
 
-    bash bench/gpu_session.sh                          # writes $OUT/gpu_session.md and .json (OUT: runs/gpu)
-    PYTHON=/path/to/venv/bin/python bash bench/gpu_session.sh
+    SYMGPT_COMMIT=$(git rev-parse HEAD) timeout 590 bash bench/gpu_session.sh     # OUT=DIR, default runs/gpu
+    PYTHON=/opt/torch/.venv/bin/python3 bash bench/gpu_session.sh --budget 300 --only attention cuda_tests
 
-Made to finish in under 10 minutes on one H100 or H200: every step runs in its own process group under its own time
-limit (STEPS; they sum to less than BUDGET_S, and no step starts past the budget), so a failing or hung step is
-reported as such and the others still run. The report is rewritten after every step, so a session cut short still
-leaves one. Each step's full output is kept beside it ($OUT/<step>.log). This driver imports no torch: it only starts
-the steps, with the interpreter that runs it.
+The steps, in order of value, each given what is left of one budget counted from the start (--budget) and at most
+its own cap (STEPS):
+  env               the interpreter ($PYTHON, else the first of python3, python whose torch sees CUDA), torch, the
+                    GPU, a bf16 matrix product and a Triton kernel (bench/session_env.py); a failure ends the session
+  attention         bench.attention at 16x12x1024x64 and the paper's 8x12x512x64, forward and forward+backward
+  e2e_paper_triton  bench.e2e of gpt2-124m at the paper's batch (8 x 512 tokens), Triton attention, with a profile
+                    of two steps: host time, device time, the top kernels
+  e2e_paper_sdpa    the same with SDPA
+  e2e_32k_triton    64 x 512 tokens per step
+  optim             bench.optim: fused and unfused ECD, AdamW and SOAP step times against the memory floor
+  cuda_tests        every test marked cuda, the fused ECD kernels' first, each under its own limit (--test-limit),
+                    with a verdict per test even when the step is cut
+
+Writes $OUT/report.md, $OUT/report.json (both rewritten after every step) and $OUT/session.log (every step's output)
+and prints the report last, so the output's tail alone carries the numbers. The commit comes from $SYMGPT_COMMIT,
+else a file SYMGPT_COMMIT in the repository root, else git. SIGTERM (an outer `timeout`) stops the step in progress
+and still writes and prints the report. The driver uses only the standard library, so any python3 runs it; the
+steps run under the interpreter the environment check chose.
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import re
+import shutil
 import signal
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from data.shards import atomic_write  # noqa: E402
-
-BUDGET_S = 575
-IMPLEMENTATIONS = ("triton", "sdpa", "flex")
-E2E_BATCHES = {"paper": [], "32k": ["--micro-batch", "64", "--batch-tokens", "32768"]}  # 8 x 512 tokens, 64 x 512
-
-
-@dataclasses.dataclass
-class Step:
-    name: str
-    limit_s: int
-    argv: list[str]
-    result: dict = dataclasses.field(default_factory=dict)
-
-
-def session_steps(out: Path, python: str) -> list[Step]:
-    """The steps in order, each with its time limit (estimates on one H100 in the comments)."""
-    e2e = [Step(f"e2e_{batch}_{impl}", 45,  # ~30 s to compile GPT-2 124M, then 25 steps of 8 x 512 or 64 x 512
-                [python, "-m", "bench.e2e", "--preset", "gpt2-124m", "--steps", "25", "--log-every", "5",
-                 "--out", str(out / f"e2e_{batch}_{impl}.json"), "--", "--attention-impl", impl, *flags])
-           for batch, flags in E2E_BATCHES.items() for impl in IMPLEMENTATIONS]
-    return [
-        Step("env", 10, [python, "-c", ENV_SCRIPT]),
-        Step("cuda_tests", 110, [python, "-m", "pytest", "-q", "-m", "cuda", "tests/"]),  # ~60 s, mostly compiles
-        Step("attention", 125, [python, "-m", "bench.attention", "--warmup-ms", "25", "--rep-ms", "100",  # ~90 s
-                                "--out", str(out / "attention.json")]),
-        Step("optim", 40, [python, "-m", "bench.optim", "--optimizers", "ecd,ecd:unfused,soap,adamw",  # ~30 s (est.)
-                           "--rounds", "2", "--steps", "10"]),  # SOAP's step at 124M against torch's fused AdamW
-        Step("sample", 15, [python, "-m", "bench.sample", "--device", "cuda", "--shapes", "gpt2-124m",  # ~10 s
-                            "--max-new-tokens", "200", "--repeats", "1"]),  # generation with and without KV cache
-        *e2e,
-    ]
+BUDGET_S = 570  # for `timeout 590`: the steps end by then and the report follows
+ENV_LIMIT_S = 45
+TEST_LIMIT_S = 120
+LOG_LIMIT_BYTES = 15 << 20  # one file back from the machine holds at most 16 MiB
+PRINT_LIMIT_CHARS = 11000  # the output's tail that comes back holds 12,000 characters
+E2E = ["-m", "bench.e2e", "--preset", "gpt2-124m", "--steps", "30", "--log-every", "5", "--warmup", "2"]
+E2E_RUNS = {  # name: flags for train_gpt
+    "e2e_paper_triton": ["--attention-impl", "triton", "--profile-steps", "26:28"],
+    "e2e_paper_sdpa": ["--attention-impl", "sdpa"],
+    "e2e_32k_triton": ["--attention-impl", "triton", "--batch-tokens", "32768", "--micro-batch", "64"],
+}
+STEPS = {  # name: cap in seconds (cold compiles on a bare machine, estimated), in the order they run
+    "attention": 170, "e2e_paper_triton": 120, "e2e_paper_sdpa": 75, "e2e_32k_triton": 75, "optim": 60,
+    "cuda_tests": 570,
+}
+FIRST_TESTS = ["tests/test_ecd_kernels.py"]  # the fused ECD kernels' correctness first
 
 
-ENV_SCRIPT = """
-import json, subprocess, torch, triton
-def output(*argv):
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unavailable ({exc})"
-gpu = output("nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
-print(json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                  "commit": output("git", "rev-parse", "--short", "HEAD"), "cuda_available": torch.cuda.is_available()}))
-"""
+class SessionStopped(Exception):
+    """SIGTERM reached the driver."""
 
 
-def run_step(step: Step, out: Path, deadline: float) -> None:
-    """Run one step in its own process group, killed at its limit (or at the session's deadline if sooner)."""
-    remaining = deadline - time.monotonic()
-    limit = min(step.limit_s, remaining)
-    log = out / f"{step.name}.log"
-    if remaining < 5:
-        step.result = {"status": "not run: no time left in the budget", "seconds": 0.0, "limit_s": step.limit_s}
-        return
-    start = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(step.argv, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        try:
-            rc = proc.wait(timeout=limit)
-            status = "ok" if rc == 0 else f"failed (exit {rc})"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            status = f"timed out after {limit:.0f} s"
-    step.result = {"status": status, "seconds": round(time.monotonic() - start, 1), "limit_s": step.limit_s,
-                   "log": log.name, "tail": log.read_text(errors="replace")[-2000:]}
+def write_atomically(path: Path, text: str) -> None:
+    """A whole file or the old one, never a torn one (stdlib only: this driver runs under any python3)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
 
 
-def _load_json(path: Path) -> object:
+def read_json(path: Path) -> object:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def collect(steps: list[Step], out: Path) -> dict:
-    """Everything the session measured, as one JSON-ready dict."""
-    tails = {s.name: s.result.get("tail", "") for s in steps}
-    env_lines = tails.get("env", "").strip().splitlines()
-    summary = re.compile(r"\d+ (passed|failed|skipped|errors?)\b.* in [\d.]+s")  # pytest's last line
-    tests = [line for line in tails.get("cuda_tests", "").splitlines() if summary.search(line)]
-    return {
-        "env": _load_json_text(env_lines[-1]) if env_lines else None,
-        "steps": {s.name: {k: v for k, v in s.result.items() if k != "tail"} for s in steps},
-        "cuda_tests": tests[-1].strip("= ") if tests else None,
-        "attention": _load_json(out / "attention.json"),
-        "optim": tails.get("optim") or None,
-        "e2e": {s.name.removeprefix("e2e_"): _load_json(out / f"{s.name}.json") for s in steps
-                if s.name.startswith("e2e_")},
-    }
-
-
-def _load_json_text(text: str) -> object:
+def commit() -> str:
+    """$SYMGPT_COMMIT, else the file SYMGPT_COMMIT beside the code, else git's HEAD (the tree may travel without
+    .git)."""
+    if os.environ.get("SYMGPT_COMMIT"):
+        return os.environ["SYMGPT_COMMIT"].strip()
+    if (REPO / "SYMGPT_COMMIT").is_file():
+        return (REPO / "SYMGPT_COMMIT").read_text().strip()
     try:
-        return json.loads(text)
-    except ValueError:
-        return None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if head.returncode == 0:
+            return head.stdout.strip() + (" (modified)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown (set SYMGPT_COMMIT)"
 
 
-def markdown(report: dict) -> str:
+class Session:
+    """The steps' runner and the report's state."""
+
+    def __init__(self, out: Path, budget_s: float, test_limit_s: float) -> None:
+        self.out, self.budget_s, self.test_limit_s = out, budget_s, test_limit_s
+        self.start = time.monotonic()
+        self.work = Path(tempfile.mkdtemp(prefix="gpu_session_"))  # step outputs read into the report
+        self.log_path = out / "session.log"
+        self.log_path.write_text("")
+        self.python: str | None = None
+        self.report: dict = {"commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": budget_s,
+                             "stopped": None, "env": None, "steps": {}, "attention": None, "e2e": {},
+                             "profile": None, "optim": None, "tests": {}}
+
+    def remaining(self) -> float:
+        return self.budget_s - (time.monotonic() - self.start)
+
+    def say(self, text: str) -> None:
+        print(f"[{time.monotonic() - self.start:5.0f} s] {text}", flush=True)
+
+    # -- running one process --------------------------------------------------------------------------------------
+
+    def run(self, title: str, argv: list[str], limit_s: float, env: dict | None = None,
+            watch: Callable[[], str | None] = lambda: None) -> str:
+        """Run argv in its own process group with its output appended to session.log; its status: "ok", "failed
+        (exit N)", "timed out after N s", or what `watch` (polled) returned when it asked to stop."""
+        with open(self.log_path, "a") as log:
+            log.write(f"\n===== {title} (limit {limit_s:.0f} s): {' '.join(argv)}\n")
+        start = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.2)
+                    return "ok" if rc == 0 else f"failed (exit {rc})"
+                except subprocess.TimeoutExpired:
+                    pass
+                reason = watch()
+                if reason:
+                    return reason
+                if time.monotonic() - start >= limit_s:
+                    return f"timed out after {limit_s:.0f} s"
+        finally:
+            _stop(proc)
+
+    def step(self, name: str, argv: list[str], cap_s: float) -> bool:
+        """Run one step under min(cap, what is left); record and print its status; False if it could not start."""
+        limit = min(cap_s, self.remaining() - 2)
+        if limit < 5:
+            self.report["steps"][name] = {"status": "not run: no time left in the budget", "limit_s": cap_s}
+            self.say(f"{name}: not run, no time left")
+            return False
+        start = time.monotonic()
+        self.report["steps"][name] = {"status": "running", "limit_s": round(limit)}
+        status = self.run(name, argv, limit)
+        self.report["steps"][name] = {"status": status, "seconds": round(time.monotonic() - start, 1),
+                                      "limit_s": round(limit)}
+        self.say(f"{name}: {status} ({self.report['steps'][name]['seconds']} s)")
+        return True
+
+    # -- the steps ----------------------------------------------------------------------------------------------
+
+    def find_python(self, given: str | None) -> bool:
+        """The environment check with `given`, else with each of python3, python until one passes."""
+        names = [given] if given else ["python3", "python"]
+        found = (shutil.which(n) or (n if os.path.exists(n) else None) for n in names)
+        candidates = list(dict.fromkeys(os.path.abspath(p) for p in found if p))
+        if not candidates:
+            return self.stop(f"no interpreter found: {', '.join(names)} (set PYTHON=/path/to/python3)")
+        start, problems = time.monotonic(), []
+        for python in candidates:
+            left = ENV_LIMIT_S - (time.monotonic() - start)
+            path = self.work / "env.json"
+            path.unlink(missing_ok=True)
+            status = self.run(f"env {python}", [python, "-m", "bench.session_env", "--out", str(path)],
+                              max(left, 1))
+            env = read_json(path)
+            if status == "ok" and isinstance(env, dict):
+                self.python, self.report["env"] = python, env
+                self.report["steps"]["env"] = {"status": "ok", "seconds": round(time.monotonic() - start, 1)}
+                self.say(f"env: {env.get('gpu')} | torch {env.get('torch')} | Triton {env.get('triton')} | "
+                         f"{python}")
+                return True
+            problem = env.get("problem") if isinstance(env, dict) else None
+            problems.append(f"{python}: {problem or status}")
+            self.report["env"] = env if isinstance(env, dict) else self.report["env"]
+        self.report["steps"]["env"] = {"status": "failed", "seconds": round(time.monotonic() - start, 1)}
+        return self.stop("environment check failed: " + "; ".join(problems))
+
+    def stop(self, reason: str) -> bool:
+        self.report["stopped"] = reason
+        self.say(f"stopped: {reason}")
+        return False
+
+    def attention(self) -> None:
+        path = self.work / "attention.json"
+        self.step("attention", [self.python, "-m", "bench.attention", "--shapes", "16x12x1024x64", "8x12x512x64",
+                                "--warmup-ms", "25", "--rep-ms", "100", "--out", str(path)], STEPS["attention"])
+        self.report["attention"] = read_json(path)
+
+    def e2e(self, name: str) -> None:
+        path = self.work / f"{name}.json"
+        self.step(name, [self.python, *E2E, "--out", str(path), "--", *E2E_RUNS[name]], STEPS[name])
+        result = read_json(path)
+        self.report["e2e"][name] = result
+        if isinstance(result, dict) and result.get("profile"):
+            self.report["profile"] = {"run": name, **result["profile"]}
+
+    def optim(self) -> None:
+        offset = self.log_path.stat().st_size
+        self.step("optim", [self.python, "-m", "bench.optim", "--optimizers", "ecd,ecd:unfused,adamw,soap",
+                            "--rounds", "2", "--steps", "10"], STEPS["optim"])
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            lines = log.read().decode(errors="replace").splitlines()
+        self.report["optim"] = [line for line in lines if "ms/step" in line or "bandwidth" in line
+                                or "x adamw (" in line] or None  # the ratio lines: SOAP's step against AdamW's
+
+    def cuda_tests(self) -> None:
+        """pytest -m cuda with bench.session_tests reporting each test; a test past --test-limit is stopped and the
+        rest run in a new pytest."""
+        tests, events = self.report["tests"], self.work / "events.txt"
+        targets, start, rounds, first_limit = [*FIRST_TESTS, "tests/"], time.monotonic(), 0, 0
+        while True:
+            limit = self.remaining() - 2
+            if limit < 5:
+                break
+            first_limit = first_limit or round(limit)
+            events.write_text("")
+            running: dict = {}
+
+            def watch() -> str | None:
+                for line in events.read_text().splitlines()[running.get("lines", 0):]:
+                    running["lines"] = running.get("lines", 0) + 1
+                    kind, _, rest = line.partition(" ")
+                    if kind == "collected":
+                        tests.setdefault(rest, {"verdict": "not run"})
+                    elif kind == "start":
+                        running.update(test=rest, since=time.monotonic())
+                        tests[rest] = {"verdict": "running"}
+                    else:
+                        nodeid, _, seconds = rest.rpartition(" ")
+                        tests[nodeid] = {"verdict": kind, "seconds": float(seconds)}
+                        running.pop("test", None)
+                test = running.get("test")
+                if test and time.monotonic() - running["since"] > self.test_limit_s:
+                    tests[test] = {"verdict": f"timed out after {self.test_limit_s:.0f} s",
+                                   "seconds": round(time.monotonic() - running.pop("since"), 1)}
+                    del running["test"]
+                    return f"stopped {test}"
+                return None
+
+            rounds += 1
+            status = self.run(f"cuda_tests round {rounds}",
+                              [self.python, "-m", "pytest", "-q", "--tb=short", "-p", "no:cacheprovider", "-p",
+                               "bench.session_tests", "-m", "cuda", *targets], limit,
+                              env={"SYMGPT_SESSION_EVENTS": str(events)}, watch=watch)
+            watch()  # the last lines
+            if running.get("test"):  # cut by the budget while it ran, or pytest died under it
+                verdict = ("timed out: no time left in the budget" if status.startswith("timed out") else
+                           f"did not finish: pytest {status}")
+                tests[running["test"]] = {"verdict": verdict,
+                                          "seconds": round(time.monotonic() - running["since"], 1)}
+            left = [t for t, r in tests.items() if r["verdict"] == "not run"]
+            if not status.startswith("stopped") or not left:
+                break
+            targets = left
+        if not tests:
+            tests["(collection)"] = {"verdict": status if rounds else "not run: no time left in the budget"}
+        counts: dict[str, int] = {}
+        for r in tests.values():
+            counts[r["verdict"].split(":")[0]] = counts.get(r["verdict"].split(":")[0], 0) + 1
+        summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
+        self.report["steps"]["cuda_tests"] = {"status": summary, "seconds": round(time.monotonic() - start, 1),
+                                              "limit_s": first_limit}
+        self.say(f"cuda_tests: {summary}")
+
+    # -- the report ---------------------------------------------------------------------------------------------
+
+    def write_report(self) -> str:
+        self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
+        write_atomically(self.out / "report.json", json.dumps(self.report, indent=1))
+        text = markdown(self.report)
+        write_atomically(self.out / "report.md", text)
+        return text
+
+    def finish(self) -> None:
+        """The report on disk and, last, on stdout; session.log cut to what comes back; the work files removed."""
+        text = self.write_report()
+        size = self.log_path.stat().st_size
+        if size > LOG_LIMIT_BYTES:  # keep its head and tail
+            with open(self.log_path, "rb") as f:
+                head = f.read(LOG_LIMIT_BYTES // 2)
+                f.seek(size - LOG_LIMIT_BYTES // 2)
+                tail = f.read()
+            self.log_path.write_bytes(head + f"\n[... {size - LOG_LIMIT_BYTES} bytes cut ...]\n".encode() + tail)
+        shutil.rmtree(self.work, ignore_errors=True)
+        print("\n" + (text if len(text) <= PRINT_LIMIT_CHARS else markdown(self.report, compact=True)), flush=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a step's whole process group: SIGTERM, then SIGKILL after 5 s."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # what the step left running in its group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- Markdown ---------------------------------------------------------------------------------------------------
+
+
+def _num(value: object, fmt: str) -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) else "n/a"
+
+
+def markdown(report: dict, compact: bool = False) -> str:
+    """The report as Markdown; `compact` lists only the tests that did not pass (for the printed tail)."""
     env = report["env"] or {}
     lines = ["# GPU session", "",
-             f"GPU: {env.get('gpu', '?')} | torch {env.get('torch', '?')} | Triton {env.get('triton', '?')} | CUDA "
-             f"{env.get('cuda', '?')} | commit {env.get('commit', '?')} | {time.strftime('%Y-%m-%d %H:%M')}", "",
-             "| step | status | seconds | limit s |", "| --- | --- | --- | --- |"]
-    lines += [f"| {name} | {r.get('status', 'not run')} | {r.get('seconds', '')} | {r.get('limit_s', '')} |"
+             f"commit {report['commit']} | {env.get('gpu', '?')} | torch {env.get('torch', '?')} | Triton "
+             f"{env.get('triton', '?')} | CUDA {env.get('cuda', '?')} | driver {env.get('driver', '?')} | "
+             f"{report['date']} | {report.get('elapsed_s', '?')} s of a {report['budget_s']:.0f} s budget"]
+    if report["stopped"]:
+        lines += ["", f"**Stopped: {report['stopped']}**"]
+    if env and not env.get("tokenizer_ranks", True):
+        lines += ["", "Tokenizer ranks not cached (data/cache/tiktoken): carry data/cache, or the sampling test "
+                      "reaches for the network."]
+    lines += ["", "| step | status | s | limit s |", "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {r['status']} | {r.get('seconds', '')} | {r.get('limit_s', '')} |"
               for name, r in report["steps"].items()]
-    lines += ["", f"CUDA tests: {report['cuda_tests'] or 'no summary line'}"]
-    attention = report["attention"]
-    if attention:
-        lines += ["", "## Attention (forward and forward+backward; x = fastest library path / this, same biases)"]
-        for shape in attention["shapes"]:
-            lines += ["", f"B={shape['B']} H={shape['H']} T={shape['T']} d={shape['d']} "
-                          f"{'causal' if shape['causal'] else 'bidirectional'} {shape['dtype']}; auto picks "
-                      + ", ".join(f"{k}: {v}" for k, v in shape["auto"].items()), "",
-                      "| variant | fwd ms | x | fwd+bwd ms | x |", "| --- | --- | --- | --- | --- |"]
-            for name, r in shape["variants"].items():
-                if "error" in r:
-                    lines.append(f"| {name} | {r['error'][:80]} | | | |")
-                else:
-                    lines.append(f"| {name} | {r['fwd_ms']:.3f} | {_x(r.get('x_fwd'))} | {r['fwd_bwd_ms']:.3f} | "
-                                 f"{_x(r.get('x_fwd_bwd'))} |")
-    e2e = {k: v for k, v in report["e2e"].items() if v}
-    if e2e:
-        lines += ["", "## End-to-end training (gpt2-124m, AdamW, bf16, torch.compile)", "",
-                  "| batch | attention | tokens/s | step ms | MFU |", "| --- | --- | --- | --- | --- |"]
-        for name, r in e2e.items():
-            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-            lines.append(f"| {name.split('_')[0]} ({r['batch_tokens']:,} tokens) | {name.split('_')[1]} | "
-                         f"{r['tokens_per_s']:,.0f} | {r['step_time_ms']:.1f} | {mfu} |")
+    lines += _attention_lines(report["attention"]) + _e2e_lines(report["e2e"]) + _profile_lines(report["profile"])
     if report["optim"]:
-        lines += ["", "## Optimizer step (fused ECD, unfused ECD, torch fused AdamW; floor = HBM bytes / copy "
-                      "bandwidth)", "", "```", report["optim"].strip(), "```"]
+        lines += ["", "## Optimizer step (floor: bytes a step must move / copy bandwidth)", "", "```",
+                  *report["optim"], "```"]
+    tests = report["tests"]
+    if tests:
+        shown = {t: r for t, r in tests.items() if not compact or r["verdict"] != "passed"}
+        lines += ["", f"## CUDA tests: {report['steps'].get('cuda_tests', {}).get('status', '')}"
+                      + (" (passed ones not listed)" if compact else ""), "", "| test | verdict | s |",
+                  "| --- | --- | --- |"]
+        lines += [f"| {t.removeprefix('tests/')} | {r['verdict']} | {r.get('seconds', '')} |" for t, r in shown.items()]
     return "\n".join(lines) + "\n"
 
 
-def _x(value: float | None) -> str:
-    return f"{value:.2f}" if value is not None else "n/a"
+def _attention_lines(attention: dict | None) -> list[str]:
+    if not attention or not attention.get("shapes"):
+        return []
+    lines = ["", "## Attention (bf16; x = fastest library path's time / this, same biases)"]
+    for shape in attention["shapes"]:
+        if not shape:
+            continue
+        auto = ", ".join(f"{k}: {v}" for k, v in (shape.get("auto") or {}).items())
+        lines += ["", f"B={shape['B']} H={shape['H']} T={shape['T']} d={shape['d']} "
+                      f"{'causal' if shape['causal'] else 'bidirectional'}"
+                      + ("" if shape.get("complete", True) else " (cut short)") + (f"; auto picks {auto}" if auto
+                                                                                     else ""),
+                  "", "| variant | fwd ms | x | fwd+bwd ms | x | first s |", "| --- | --- | --- | --- | --- | --- |"]
+        for name, r in shape["variants"].items():
+            if "error" in r:
+                lines.append(f"| {name} | {r['error'][:70]} | | | | |")
+            else:
+                lines.append(f"| {name} | {_num(r.get('fwd_ms'), '.3f')} | {_num(r.get('x_fwd'), '.2f')} | "
+                             f"{_num(r.get('fwd_bwd_ms'), '.3f')} | {_num(r.get('x_fwd_bwd'), '.2f')} | "
+                             f"{_num(r.get('first_s'), '.1f')} |")
+    return lines
 
 
-def write_report(steps: list[Step], out: Path) -> None:
-    report = collect(steps, out)
-    atomic_write(out / "gpu_session.json", json.dumps(report, indent=2).encode())
-    atomic_write(out / "gpu_session.md", markdown(report).encode())
+def _e2e_lines(e2e: dict) -> list[str]:
+    rows = [(name, r) for name, r in e2e.items() if isinstance(r, dict)]
+    if not rows:
+        return []
+    lines = ["", "## End-to-end training (gpt2-124m, AdamW, bf16, torch.compile)", "",
+             "| run | tokens/step | tokens/s | ms/step | MFU |", "| --- | --- | --- | --- | --- |"]
+    for name, r in rows:
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
+        lines.append(f"| {name.removeprefix('e2e_')} | {r['batch_tokens']:,} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['step_time_ms']:.2f} | {mfu} |")
+    return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def _profile_lines(profile: dict | None) -> list[str]:
+    if not profile:
+        return []
+    wall, device = profile["wall_ms_per_step"], profile.get("device_ms_per_step")
+    ratio = f" = {wall / device:.2f}x the device's work" if device else ""
+    lines = ["", f"## Profile of steps {profile['steps'][0]}-{profile['steps'][1]} ({profile['run']}, profiler on)", "",
+             f"{wall:.2f} ms per step{ratio}; host {profile['host_ms_per_step']:.2f} ms issuing it; device busy "
+             f"{_num(device, '.2f')} ms", "", "| kernel | ms/step | share | calls |", "| --- | --- | --- | --- |"]
+    lines += [f"| {row['name'][:80]} | {row['ms_per_step']:.3f} | {100 * row['share']:.1f}% | {row['calls']} |"
+              for row in profile.get("top", [])]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"),
-                        help="directory for the report, the JSON and each step's log (default: $OUT or runs/gpu)")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these steps (names as in the report)")
+                        help="directory for report.md, report.json and session.log (default: $OUT, else runs/gpu)")
+    parser.add_argument("--python", default=os.environ.get("PYTHON") or None,
+                        help="the interpreter for the steps (default: $PYTHON, else the first of python3, python "
+                             "whose torch sees CUDA)")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for every step (default {BUDGET_S})")
+    parser.add_argument("--test-limit", type=float, default=TEST_LIMIT_S,
+                        help=f"seconds for one CUDA test (default {TEST_LIMIT_S})")
+    parser.add_argument("--only", nargs="+", choices=list(STEPS), default=list(STEPS),
+                        help="run only these steps (the environment check always runs)")
     args = parser.parse_args(argv)
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    steps = session_steps(out, sys.executable)
-    unknown = set(args.only or ()) - {s.name for s in steps}
-    if unknown:
-        raise SystemExit(f"--only: no step named {', '.join(sorted(unknown))}; steps: "
-                         f"{', '.join(s.name for s in steps)}")
-    deadline = time.monotonic() + BUDGET_S
-    for step in steps:
-        if args.only is None or step.name in args.only:
-            print(f"[{step.name}] limit {step.limit_s} s", flush=True)
-            run_step(step, out, deadline)
-            print(f"[{step.name}] {step.result['status']} ({step.result['seconds']} s)", flush=True)
-        write_report(steps, out)
-    print(f"report: {out / 'gpu_session.md'}  data: {out / 'gpu_session.json'}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    session = Session(args.out.resolve(), args.budget, args.test_limit)
+
+    def terminate(signum, frame):
+        raise SessionStopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, terminate)
+    actions = {"attention": session.attention, "optim": session.optim, "cuda_tests": session.cuda_tests,
+               **{name: (lambda name=name: session.e2e(name)) for name in E2E_RUNS}}
+    try:
+        if session.find_python(args.python):
+            session.write_report()
+            for name in args.only:
+                actions[name]()
+                session.write_report()
+    except SessionStopped as exc:
+        session.stop(f"{exc} reached the session; what was measured until then is below")
+        for name, r in session.report["steps"].items():
+            if r["status"] == "running":
+                r["status"] = f"stopped by {exc}"
+    session.finish()
+    return 1 if session.report["stopped"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

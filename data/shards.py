@@ -113,6 +113,28 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
         raise
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def dead_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """The temporary files of `atomic_writer` in `folder` (NAME.<pid>.tmp) whose writer no longer runs on this
+    host: what a writer killed mid-write leaves. Files of live writers, and other *.tmp files, are not listed."""
+    found = []
+    for path in sorted(Path(folder).glob("*.tmp")):
+        pid = path.name.removesuffix(".tmp").rpartition(".")[2]
+        if path.is_file() and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
+            found.append(path)
+    return found
+
+
 def atomic_write(path: str | os.PathLike, *chunks: bytes) -> None:
     """Write `chunks` to `path` atomically (see atomic_writer)."""
     with atomic_writer(path) as f:

@@ -37,7 +37,16 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from data.shards import EOT_TOKEN, HEADER_BYTES, atomic_write, sha256_file, shard_globs, shard_name, write_shard
+from data.shards import (
+    EOT_TOKEN,
+    HEADER_BYTES,
+    atomic_write,
+    process_alive,
+    sha256_file,
+    shard_globs,
+    shard_name,
+    write_shard,
+)
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
 
 DEFAULT_SHARD_TOKENS = 100_000_000
@@ -228,22 +237,12 @@ def _staging_dir(out_dir: Path, prefix: str) -> Path:
     directories of processes that no longer run (killed mid-run) are removed."""
     for stale in out_dir.glob(f".{prefix}.*.tmp"):
         pid = stale.name.removeprefix(f".{prefix}.").removesuffix(".tmp")
-        if pid.isdigit() and int(pid) != os.getpid() and not _process_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     staging = out_dir / f".{prefix}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     return staging
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
 
 
 def _replace_outputs(staging: Path, out_dir: Path, prefix: str, records: list[dict], manifest: dict) -> None:
@@ -549,6 +548,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hub-revision", default=None)
     parser.add_argument("--hub-endpoint", default=None, help="default: $HF_ENDPOINT or huggingface.co")
     args = parser.parse_args(argv)
+    if Path(args.prefix).name != args.prefix or args.prefix.strip(".") == "":
+        parser.error(f"--prefix {args.prefix!r}: a name for the shard files, without '/' (put the directory in --out, "
+                     "e.g. --out data/mine --prefix mine)")
     stats = CorpusStats()
     try:
         paths = resolve_sources(args.inputs)

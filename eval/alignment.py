@@ -39,6 +39,7 @@ from eval.common import (
     pyplot,
     record_outputs,
     run_hyperparameters,
+    save_figure,
     validation_files,
     write_json,
     write_text,
@@ -279,8 +280,14 @@ def evaluate_alignment(model: train_gpt.GPT, mode: str, device: torch.device, fi
     return {"mode": mode, **analyze(scores, token_ids.cpu(), strings, categories, cfg.head_dim)}
 
 
-def plot_alignment(result: dict, path: Path, title: str = "") -> None:
-    """Layer × head heatmap of the top alignment (null threshold marked) and enrichment bars (pooled, per layer)."""
+MODE_WORDS = {"raw": "raw token embeddings through W_K (the paper's)",
+              "ln": "token embeddings through the layer's LayerNorm and W_K, with the key bias",
+              "residual": "the residual stream's keys on validation text, averaged per token"}
+
+
+def alignment_figure(result: dict, title: str = ""):
+    """Layer × head heatmap of the top alignment (null threshold marked) and enrichment bars (pooled and every
+    layer, each in the legend)."""
     plt = pyplot()
     fig, (ax_map, ax_bar) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
     top = np.array(result["top_alignment"])
@@ -292,26 +299,30 @@ def plot_alignment(result: dict, path: Path, title: str = "") -> None:
     ax_map.set_yticks(range(top.shape[0]))
     ax_map.set_xlabel("head")
     ax_map.set_ylabel("layer")
-    ax_map.set_title(f"top cos(k, E[b_Q]) — • above null {result['null_threshold']:.2f}")
+    ax_map.set_title(f"top cos(k, E[b_Q]) per head; • above the null threshold {result['null_threshold']:.2f}",
+                     fontsize=9)
     fig.colorbar(image, ax=ax_map)
     per_layer = result["enrichment"]["per_layer"]
     width = 0.8 / (len(per_layer) + 1)
     for j, category in enumerate(CATEGORIES):
         ax_bar.bar(j - 0.4, result["enrichment"]["pooled"][category], width=width * 1.5, color="black",
-                   label="pooled" if j == 0 else None, align="edge")
+                   label="pooled over layers" if j == 0 else None, align="edge")
         for layer, values in enumerate(per_layer):
             ax_bar.bar(j - 0.4 + width * (layer + 1.5), values[category], width=width,
                        color=plt.cm.coolwarm(layer / max(len(per_layer) - 1, 1)), align="edge",
-                       label=f"layer {layer}" if j == 0 and layer in (0, len(per_layer) - 1) else None)
+                       label=f"layer {layer}" if j == 0 else None)
     ax_bar.axhline(0, color="gray", lw=0.8)
     ax_bar.set_xticks(range(len(CATEGORIES)), [c.replace("_", "\n") for c in CATEGORIES], fontsize=8)
     ax_bar.set_ylabel("log2 enrichment (top / bottom)")
-    ax_bar.set_title("semantic enrichment")
-    ax_bar.legend(fontsize=7)
-    fig.suptitle(f"{title} — keys: {result['mode']}")
+    ax_bar.set_title("semantic enrichment of the most aligned tokens")
+    ax_bar.legend(fontsize=7, ncol=1 + len(per_layer) // 8)
+    fig.suptitle(f"{title} — keys: {MODE_WORDS.get(result['mode'], result['mode'])}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_alignment(result: dict, path: Path, title: str = "") -> None:
+    save_figure(alignment_figure(result, title), path)
 
 
 def markdown_summary(results: list[dict], title: str, example_heads: int = 2) -> str:

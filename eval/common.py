@@ -137,6 +137,13 @@ def record_outputs(out: Path, name: str, identity: dict, files: list[str]) -> No
     write_json(Path(out) / MANIFEST, manifest)
 
 
+def annotate_output(out: Path, name: str, **fields: object) -> None:
+    """Add `fields` to evaluation `name`'s record in `<out>/manifest.json` (e.g. the budget eval.report used)."""
+    manifest = read_manifest(out)
+    manifest["outputs"][name].update(fields)
+    write_json(Path(out) / MANIFEST, manifest)
+
+
 def stale_reason(out: Path, name: str, identity: dict) -> str | None:
     """Why evaluation `name`'s outputs in `out` cannot stand for the checkpoint `identity` (None if they can)."""
     entry = read_manifest(out)["outputs"].get(name)
@@ -187,9 +194,21 @@ def _finite(obj: object) -> object:
 
 
 def read_config(run_dir: Path) -> dict:
-    """config.json of a run ({"model", "train", "optim", "layout"}); {} if absent."""
+    """config.json of a run ({"model", "train", "optim", "layout"}); {} if absent; a one-line error naming the file
+    when it is not a JSON object."""
     path = Path(run_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"not valid JSON ({exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason})"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = f"holds a JSON {type(config).__name__}, not a run's configuration"
+    raise SystemExit(f"error: {path}: {problem}; it is damaged: restore it, or move it away (every checkpoint of the "
+                     "run holds its configuration too)")
 
 
 def pyplot():
@@ -241,25 +260,47 @@ def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, f
     return mean, mean - z * sem, mean + z * sem
 
 
-def plot_head_maps(result: dict, keys: list[str], path: Path, suptitle: str) -> None:
-    """One layer × head heat map per key of result["per_head"] (titled with result["summary"]'s mean), written
-    atomically as a PNG: the per-head figure of eval.dynamics and eval.gauge."""
+def save_figure(fig, path: Path) -> None:
+    """Write a matplotlib figure atomically as a PNG and close it."""
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", dpi=120)
+    pyplot().close(fig)
+
+
+def step_axis(ax, steps: list[int]) -> None:
+    """An x axis of optimizer steps: integer ticks (the one step alone when there is one)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    distinct = sorted(set(steps))
+    if len(distinct) == 1:
+        ax.set_xticks(distinct)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def head_maps_figure(result: dict, labels: dict[str, str], suptitle: str):
+    """One layer × head heat map per key of `labels` (result["per_head"][key]), titled with its label in words and
+    result["summary"]'s mean: the per-head figure of eval.dynamics and eval.gauge."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.8))
-    for ax, key in zip(axes, keys):
+    fig, axes = plt.subplots(1, len(labels), figsize=(4 * len(labels), 3.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], labels.items()):
         values = np.array(result["per_head"][key])
         image = ax.imshow(values, cmap="magma", aspect="auto")
         ax.set_xticks(range(values.shape[1]))
         ax.set_yticks(range(values.shape[0]))
-        ax.set_title(f"{key} (mean {result['summary'][key]:.3g})", fontsize=9)
+        ax.set_title(f"{label}\n(mean {result['summary'][key]:.3g})", fontsize=9)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         fig.colorbar(image, ax=ax)
     fig.suptitle(suptitle)
     fig.tight_layout()
-    with atomic_writer(path) as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_head_maps(result: dict, labels: dict[str, str], path: Path, suptitle: str) -> None:
+    """head_maps_figure written atomically as a PNG."""
+    save_figure(head_maps_figure(result, labels, suptitle), path)
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

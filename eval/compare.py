@@ -1,23 +1,38 @@
-"""Compare runs (arXiv 2601.22257 Tables 5, 14): validation loss, logic top-1/top-5, alignment, punctuation enrichment,
-Δ top-5 against each run's symmetric baseline, and the Pearson r between enrichment and Δ top-5.
+"""Compare runs (arXiv 2601.22257 Tables 1, 2, 5, 14): the optimizer × attention-bias table of the best validation
+loss (mean ± std over seeds, Δ against the symmetric baseline), then per run the validation loss, logic top-1/top-5,
+alignment, punctuation enrichment, Δ top-5 against the run's symmetric baseline, and the Pearson r between
+enrichment and Δ top-5.
 
-    python -m eval.compare runs/A runs/B runs/C ... [--out runs/compare] [--suite NAME] [--alignment-mode raw]
+    python -m eval.compare --run runs/A --run runs/B ... [--out runs/compare] [--suite NAME] [--alignment-mode raw]
 
-Reads each run's eval/*.json (run `python -m eval.report --run DIR` first); the table's step column is the
-checkpoint step the evaluations came from (each evaluation's step where they differ, with a warning). The baseline
-of a run is the run in the list with bias_mode `none` and the same optimizer, activation and seed. r uses the
-symmetry-broken runs that have a baseline; its 95% interval is Fisher's (z = atanh r ± 1.96/√(n−3)). Writes
-`compare.json`, `compare.md`, `compare_loss.png` (all loss curves) and `compare_enrichment.png`.
+(`--checkpoint` is the same flag; run directories given without a flag, `python -m eval.compare runs/*`, work too.)
+Reads each run's log.jsonl and eval/*.json (`python -m eval.report --run DIR` computes them; a missing cell names the
+evaluation to run). Rows of the pivot tables are the optimizer and every other setting that differs between the runs,
+except the seed (runs that differ only in the seed are averaged) and the bias mode (the columns). The baseline of a
+run is the run with bias mode `none`, the same other settings and the same seed. r uses the symmetry-broken runs
+that have a baseline; its 95% interval is Fisher's (z = atanh r ± 1.96/√(n−3)). Writes `compare.json`, `compare.md`,
+`compare_loss.png` (every loss curve on one axis) and, when r has points, `compare_enrichment.png`; prints the
+tables and where it wrote.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
-from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, write_json, write_text
-from runs import read_log
+import train_gpt
+from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, save_figure, write_json, write_text
+from eval.curves import runs_loss_figure, validation_losses
+from optim import OPTIMIZERS
+from runs import read_log, run_dir_of
+from variants import ResearchConfig
+
+BIAS_WORDS = {"none": "symmetric (none)", "bq": "b_Q (bq)", "bv": "b_V (bv)", "bqbv": "b_Q + b_V (bqbv)",
+              "learned": "learned b_Q, b_V (learned)"}
+AVERAGED = {"seed", "bias_mode", "optimizer"}  # averaged over, the columns, the row's first word
 
 
 def pearson(x: list[float], y: list[float]) -> dict:
@@ -61,10 +76,12 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
     alignment = (alignment_file or {}).get("modes", {}).get(alignment_mode)
     steps = {name: result.get("step") for name, result in (("val_loss", val), ("logic_puzzles", logic_file),
                                                              ("alignment", alignment_file)) if result is not None}
+    measured = [loss for _, loss in validation_losses(read_log(run_dir))]
     return {
         "run": run_dir.name, "path": str(run_dir), "optimizer": train.get("optimizer"), "steps": steps,
         "bias_mode": model.get("bias_mode"), "activation": model.get("activation"), "seed": train.get("seed"),
         "mean_v": model.get("mean_v"),
+        "best_val_loss": min(measured) if measured else None,
         "val_loss": val["val_loss"] if val else None,
         "suite": logic["name"] if logic else None,
         "logic_loss": logic["overall"]["logic_loss"] if logic else None,
@@ -87,42 +104,90 @@ def step_label(steps: dict[str, int | None]) -> str:
     return ", ".join(f"{name} {step}" for name, step in steps.items())
 
 
+def _result_fields() -> set[str]:
+    """Names of the model, training and research flags that change what a run computes (cli.flag metadata)."""
+    return {f.name for cls in (train_gpt.GPTConfig, train_gpt.TrainConfig, ResearchConfig)
+            for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True)}
+
+
+def add_conditions(rows: list[dict], configs: list[dict]) -> None:
+    """Set each row's `condition`: its optimizer and every setting that affects results and differs between the
+    runs (the optimizer's own settings between runs of the same optimizer), except the seed and the bias mode."""
+    keep = _result_fields() - AVERAGED
+    flat = [{k: v for section in ("model", "train", "research") for k, v in c.get(section, {}).items() if k in keep}
+            for c in configs]
+    varying = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1)
+    for row, values, config in zip(rows, flat, configs):
+        same = [c.get("optim", {}) for c, r in zip(configs, rows) if r["optimizer"] == row["optimizer"]]
+        own = OPTIMIZERS[row["optimizer"]].config if row["optimizer"] in OPTIMIZERS else None
+        optim_varying = sorted(k for k in set().union(*same) if len({json.dumps(s.get(k)) for s in same}) > 1
+                               and (own is None or k in {f.name for f in dataclasses.fields(own)}))
+        words = [f"{k.replace('_', '-')} {values.get(k)}" for k in varying]
+        words += [f"{k.replace('_', '-')} {config['optim'].get(k)}" for k in optim_varying]
+        row["condition"] = ", ".join([str(row["optimizer"])] + words)
+
+
 def add_baselines(rows: list[dict]) -> None:
-    """Set `baseline` (run name) and `delta_top5` (percentage points) from the matching symmetric run."""
+    """Set `baseline` (run name) and `delta_top5` (percentage points) from the run with bias mode none, the same
+    condition (add_conditions) and the same seed."""
     for row in rows:
-        key = (row["optimizer"], row["activation"], row["seed"])
-        base = next((b for b in rows if b["bias_mode"] == "none" and (b["optimizer"], b["activation"], b["seed"]) == key
-                     and b is not row), None)
+        key = (row.get("condition", row["optimizer"]), row["seed"])
+        base = next((b for b in rows if b["bias_mode"] == "none" and b is not row
+                     and (b.get("condition", b["optimizer"]), b["seed"]) == key), None)
         row["baseline"] = base["run"] if base else None
         has_both = base is not None and row["top5"] is not None and base["top5"] is not None
         row["delta_top5"] = 100 * (row["top5"] - base["top5"]) if has_both else None
 
 
-def plot_losses(run_dirs: list[Path], path: Path) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, run_dir in enumerate(run_dirs):
-        log = read_log(run_dir)
-        color = plt.cm.tab10(i % 10)
-        x_key = "tokens" if log and all("tokens" in r for r in log) else "step"
-        train = [(r[x_key], r["train_loss"]) for r in log if r.get("train_loss") is not None]
-        val = [(r[x_key], r["val_loss"]) for r in log if r.get("val_loss") is not None]
-        if train:
-            ax.plot(*zip(*train), lw=0.8, alpha=0.5, color=color)
-        if val:
-            ax.plot(*zip(*val), "o-", ms=3, color=color, label=f"{run_dir.name} (val)")
-        elif train:
-            ax.plot([], [], color=color, label=run_dir.name)
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss (thin: train, dots: validation)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def pivot(rows: list[dict], metric: str, scale: float = 1.0) -> dict:
+    """{"modes": bias modes in order, "rows": [{"condition", "cells": {mode: {"mean", "std", "n", "runs",
+    "delta"}}}]}: `metric` × `scale` per condition × bias mode, mean and sample std over the n runs (seeds) with a
+    value out of `runs`, and the mean's difference to the symmetric mode's mean (None where either is missing)."""
+    modes = [m for m in BIAS_WORDS if any(r["bias_mode"] == m for r in rows)]
+    modes += sorted({r["bias_mode"] for r in rows} - set(modes), key=str)
+    table = []
+    for condition in dict.fromkeys(r["condition"] for r in rows):
+        cells = {}
+        for mode in modes:
+            runs = [r for r in rows if r["condition"] == condition and r["bias_mode"] == mode]
+            values = [scale * r[metric] for r in runs if r[metric] is not None]
+            cells[mode] = {"mean": statistics.fmean(values) if values else None,
+                           "std": statistics.stdev(values) if len(values) > 1 else None, "n": len(values),
+                           "runs": len(runs)}
+        base = cells.get("none", {}).get("mean")
+        for cell in cells.values():
+            cell["delta"] = cell["mean"] - base if cell["mean"] is not None and base is not None else None
+        table.append({"condition": condition, "cells": cells})
+    return {"metric": metric, "modes": modes, "rows": table}
+
+
+def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
+    """A pivot as Markdown: a column per bias mode (mean ± std, n when more than one run) and a Δ column after
+    each mode but the symmetric one."""
+    modes = table["modes"]
+    header = ["optimizer and settings"]
+    for mode in modes:
+        header += [BIAS_WORDS.get(mode, str(mode))] + ([f"Δ {BIAS_WORDS.get(mode, mode).split(' (')[0]}"]
+                                                        if mode != "none" and "none" in modes else [])
+    body = []
+    for row in table["rows"]:
+        line = [row["condition"]]
+        for mode in modes:
+            cell = row["cells"][mode]
+            if cell["mean"] is None:
+                text = missing if cell["runs"] else "no run"
+            else:
+                text = format(cell["mean"], fmt) + (f" ± {cell['std']:{fmt}}" if cell["std"] is not None else "")
+                text += f" (n = {cell['n']})" if cell["n"] > 1 else ""
+            line.append(text)
+            if mode != "none" and "none" in modes:
+                line.append(format(cell["delta"], "+" + fmt) if cell["delta"] is not None else "-")
+        body.append(line)
+    return markdown_table(header, body)
 
 
 def plot_enrichment(rows: list[dict], correlation: dict, path: Path) -> None:
+    """Δ top-5 against punctuation enrichment for the symmetry-broken runs that have both (call with n > 0)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     points = [r for r in rows if r["delta_top5"] is not None and r["punct_enrichment"] is not None
@@ -130,64 +195,105 @@ def plot_enrichment(rows: list[dict], correlation: dict, path: Path) -> None:
     ax.scatter([r["punct_enrichment"] for r in points], [r["delta_top5"] for r in points])
     for r in points:
         ax.annotate(r["run"], (r["punct_enrichment"], r["delta_top5"]), fontsize=6)
-    r_text = f"r = {correlation['r']:.2f}" if correlation["r"] is not None else "r: n/a"
+    r_text = f"r = {correlation['r']:.2f}" if correlation["r"] is not None else "r: too few runs"
     ax.set_title(f"punctuation enrichment vs Δ top-5 ({r_text}, n = {correlation['n']})")
     ax.set_xlabel("punctuation enrichment (log2)")
     ax.set_ylabel("Δ top-5 vs symmetric baseline (pp)")
     ax.axhline(0, color="gray", lw=0.8)
     ax.axvline(0, color="gray", lw=0.8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def run_directories(parser: argparse.ArgumentParser, given: list[Path]) -> list[Path]:
+    """Run directories from --run/--checkpoint and positional values: a run directory as it is, a checkpoint file
+    as its run; an error naming every value that is neither."""
+    runs, bad = [], []
+    for path in given:
+        run = path if path.is_dir() else run_dir_of(path) if path.is_file() else None
+        (runs if run is not None and (run / "config.json").is_file() else bad).append(run or path)
+    if bad:
+        parser.error(f"not run directories (no config.json): {', '.join(map(str, bad))}")
+    return list(dict.fromkeys(runs))
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories")
+    parser.add_argument("--run", "--checkpoint", dest="run", action="append", type=Path, default=[], metavar="PATH",
+                        help="a run directory (or a checkpoint file of one) to compare; repeat for each run")
+    parser.add_argument("positional", nargs="*", type=Path, metavar="RUN", help="more run directories")
     parser.add_argument("--out", type=Path, default=Path("runs") / "compare", help="output directory")
     parser.add_argument("--suite", default=None, help="logic suite name (default: the generated suite, else the first)")
-    parser.add_argument("--alignment-mode", default="raw", choices=("raw", "ln", "residual"))
+    parser.add_argument("--alignment-mode", default="raw", choices=("raw", "ln", "residual"),
+                        help="which keys' alignment the table shows (docs/evaluation.md#b_q-alignment-and-enrichment)")
     args = parser.parse_args(argv)
-    missing = [str(r) for r in args.runs if not (r / "config.json").is_file()]
-    if missing:
-        parser.error(f"not run directories (no config.json): {', '.join(missing)}")
-    rows = [run_row(r, args.suite, args.alignment_mode) for r in args.runs]
+    if not args.run and not args.positional:
+        parser.error("name the runs to compare: --run DIR (repeatable) or run directories")
+    run_dirs = run_directories(parser, args.run + args.positional)
+    rows = [run_row(r, args.suite, args.alignment_mode) for r in run_dirs]
+    add_conditions(rows, [read_config(r) for r in run_dirs])
     add_baselines(rows)
     broken = [r for r in rows if r["bias_mode"] != "none" and r["delta_top5"] is not None
               and r["punct_enrichment"] is not None]
     correlation = pearson([r["punct_enrichment"] for r in broken], [r["delta_top5"] for r in broken])
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"runs": rows, "pearson_punct_enrichment_vs_delta_top5": correlation,
+    tables = {"best_val_loss": pivot(rows, "best_val_loss"), "top5": pivot(rows, "top5", 100.0)}
+    result = {"runs": rows, "pivots": tables, "pearson_punct_enrichment_vs_delta_top5": correlation,
               "alignment_mode": args.alignment_mode}
     write_json(args.out / "compare.json", result)
-    plot_losses(args.runs, args.out / "compare_loss.png")
-    plot_enrichment(rows, correlation, args.out / "compare_enrichment.png")
+    written = ["compare.json", "compare.md", "compare_loss.png"]
+    save_figure(runs_loss_figure([(r.name, read_log(r)) for r in run_dirs], "loss curves"), args.out / written[2])
+    enrichment = args.out / "compare_enrichment.png"
+    if correlation["n"]:
+        plot_enrichment(rows, correlation, enrichment)
+        written.append(enrichment.name)
+    else:
+        enrichment.unlink(missing_ok=True)  # an earlier comparison's figure would describe other runs
 
-    def pct(v):
-        return f"{100 * v:.1f}%" if v is not None else "-"
-
-    def num(v, fmt=".3f"):
-        return format(v, fmt) if v is not None else "-"
-    table = [[r["run"], step_label(r["steps"]), r["optimizer"], r["bias_mode"], num(r["val_loss"]),
-              num(r["logic_loss"]), pct(r["top5"]), pct(r["top1"]), num(r["delta_top5"], "+.1f"),
-              num(r["align_mean_top"]), pct(r["align_frac_above_null"]), num(r["punct_enrichment"], "+.2f")]
-             for r in rows]
+    def cell(v, fmt: str, evaluation: str) -> str:
+        return format(v, fmt) if v is not None else f"run eval.{evaluation}"
+    table = [[r["run"], step_label(r["steps"]), r["optimizer"], r["bias_mode"],
+              format(r["best_val_loss"], ".4f") if r["best_val_loss"] is not None else "not in log.jsonl",
+              cell(r["val_loss"], ".4f", "val_loss"), cell(r["logic_loss"], ".3f", "logic_puzzles"),
+              cell(None if r["top5"] is None else 100 * r["top5"], ".1f", "logic_puzzles"),
+              cell(None if r["top1"] is None else 100 * r["top1"], ".1f", "logic_puzzles"),
+              format(r["delta_top5"], "+.1f") if r["delta_top5"] is not None else "-",
+              cell(r["align_mean_top"], ".3f", "alignment"),
+              cell(None if r["align_frac_above_null"] is None else 100 * r["align_frac_above_null"], ".1f",
+                   "alignment"),
+              cell(r["punct_enrichment"], "+.2f", "alignment")] for r in rows]
     ci = correlation["ci"]
     r_line = (f"Pearson r(punctuation enrichment, Δ top-5) = {correlation['r']:.2f}"
               + (f", 95% CI [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + f" (n = {correlation['n']})"
               if correlation["r"] is not None
-              else f"Pearson r: not enough runs with a baseline (n = {correlation['n']})")
-    write_text(args.out / "compare.md", "\n".join([
-        "# Run comparison", "",
-        markdown_table(["run", "step", "optimizer", "bias", "val loss", "logic loss", "top-5", "top-1", "Δ top-5 (pp)",
-                        f"align ({args.alignment_mode})", "% > null", "punct. enrich."], table), "",
-        r_line, "", "![loss curves](compare_loss.png)", "",
-        "![enrichment vs delta top-5](compare_enrichment.png)", ""]))
+              else f"Pearson r: not enough symmetry-broken runs with a baseline and both evaluations "
+                   f"(n = {correlation['n']})")
+    sections = [
+        "## Best validation loss (optimizer × attention biases)", "",
+        pivot_markdown(tables["best_val_loss"], ".4f", "not in log.jsonl"), "",
+        "The least validation loss each run's trainer measured (log.jsonl); mean ± sample std over the runs of a "
+        "cell (seeds), n when more than one. Δ: a column's mean minus the symmetric column's (negative: lower loss "
+        "with the biases).", ""]
+    if any(r["top5"] is not None for r in rows):
+        sections += ["## Logic puzzles top-5 (optimizer × attention biases)", "",
+                     pivot_markdown(tables["top5"], ".1f", "run eval.logic_puzzles"), "",
+                     "Top-5 accuracy in % on the logic suite; Δ in percentage points.", ""]
+    sections += ["## Runs", "",
+                 markdown_table(["run", "step", "optimizer", "bias", "best val loss (log)", "val loss (eval)",
+                                 "logic loss", "top-5 %", "top-1 %", "Δ top-5 (pp)", f"align ({args.alignment_mode})",
+                                 "% heads > null", "punct. enrich."], table), "",
+                 "A cell `run eval.X` is missing: `python -m eval.report --run RUN` computes every evaluation.", "",
+                 r_line, ""]
+    figures = ["![loss curves](compare_loss.png)", ""]
+    if enrichment.name in written:
+        figures += ["![enrichment vs delta top-5](compare_enrichment.png)", ""]
+    write_text(args.out / "compare.md", "\n".join(["# Run comparison", "", *sections, *figures]))
     for r in rows:
         if len(set(r["steps"].values())) > 1:
             print(f"warning: {r['run']}: evaluations from different steps ({step_label(r['steps'])}); "
                   f"run `python -m eval.report --run {r['path']}` to bring them to one checkpoint")
-    print(r_line)
+    print("\n".join(sections))
+    print(f"compare: wrote {', '.join(str(args.out / name) for name in written)}")
     return result
 
 

@@ -24,17 +24,25 @@ from eval.common import (
     add_target_args,
     checkpoint_identity,
     markdown_table,
+    load_target_checkpoint,
     output_dir,
     plot_head_maps,
     pyplot,
     record_outputs,
     resolve_target,
+    save_figure,
+    step_axis,
     write_json,
     write_text,
 )
+from eval.curves import MARKERS_BELOW
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 
 LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
+LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
+          "f_rot_QK": "rotational fraction of QK", "f_rot_VO": "rotational fraction of VO",
+          "f_rot_QK_approx": "rotational fraction of QK (eq. 24)",
+          "f_rot_VO_approx": "rotational fraction of VO (eq. 24)"}
 
 
 def _params(ckpt: dict) -> dict[str, torch.Tensor]:
@@ -60,32 +68,45 @@ def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
 
 
 def plot_heads(result: dict, path: Path, title: str) -> None:
-    plot_head_maps(result, ["J_QK", "J_VO", "f_rot_QK", "f_rot_VO"], path, f"{title} — step {result['step']}")
+    plot_head_maps(result, {key: LABELS[key] for key in ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO")}, path,
+                   f"{title} — step {result['step']}")
 
 
-def plot_training(log: list[dict], checkpoints: list[dict], path: Path, title: str) -> None:
-    """|J̃| and f_rot over training: the online log (lines) and checkpoint evaluations (markers)."""
+ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "
+                       "checkpoints/step_XXXXXX.pt, --dynamics-every N logs these during training)")
+
+
+def training_figure(log: list[dict], checkpoints: list[dict], title: str):
+    """|J̃| and f_rot over training: the online log (lines, with markers while they are few) and checkpoint
+    evaluations (dots); with one checkpoint and no online log it says what tracking needs."""
     plt = pyplot()
     fig, (ax_j, ax_f) = plt.subplots(1, 2, figsize=(12, 4))
     for ax, keys in ((ax_j, ("J_QK", "J_VO")), (ax_f, ("f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx"))):
         for i, key in enumerate(keys):
             color = plt.cm.tab10(i)
+            sector = LABELS[key].split(" of ", 1)[1]
             points = [(r["step"], r[key]) for r in log if r.get(key) is not None]
             if points:
-                ax.plot(*zip(*points), lw=1.2, color=color, label=f"{key} (log)")
+                ax.plot(*zip(*points), lw=1.2, color=color, label=f"{sector}, logged in training",
+                        marker="." if len(points) < MARKERS_BELOW else None)
             marks = [(c["step"], c["summary"][key]) for c in checkpoints if c["step"] is not None]
             if marks:
-                ax.plot(*zip(*marks), "o", ms=5, color=color, label=f"{key} (checkpoints)")
-        ax.set_xlabel("step")
+                ax.plot(*zip(*marks), "o", ms=5, color=color, label=f"{sector}, checkpoints")
+        step_axis(ax, [r["step"] for r in log if r.get(keys[0]) is not None]
+                  + [c["step"] for c in checkpoints if c["step"] is not None])
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     ax_j.set_title("angular momentum |J̃| (mean over heads)")
-    ax_f.set_title("rotational fraction f_rot (mean over heads)")
-    fig.suptitle(title)
+    ax_f.set_title("rotational fraction (mean over heads)")
+    online = any(r.get("J_QK") is not None for r in log)
+    fig.suptitle(title + ("" if online or len(checkpoints) > 1 else f"\n{ONE_CHECKPOINT_NOTE}"), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot_training(log: list[dict], checkpoints: list[dict], path: Path, title: str) -> None:
+    save_figure(training_figure(log, checkpoints, title), path)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
-        ckpt = runs.load_checkpoint(path, mmap=True)  # tensors are read when used (not for a duplicate)
+        ckpt = load_target_checkpoint(path)  # verified, mapped
         if previous is not None and previous.get("step") == ckpt.get("step"):
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_dynamics(ckpt)

@@ -63,9 +63,10 @@ def optimizer_config(checkpoint_config: dict, optimizer: str | None, lr: float |
 
 
 def plot(result: dict, path: Path, title: str) -> None:
-    keys = [f"relative_difference_{s}" for s in SECTORS] + [f"gram_imbalance_gauged_{s}" for s in SECTORS]
+    labels = {**{f"relative_difference_{s}": f"relative change of one step's ΔM_{s}" for s in SECTORS},
+              **{f"gram_imbalance_gauged_{s}": f"Gram imbalance of the gauged {s} factors" for s in SECTORS}}
     condition = f", condition {result['condition']:g}" if result["gauge"] == "gl" else ""
-    plot_head_maps(result, keys, path,
+    plot_head_maps(result, labels, path,
                    f"{title}: {result['optimizer']} step, {result['samples']} {result['gauge']} gauges{condition}")
 
 

@@ -40,6 +40,7 @@ from eval.common import (
     open_target,
     pyplot,
     record_outputs,
+    save_figure,
     wilson_interval,
     write_json,
     write_text,
@@ -313,17 +314,17 @@ def plot_suites(results: list[dict], path: Path, title: str = "") -> None:
         for offset, metric in ((-0.2, "top1"), (0.2, "top5")):
             values = [b[metric] * 100 for b in blocks]
             errors = error_bars(values, [(100 * b[f"{metric}_ci"][0], 100 * b[f"{metric}_ci"][1]) for b in blocks])
-            ax.bar([i + offset for i in range(len(names))], values, width=0.4, yerr=errors, capsize=3, label=metric)
+            ax.bar([i + offset for i in range(len(names))], values, width=0.4, yerr=errors, capsize=3,
+                   label={"top1": "expected token ranked first", "top5": "expected token in the top 5"}[metric])
         ax.set_xticks(range(len(names)), [n.replace("_", "\n") for n in names], fontsize=8)
         ax.set_ylim(0, 105)
         ax.set_ylabel("accuracy (%)")
-        ax.set_title(f"{result['name']} (n={result['overall']['n']}, protocol {result['protocol']})")
+        ax.set_title(f"suite {result['name']}: {result['overall']['n']} prompts, {result['protocol']} scoring protocol")
         ax.legend()
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _percent_with_ci(block: dict, metric: str) -> str:

@@ -27,9 +27,9 @@ import torch
 from torch import Tensor
 
 import runs
-from data.shards import atomic_write, atomic_writer
+from data.shards import atomic_write
 from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, pyplot, resolve_device,
-                         resolve_target, write_json)
+                         resolve_target, save_figure, step_axis, write_json)
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 
 CONVENTIONS = ("figures", "paper", "published")  # docs/structure.md#conventions; the first is the default
@@ -113,18 +113,25 @@ def checkpoint_structure(ckpt: dict, convention: str, gamma: float, device: torc
     return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), **scores}
 
 
-def plot(results: list[dict], path: Path, title: str, convention: str) -> None:
-    """Medians across layers vs step (left: symmetry, right: directionality) and the last checkpoint's layers."""
+ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "
+                       "checkpoints/step_XXXXXX.pt)")
+
+
+def structure_figure(results: list[dict], title: str, convention: str):
+    """Medians across layers (black) and each layer (thin, coloured by depth) vs step for the symmetry and the
+    directionality score, and the last checkpoint's scores per layer."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     steps = [r["step"] for r in results]
     for ax, key in zip(axes[:2], ("symmetry", "directionality")):
-        ax.plot(steps, [r["median"][key] for r in results], "o-", color="k", label="median across layers")
         per_layer = np.array([r["layers"][key] for r in results])  # (checkpoints, L)
         for layer in range(per_layer.shape[1]):
-            ax.plot(steps, per_layer[:, layer], lw=0.8, alpha=0.5, color=plt.cm.viridis(layer / per_layer.shape[1]))
-        ax.set_xlabel("step")
-        ax.set_title(f"{key} score ({convention})")
+            ax.plot(steps, per_layer[:, layer], "o-", lw=0.8, ms=3, alpha=0.6,
+                    color=plt.cm.viridis(layer / max(per_layer.shape[1] - 1, 1)),
+                    label="single layers (colour: depth)" if layer == 0 else None)
+        ax.plot(steps, [r["median"][key] for r in results], "o-", color="k", label="median across layers")
+        step_axis(ax, steps)
+        ax.set_title(f"{key} score ({convention} convention)")
         ax.axhline(0.5 if key == "symmetry" and convention == "published" else 0.0, color="gray", lw=0.5)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -132,15 +139,18 @@ def plot(results: list[dict], path: Path, title: str, convention: str) -> None:
     layers = range(len(last["layers"]["symmetry"]))
     axes[2].plot(layers, last["layers"]["symmetry"], "o-", label="symmetry")
     axes[2].plot(layers, last["layers"]["directionality"], "s-", label="directionality")
+    axes[2].set_xticks(list(layers))
     axes[2].set_xlabel("layer")
     axes[2].set_title(f"per layer at step {last['step']}")
     axes[2].grid(alpha=0.3)
     axes[2].legend(fontsize=7)
-    fig.suptitle(f"{title}: thin lines are single layers (colour: depth)")
+    fig.suptitle(title + (f"\n{ONE_CHECKPOINT_NOTE}" if len(results) == 1 else ""), fontsize=10)
     fig.tight_layout()
-    with atomic_writer(path) as f:
-        fig.savefig(f, format="png", dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot(results: list[dict], path: Path, title: str, convention: str) -> None:
+    save_figure(structure_figure(results, title, convention), path)
 
 
 CONVENTION_NOTES = {

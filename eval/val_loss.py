@@ -14,23 +14,23 @@ import argparse
 import contextlib
 import math
 import time
-from pathlib import Path
 
 import torch
 
 import runs
 import train_gpt
+from data.shards import ShardError
 from eval.common import (
     add_target_args,
     load_model,
     open_target,
-    pyplot,
     record_outputs,
     run_hyperparameters,
     validation_files,
     write_json,
     write_text,
 )
+from eval.curves import loss_series, plot_loss_curves
 
 
 def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: int, seq_len: int, micro_batch: int,
@@ -43,35 +43,13 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
             "seq_len": seq_len, "micro_batch": micro_batch}
 
 
-def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | None = None, title: str = "") -> None:
-    """Train and validation loss against tokens (or steps) from log.jsonl; `marker` = (x, loss) of an evaluation."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    x_key = "tokens" if log and all("tokens" in r for r in log) else "step"
-    train = [(r[x_key], r["train_loss"]) for r in log if r.get("train_loss") is not None]
-    val = [(r[x_key], r["val_loss"]) for r in log if r.get("val_loss") is not None]
-    if train:
-        ax.plot(*zip(*train), lw=1, alpha=0.8, label="train")
-    if val:
-        ax.plot(*zip(*val), "o-", ms=3, label="validation (trainer)")
-    if marker is not None:
-        ax.plot([marker[0]], [marker[1]], "r*", ms=12, label=f"fixed-budget eval {marker[1]:.4f}")
-    ax.set_xlabel(x_key)
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_target_args(parser)
     parser.add_argument("--val-files", default=None, help="validation shard glob (default: the run's config)")
     parser.add_argument("--val-tokens", type=int, default=None, help="token budget (default: the run's val_tokens)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the run's seq_len")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="default: the run's seq_len (at most the model's block size, for an exported model)")
     parser.add_argument("--micro-batch", type=int, default=None, help="default: the run's micro_batch")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="autocast dtype on CUDA")
     args = parser.parse_args(argv)
@@ -80,17 +58,29 @@ def main(argv: list[str] | None = None) -> dict:
                                              target.device)
     hp = run_hyperparameters(ckpt["config"])
     files = args.val_files or validation_files(ckpt["config"])
-    seq_len, micro_batch = args.seq_len or hp.seq_len, args.micro_batch or hp.micro_batch
-    num_tokens = args.val_tokens or hp.val_tokens
     model = load_model(ckpt, device)
+    block_size = model.config.block_size  # an exported model records no run, hence no seq_len of its own
+    seq_len, micro_batch = args.seq_len or min(hp.seq_len, block_size), args.micro_batch or hp.micro_batch
+    num_tokens = args.val_tokens or hp.val_tokens
+    if not 0 < seq_len <= block_size:
+        parser.error(f"--seq-len {seq_len}: the model reads 1 to {block_size} positions (its block size); give "
+                     f"--seq-len {block_size} or less")
+    if num_tokens < seq_len:
+        parser.error(f"--val-tokens {num_tokens} is less than one sequence of --seq-len {seq_len}")
+    if micro_batch < 1:
+        parser.error(f"--micro-batch must be >= 1, got {micro_batch}")
     dtype = torch.bfloat16 if device.type == "cuda" and args.dtype == "bf16" else None
     start = time.perf_counter()
-    result = validation_loss(model, files, num_tokens, seq_len, micro_batch, device, dtype)
+    try:
+        result = validation_loss(model, files, num_tokens, seq_len, micro_batch, device, dtype)
+    except ShardError as exc:  # shards missing, malformed or too small for the budget: the message names them
+        raise SystemExit(f"error: {exc}") from None
     result.update(checkpoint=target.identity, step=target.identity["step"], val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
     log = runs.read_log(run_dir)
-    x = ckpt.get("metrics", {}).get("tokens") or (log[-1].get("tokens") if log else 0) or 0
+    tokens = ckpt.get("metrics", {}).get("tokens")
+    x = tokens if loss_series(log).x == "tokens" and tokens is not None else result["step"] or 0
     plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]),
                      title=f"{run_dir.name} — step {result['step']}")
     write_text(

@@ -5,8 +5,8 @@ U = θ_after − θ_before of the attention parameters and rewrites them (docs/g
 
 - correct: opposite-Gram correction ΔA = U_A (BᵀB + λI)⁻¹, ΔB = U_B (AᵀA + λI)⁻¹ (full, diagonal or periodic);
 - project: remove the update's component along the GL(d) or O(d) gauge orbit, and the same component of the
-  optimizer's first moment (its velocity), so that the motion is redirected rather than dropped
-  (docs/gauge.md#projection);
+  optimizer's velocity (ECD's Π, a momentum buffer; not Adam's first moment), so that the motion is redirected
+  rather than dropped (docs/gauge.md#projection);
 - dress: every k steps move each head to its Gram-balanced representative, forward pass unchanged, and transport
   the optimizer's first-moment state with it (docs/gauge.md#dressed-representatives);
 - hyperball: a step of fixed relative length on each factor's Frobenius sphere (docs/gauge.md#hyperball).
@@ -35,9 +35,13 @@ from gauge.dynamics import (
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
-# Optimizer states that move like the parameters' increments: transported by dressing, projected by project
-# (docs/gauge.md). SOAP's live in its eigenbasis and are left alone.
+# Optimizer states that move like the parameters' increments: transported by dressing (docs/gauge.md). SOAP's live
+# in its eigenbasis and are left alone.
 FIRST_MOMENTS = ("pi", "momentum_buffer", "exp_avg")
+# The velocities that project also projects: those whose direction is the step's (ECD's Π, the momentum of SGDM and
+# Muon). Adam's first moment is divided by its unprojected second moment coordinate by coordinate, so projecting it
+# does not project the step and lets a step outgrow Adam's bound (docs/gauge.md#the-velocity).
+PROJECTED_VELOCITIES = ("pi", "momentum_buffer")
 
 
 def _eye(x: Tensor) -> Tensor:
@@ -242,7 +246,7 @@ class GaugeUpdates:
         if self.mode == "project" and self.project_velocity:
             # The velocity at the new point loses its orbit component too (docs/gauge.md#projection).
             self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: orbit_projection(
-                *result[sector], u_a, u_b, self.group))
+                *result[sector], u_a, u_b, self.group), PROJECTED_VELOCITIES)
 
     def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
                    lr_scale: float) -> tuple[Tensor, Tensor]:
@@ -271,31 +275,33 @@ class GaugeUpdates:
             a, b, s, s_inv_t = balancing_gauge(a, b)
             pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
         self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: (u_a @ gauges[sector][0],
-                                                                               u_b @ gauges[sector][1]))
+                                                                               u_b @ gauges[sector][1]), FIRST_MOMENTS)
         for name, value in named_tensors(pairs, params, self.n_head, shift).items():
             params[name].copy_(value)
 
     def _move_first_moments(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
-                            move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> None:
-        """Rewrite the first moments (FIRST_MOMENTS) of the attention parameters in every optimizer that keeps them
-        in the parameters' coordinates (`moments_in_parameter_basis`; not SOAP, whose live in its eigenbasis):
-        move(sector, U_A, U_B) -> (U_A', U_B') per sector, stacked like `factor_pairs`. Through state_dict() /
-        load_state_dict(), which are collectives for the sharded optimizers."""
+                            move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]],
+                            keys: tuple[str, ...]) -> None:
+        """Rewrite the optimizer states named `keys` (first moments: FIRST_MOMENTS or PROJECTED_VELOCITIES) of the
+        attention parameters in every optimizer that keeps them in the parameters' coordinates
+        (`moments_in_parameter_basis`; not SOAP, whose live in its eigenbasis): move(sector, U_A, U_B) -> (U_A', U_B')
+        per sector, stacked like `factor_pairs`. Through state_dict() / load_state_dict(), which are collectives for
+        the sharded optimizers."""
         for opt in optimizers:
             if not opt.moments_in_parameter_basis:
                 continue
             saved = opt.state_dict()
-            if self._transport(saved, params, move):
+            if self._transport(saved, params, move, keys):
                 opt.load_state_dict(saved)
 
     def _transport(self, saved: dict, params: Mapping[str, Tensor],
-                   move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]]) -> bool:
-        """Apply `move` to the first-moment tensors of the attention parameters in a state dict, in place; returns
+                   move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]], keys: tuple[str, ...]) -> bool:
+        """Apply `move` to the `keys` state tensors of the attention parameters in a state dict, in place; returns
         whether anything changed."""
         index = {plain_name(name): i for group in saved["param_groups"]
                  for i, name in zip(group["params"], group["names"])}
         changed = False
-        for key in FIRST_MOMENTS:
+        for key in keys:
             present = {name: saved["state"][index[name]][key] for name in params
                        if name in index and torch.is_tensor(saved["state"].get(index[name], {}).get(key))}
             if not present:

@@ -253,9 +253,11 @@ def choose(requested: str, call: AttentionCall | None, device: torch.device, *, 
         try:
             record = _decide(requested, call, device, compiled, candidates, timer, cache, env)
         except Exception as exc:
-            broadcast({"error": str(exc)})
+            broadcast({"error": str(exc), "refused": isinstance(exc, Unavailable)})
             raise
     record = broadcast(record)
+    if record.get("refused"):  # every rank exits with rank 0's one-line refusal
+        raise Unavailable(record["error"])
     if "error" in record:
         raise RuntimeError(f"rank 0 could not choose the attention implementation: {record['error']}")
     return record
@@ -301,7 +303,10 @@ def _choose_by_timing(record: dict, call: AttentionCall, device: torch.device, c
     if note:
         record["notes"].append(note)
     hit = entries.get(key)
-    if isinstance(hit, dict) and hit.get("choice") in candidates:
+    if hit is not None and not _entry_well_formed(hit):
+        record["notes"].append(f"attention: ignoring the malformed entry for this call in the cache {cache}; "
+                               "measuring again")
+    elif hit is not None and hit["choice"] in candidates:
         record.update(choice=hit["choice"], source=f"cached measurement of {hit.get('measured', '?')} ({cache})",
                       timings_ms=hit.get("timings_ms", {}))
         record["skipped"].update(hit.get("failed", {}))
@@ -318,6 +323,17 @@ def _choose_by_timing(record: dict, call: AttentionCall, device: torch.device, c
         atomic_write(cache, json.dumps(entries, indent=1).encode())
     except OSError as exc:  # a read-only cache directory costs the next run a measurement, nothing more
         record["notes"].append(f"attention: could not write the cache {cache} ({_first_line(exc)})")
+
+
+def _entry_well_formed(entry: object) -> bool:
+    """Whether a cache entry has the types _choose_by_timing writes (an edited or damaged one may not): a choice,
+    milliseconds per candidate, reasons per failed candidate, the time of the measurement."""
+    timings = entry.get("timings_ms", {}) if isinstance(entry, dict) else None
+    failed = entry.get("failed", {}) if isinstance(entry, dict) else None
+    return (isinstance(entry, dict) and isinstance(entry.get("choice"), str) and isinstance(timings, dict)
+            and all(isinstance(ms, (int, float)) and not isinstance(ms, bool) for ms in timings.values())
+            and isinstance(failed, dict) and all(isinstance(reason, str) for reason in failed.values())
+            and isinstance(entry.get("measured", ""), str))
 
 
 def summary_line(record: dict) -> str:

@@ -21,26 +21,25 @@ import triton
 import triton.language as tl
 
 from kernels.bf16 import as_kernel_arg, bf16_bits, load_fp32, nearest_even_bits
+from kernels.ecd import ALIGN, BLOCK, BlockTable
 
-BLOCK = 2048  # elements per program (as kernels/ecd.py)
 
-
-def block_table(pieces: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(starts, lengths, keys) int32 device tensors of the blocks covering the (key, lo, hi) pieces of a chunk: each
-    block lies inside one piece and its key is the piece's key plus the block's offset in the piece."""
+def block_table(pieces: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK) -> BlockTable:
+    """The blocks covering the (key, lo, hi) pieces of a chunk, each inside one piece, its key the piece's key plus
+    the block's offset in the piece; aligned to ALIGN elements when every lo and hi is (as kernels/ecd.py's)."""
     rows = [(lo, min(block, hi - lo), key + lo - start) for key, start, hi in pieces for lo in range(start, hi, block)]
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous()
-    return table[0].to(device), table[1].to(device), table[2].to(device)
+    aligned = block % ALIGN == 0 and all(lo % ALIGN == 0 and hi % ALIGN == 0 for _, lo, hi in pieces)
+    return BlockTable(table[0].to(device), table[1].to(device), table[2].to(device), ALIGN if aligned else 1)
 
 
 @triton.jit
 def _moments_kernel(G, M, V, D, START, LEN, KEY, beta1, beta2, eps, seed, STATE_BF16: tl.constexpr,
-                    STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+                    STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     b = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
-    mask = lanes < tl.load(LEN + b)
-    offs = tl.load(START + b) + lanes
+    mask = lanes < tl.multiple_of(tl.load(LEN + b), ALIGN)
+    offs = tl.multiple_of(tl.load(START + b), ALIGN) + lanes
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     m = load_fp32(M, offs, mask, STATE_BF16) * beta1 + g * (1 - beta1)
     v = load_fp32(V, offs, mask, STATE_BF16) * beta2 + g * g * (1 - beta2)
@@ -59,24 +58,23 @@ def _moments_kernel(G, M, V, D, START, LEN, KEY, beta1, beta2, eps, seed, STATE_
     tl.store(D + offs, d.to(D.dtype.element_ty), mask=mask)
 
 
-def moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torch.Tensor,
-            table: tuple[torch.Tensor, torch.Tensor, torch.Tensor], beta1: float, beta2: float, eps: float,
-            seed: int = 0, stochastic: bool = True) -> None:
+def moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torch.Tensor, table: BlockTable, beta1: float,
+            beta2: float, eps: float, seed: int = 0, stochastic: bool = True) -> None:
     """m and v of one chunk updated in place and d = m/(√v + ε) written (see the module docstring); d may be g.
     `table` is `block_table`'s for the chunk; a bf16 m, v is rounded stochastically with random bits keyed by
     (seed, element key), or to nearest-even (stochastic=False)."""
-    starts, lengths, keys = table
-    if not len(starts):
+    if not len(table.starts):
         return
     m_arg, bf16 = as_kernel_arg(m)
     v_arg, _ = as_kernel_arg(v)
-    _moments_kernel[(len(starts),)](g, m_arg, v_arg, d, starts, lengths, keys, beta1, beta2, eps, seed,
-                                    STATE_BF16=bf16, STOCHASTIC=stochastic, BLOCK=BLOCK)
+    _moments_kernel[(len(table.starts),)](g, m_arg, v_arg, d, table.starts, table.lengths, table.keys, beta1, beta2,
+                                          eps, seed, STATE_BF16=bf16, STOCHASTIC=stochastic, BLOCK=BLOCK,
+                                          ALIGN=table.align)
 
 
 def moments_reference(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torch.Tensor,
-                      table: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, beta1: float, beta2: float,
-                      eps: float, seed: int = 0, stochastic: bool = False) -> None:
+                      table: BlockTable | None, beta1: float, beta2: float, eps: float, seed: int = 0,
+                      stochastic: bool = False) -> None:
     """`moments` in torch ops over the whole chunk, computed in g's dtype widened to at least fp32, a bf16 m, v
     rounded to nearest (table, seed and stochastic are the kernel's and unused here); the optimizer's path wherever
     the kernel does not run (docs/optimizers.md#soap)."""

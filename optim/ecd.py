@@ -214,7 +214,7 @@ class ECD(ShardedOptimizer):
         for region, pi, table, g in zip(self.regions, self.flat_state["pi"], self.tables, grads):
             if first:
                 pi.copy_(g.neg())
-            rows.append(self.partial_dots(region.local_params, g, pi, *table[:2]))
+            rows.append(self.partial_dots(region.local_params, g, pi, table))
         sums = ecd_kernels.sum_by_key(torch.cat(rows), self.block_gather)
         vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
         coef = self._coefficients(vec, h, kappa)

@@ -39,7 +39,7 @@ class SGDMConfig(TorchOptimizerConfig):
                                             "(0: at the first gradient, torch's SGD; "
                                             "docs/optimizers.md#adamw-and-sgdm)", bounds=">= 0",
                                        fixed_on_resume=True)
-    optim_seed: int = flag(0, "seed of the initial velocity", bounds=">= 0", fixed_on_resume=True)
+    optim_seed: int = flag(0, "seed of the initial velocity", bounds="[0, 4294967295]", fixed_on_resume=True)
 
 
 def _implementation(params: list, fused: bool) -> dict:

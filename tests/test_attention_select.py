@@ -217,9 +217,14 @@ def test_every_rank_uses_rank_0s_choice(tmp_path: Path) -> None:
     assert rank1 == rank0 and rank1["choice"] == "triton" and timer1.calls == []
     assert not (tmp_path / "rank1.json").exists()
 
-    with pytest.raises(ValueError, match=sel.ENV):  # rank 0 fails: it tells the others instead of leaving them waiting
-        choose(timer1, tmp_path, broadcast=broadcast, env={sel.ENV: "fastest"})
-    with pytest.raises(RuntimeError, match="rank 0 could not choose.*fastest"):
+    with pytest.raises(sel.Unavailable, match=sel.ENV):  # rank 0 refuses: it tells the others instead of leaving
+        choose(timer1, tmp_path, broadcast=broadcast, env={sel.ENV: "fastest"})  # them waiting
+    with pytest.raises(sel.Unavailable, match=rf"^\${sel.ENV}='fastest' is not one of"):  # rank 0's refusal, as is
+        choose(timer1, tmp_path, broadcast=broadcast, rank=1)
+    with pytest.raises(RuntimeError, match="no implementation ran"):  # rank 0 fails (not a refusal of the input)
+        choose(timer1, tmp_path / "fresh", broadcast=broadcast,
+               candidates={"triton": lambda *args: 1 / 0, "flex": lambda *args: 1 / 0})
+    with pytest.raises(RuntimeError, match="rank 0 could not choose.*no implementation ran"):
         choose(timer1, tmp_path, broadcast=broadcast, rank=1)
 
 
@@ -237,6 +242,17 @@ def test_an_unreadable_cache_is_measured_again_and_replaced(tmp_path: Path) -> N
     record = choose(FakeTimer({"sdpa": 2.0, "triton": 1.0, "flex": 3.0}), tmp_path)
     assert record["source"] == "measured" and "ignoring the unreadable cache" in record["notes"][0]
     assert json.loads((tmp_path / "cache.json").read_text())[sel.cache_key(CALL, CPU, True)]["choice"] == "triton"
+
+
+@pytest.mark.parametrize("entry", [{"choice": ["triton"]}, {"choice": "triton", "timings_ms": [1.0]},
+                                   {"choice": "triton", "failed": {"flex": 3}}, "triton"])
+def test_a_malformed_cache_entry_is_measured_again_and_replaced(tmp_path: Path, entry) -> None:
+    (tmp_path / "cache.json").write_text(json.dumps({sel.cache_key(CALL, CPU, True): entry}))
+    record = choose(FakeTimer({"sdpa": 2.0, "triton": 1.0, "flex": 3.0}), tmp_path)
+    assert record["source"] == "measured" and "ignoring the malformed entry" in record["notes"][0]
+    assert "triton 1.000 ms" in sel.summary_line(record)
+    assert json.loads((tmp_path / "cache.json").read_text())[sel.cache_key(CALL, CPU, True)]["timings_ms"] == {
+        "sdpa": 2.0, "triton": 1.0, "flex": 3.0}
 
 
 def test_auto_on_the_cpu_is_sdpa_without_timing(tmp_path: Path) -> None:

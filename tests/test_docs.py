@@ -51,9 +51,10 @@ def test_relative_links_resolve(page: Path) -> None:
     assert not problems, f"{page.relative_to(ROOT)}: " + "; ".join(problems)
 
 
-# Flags of other programs that the pages quote: torchrun's, pip's, and the published trainer's.
+# Flags of other programs that the pages quote: torchrun's, pip's, Slurm's and the published trainer's.
 FOREIGN_FLAGS = {"--nproc_per_node", "--standalone", "--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint",
-                 "--rdzv_id", "--index-url", "--use_bf16", "--sgdm_init_velocity_std", "--logdir"}
+                 "--rdzv_id", "--index-url", "--use_bf16", "--sgdm_init_velocity_std", "--logdir", "--array",
+                 "--gpus-per-task"}
 PLACEHOLDER_FLAGS = {"--field-name", "--no-field-name"}  # README's description of how fields become flags
 DOC_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 

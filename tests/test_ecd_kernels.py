@@ -32,20 +32,20 @@ def groups(model: nn.Module, weight_decay: float | str) -> list[dict]:
 
 
 def run_ecd(fused: bool, projection: str, nu: float, weight_decay: float | str, steps: int = STEPS,
-            optim_state_dtype: str = "fp32") -> dict[str, torch.Tensor]:
+            optim_state_dtype: str = "fp32", device: str = "cpu") -> dict[str, torch.Tensor]:
     from optim.ecd import ECD
 
-    model = tiny_model()
+    model = tiny_model().to(device)
     opt = ECD(groups(model, weight_decay), lr=0.3, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=nu, ecd_projection=projection,
               optim_seed=5, optim_state_dtype=optim_state_dtype, fused=fused)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
-        x, y = torch.randn(32, 12, generator=gen), torch.randn(32, 12, generator=gen)
+        x, y = (torch.randn(32, 12, generator=gen).to(device) for _ in range(2))
         opt.zero_grad()
         loss = (model(x) - y).square().mean()
         loss.backward()
         opt.step(loss.detach())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def relative_difference(a: dict, b: dict) -> float:
@@ -54,35 +54,51 @@ def relative_difference(a: dict, b: dict) -> float:
     return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
 
 
-def kernel_checks() -> dict:
-    """Each kernel against its reference on a ragged chunk of three keys."""
+RAGGED = [(0, 0, 1000), (1, 1000, 4103), (2, 4103, 6267)]  # keys' element ranges: 1000 and 4103 are not multiples of 16
+ALIGNED = [(0, 0, 768), (1, 768, 768 + 4096), (2, 4864, 4864 + 2304)]  # GPT-2-like sizes: the alignment hint is on
+
+
+def compare_kernels(ranges: list[tuple[int, int, int]], device: str = "cpu") -> dict:
+    """partial_dots, sum_by_key and apply_update (with and without noise and decay) against their references on one
+    chunk of three keys; relative errors."""
     from kernels import ecd as K
 
     gen = torch.Generator().manual_seed(0)
-    n = 3 * K.BLOCK + 123
-    theta, grad, pi = (torch.randn(n, generator=gen) for _ in range(3))
-    ranges = [(0, 0, 1000), (1, 1000, 2 * K.BLOCK + 7), (2, 2 * K.BLOCK + 7, n)]
-    table = K.block_table(ranges, torch.device("cpu"))
-    out = {}
-    got = K.partial_dots(theta, grad, pi, *table[:2])
-    want = K.partial_dots_reference(theta, grad, pi, *table[:2])
+    n = ranges[-1][2]
+    theta, grad, pi, z = (torch.randn(n, generator=gen).to(device) for _ in range(4))
+    table = K.block_table(ranges, torch.device(device))
+    out = {"align": table.align}
+    got = K.partial_dots(theta, grad, pi, table)
+    want = K.partial_dots_reference(theta, grad, pi, table)
     out["partial_dots"] = ((got - want).abs().max() / want.abs().max()).item()
-    keys = table[2].tolist()
-    gather = K.key_gather_index(keys, 3)
+    gather = K.key_gather_index(table.keys.tolist(), 3).to(device)
     direct = torch.stack([torch.stack([theta[lo:hi].double().dot(g[lo:hi].double()) for g in (theta, grad)])
                           for _, lo, hi in ranges])
     out["sum_by_key"] = (K.sum_by_key(got, gather)[:, :2] - direct).abs().max().item() / direct.abs().max().item()
-    coef = {"A": torch.tensor([0.9, 1.1, 0.7], dtype=torch.float64), "neg_k": torch.tensor(-0.05, dtype=torch.float64),
-            "h": torch.tensor(0.2, dtype=torch.float64), "inv_s": torch.tensor(1.3, dtype=torch.float64),
-            "nu": torch.tensor(0.01, dtype=torch.float64)}
-    lam = torch.tensor([0.1, 0.0, 0.02], dtype=torch.float64)
-    z = torch.randn(n, generator=gen)
+    coef = {name: torch.tensor(value, dtype=torch.float64, device=device) for name, value in
+            {"A": [0.9, 1.1, 0.7], "neg_k": -0.05, "h": 0.2, "inv_s": 1.3, "nu": 0.01}.items()}
+    lam = torch.tensor([0.1, 0.0, 0.02], dtype=torch.float64, device=device)
     for name, zz, ll in (("update", None, None), ("update_noise_decay", z, lam)):
         a = [x.clone() for x in (theta, grad, pi)]
         b = [x.clone() for x in (theta, grad, pi)]
         K.apply_update(a[0], a[1], a[2], zz, table, coef, ll)
         K.apply_update_reference(b[0], b[1], b[2], zz, table, coef, ll)
         out[name] = max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(a, b))
+    return out
+
+
+def kernel_checks() -> dict:
+    """Each kernel against its reference on a ragged chunk of three keys (and an aligned one), bf16 Π's rounding."""
+    from kernels import ecd as K
+
+    out = compare_kernels(RAGGED)
+    out["aligned"] = compare_kernels(ALIGNED)
+    gen = torch.Generator().manual_seed(0)
+    n = RAGGED[-1][2]
+    theta, grad, pi = (torch.randn(n, generator=gen) for _ in range(3))
+    table = K.block_table(RAGGED, torch.device("cpu"))
+    coef = {name: torch.tensor(value, dtype=torch.float64) for name, value in
+            {"A": [0.9, 1.1, 0.7], "neg_k": -0.05, "h": 0.2, "inv_s": 1.3, "nu": 0.01}.items()}
     # bf16 Π: round-to-nearest bit-identical to torch's; stochastic rounding unbiased and between the neighbours
     pi16 = pi.bfloat16()
     a, b = [theta.clone(), grad.clone(), pi16.clone()], [theta.clone(), grad.clone(), pi16.clone()]
@@ -131,10 +147,25 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return interpreter_results(__file__, tmp_path_factory)
 
 
-def test_kernels_match_their_references(results: dict) -> None:
-    k = results["kernels"]
+def assert_kernels_match(k: dict) -> None:
     assert k["partial_dots"] < 1e-5 and k["sum_by_key"] < 1e-6
     assert k["update"] < 1e-6 and k["update_noise_decay"] < 1e-6
+
+
+def test_kernels_match_their_references(results: dict) -> None:
+    assert results["kernels"]["align"] == 1 and results["kernels"]["aligned"]["align"] == 16
+    assert_kernels_match(results["kernels"])
+    assert_kernels_match(results["kernels"]["aligned"])
+
+
+def test_the_alignment_hint_is_given_only_where_every_block_starts_and_ends_on_it() -> None:
+    from kernels import ecd as K
+
+    assert K.block_table(ALIGNED, torch.device("cpu")).align == K.ALIGN == 16
+    assert K.block_table(RAGGED, torch.device("cpu")).align == 1
+    assert K.block_table([(0, 16, 48)], torch.device("cpu"), block=24).align == 1  # blocks of 24 end off the grid
+    table = K.block_table([(0, 0, 4096 + 32)], torch.device("cpu"))
+    assert table.starts.tolist() == [0, 2048, 4096] and table.lengths.tolist() == [2048, 2048, 32]
 
 
 def test_bf16_pi_round_to_nearest_matches_torch(results: dict) -> None:
@@ -164,6 +195,51 @@ def test_fused_step_is_bitwise_repeatable(results: dict) -> None:
 def test_bf16_pi_with_stochastic_rounding_stays_near_fp32(results: dict) -> None:
     o = results["optimizer"]
     assert o["bf16_sr_100_steps"] < 0.05, o
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("ranges", [RAGGED, ALIGNED], ids=["ragged", "aligned"])
+def test_fp32_kernels_match_the_torch_path_on_cuda(ranges) -> None:
+    assert_kernels_match(compare_kernels(ranges, "cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("projection", ["global", "per_tensor"])
+def test_fused_optimizer_equals_the_torch_path_on_cuda(projection: str) -> None:
+    fused = run_ecd(True, projection, 0.3, 0.05, device="cuda")
+    assert relative_difference(fused, tiny_model().state_dict()) > 0.05  # the run moved
+    assert relative_difference(fused, run_ecd(False, projection, 0.3, 0.05, device="cuda")) < 1e-5
+
+
+@pytest.mark.cuda
+def test_bf16_pi_stochastic_rounding_is_unbiased_on_cuda() -> None:
+    """Π ← A·Π in fp32, stored in bf16 with stochastic rounding: every element lands on one of its two bf16
+    neighbours, and over 64 seeds the mean rounding error of 2^18 positive elements (truncation would be biased low)
+    lies within 3 standard errors of the per-seed means of zero. Round-to-nearest matches torch's conversion."""
+    from kernels import ecd as K
+
+    n, a = 1 << 18, 1.0 + 3 * 2.0 ** -11
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pi0 = (torch.randn(n, device="cuda", generator=gen).abs() + 0.5).bfloat16()
+    exact = pi0.float() * a  # Π before rounding (θ and g are zero, so only A acts)
+    down = (exact.view(torch.int32) >> 16).to(torch.int16)  # the bf16 neighbour towards zero, as bits
+    table = K.block_table([(0, 0, n)], torch.device("cuda"))
+    coef = {name: torch.tensor(value, dtype=torch.float64, device="cuda")
+            for name, value in {"A": [a], "neg_k": 0.0, "h": 0.0, "inv_s": 1.0, "nu": 0.0}.items()}
+    zeros = torch.zeros(n, device="cuda")
+    means = []
+    for seed in range(64):
+        pi = pi0.clone()
+        K.apply_update(zeros.clone(), zeros, pi, None, table, coef, None, seed=seed)
+        bits = pi.view(torch.int16)
+        assert ((bits == down) | (bits == down + 1)).all()
+        means.append((pi.float() - exact).double().mean().item())
+    means_t = torch.tensor(means, dtype=torch.float64)
+    standard_error = means_t.std().item() / len(means) ** 0.5
+    assert abs(means_t.mean().item()) < 3 * standard_error, (means_t.mean().item(), standard_error)
+    nearest = pi0.clone()
+    K.apply_update(zeros.clone(), zeros, nearest, None, table, coef, None, stochastic=False)
+    assert torch.equal(nearest.view(torch.int16), exact.bfloat16().view(torch.int16))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,7 +194,45 @@ def test_an_exported_directory_is_evaluated_like_a_checkpoint(runs, tmp_path, ca
         dynamics.main(["--checkpoint", str(exported)])
     index = report.main(["--checkpoint", str(exported), "--skip-missing"])
     assert index["evaluations"]["val_loss"] == {"status": "current", "step": 0}
+    assert index["budget"] == "full"  # an exported model does not say how long it trained
     assert index["evaluations"]["dynamics"]["status"].startswith("not applicable: an exported model")
     with pytest.raises(SystemExit):
         val_loss.main(["--run", str(broken), "--checkpoint", str(exported)])
     assert "--checkpoint / --run given twice" in capsys.readouterr().err
+
+
+def test_an_exported_model_is_validated_within_its_block_size(runs, tmp_path, capsys):
+    """An exported directory records no run: its sequence length defaults to its block size (64 here) rather than
+    the trainer's default 512; a --seq-len beyond the block size, or shards too small for the budget, are one line."""
+    import export
+
+    root, broken, _ = runs
+    exported = tmp_path / "exported"
+    export.export_model(train_gpt.model_from_checkpoint(broken / "checkpoints" / "latest.pt"), exported)
+    data = ["--val-files", str(root / "tiny_val_000000.bin"), "--micro-batch", "2"]
+    result = val_loss.main(["--run", str(exported), *data, "--val-tokens", "256"])
+    assert result["tokens"] == 256 and result["seq_len"] == 64
+    with pytest.raises(SystemExit) as excinfo:
+        val_loss.main(["--run", str(exported), *data, "--val-tokens", "256", "--seq-len", "512"])
+    assert excinfo.value.code == 2
+    assert "--seq-len 512: the model reads 1 to 64 positions (its block size); give --seq-len 64 or less" in (
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit, match=r"error: val shards .* hold 63 sequences .* lower --val-tokens"):
+        val_loss.main(["--run", str(exported), *data, "--val-tokens", str(64 * 100)])
+
+
+@pytest.mark.parametrize("damage, problem", [("{", "not valid JSON (Expecting property name enclosed in double "
+                                                   "quotes)"), ("[1]", "holds a JSON list, not a run's configuration")])
+def test_a_damaged_run_config_is_one_line_naming_the_file_before_any_evaluation(runs, tmp_path, damage, problem):
+    _, broken, _ = runs
+    run = tmp_path / "damaged"
+    (run / "checkpoints").mkdir(parents=True)
+    for name in ("config.json", "log.jsonl", "checkpoints/latest.pt"):
+        (run / name).write_bytes((broken / name).read_bytes())
+    (run / "config.json").write_text(damage)
+    message = f"error: {run / 'config.json'}: {problem}; it is damaged: restore it, or move it away"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        compare.main([str(run), "--out", str(tmp_path / "cmp")])
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        report.main(["--run", str(run)])
+    assert not (run / "eval" / "manifest.json").exists()  # no evaluation ran first

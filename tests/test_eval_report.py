@@ -140,11 +140,11 @@ def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_pat
     out = tmp_path / "compare"
     result = compare.main([str(run), "--out", str(out)])
     assert result["runs"][0]["steps"] == {"val_loss": 3, "logic_puzzles": 3, "alignment": 3}
-    assert table((out / "compare.md").read_text(), "# Run comparison")[0][:2] == ["run", "3"]
+    assert table((out / "compare.md").read_text(), "## Runs")[0][:2] == ["run", "3"]
 
     val_loss.main(["--checkpoint", str(step1)])
     compare.main([str(run), "--out", str(out)])
-    assert table((out / "compare.md").read_text(), "# Run comparison")[0][1] == (
+    assert table((out / "compare.md").read_text(), "## Runs")[0][1] == (
         "val_loss 1, logic_puzzles 3, alignment 3")
 
 
@@ -201,3 +201,107 @@ def test_wilson_failure_mode_is_gone_for_logic_scoring_zero(tmp_path, val_file):
     overall = result["suites"][0]["overall"]
     assert overall["n"] == 11 and overall["top5"] == 0.0 and overall["top5_ci"][0] == 0.0
     assert common.stale_reason(run / "eval", "logic_puzzles", result["checkpoint"]) is None
+
+
+def test_report_budget_follows_the_run_with_progress_and_a_full_report_reruns_quick_outputs(tmp_path, val_file,
+                                                                                          monkeypatch, capsys):
+    run = tiny_run(tmp_path, "run", val_file, steps=(1,))
+    argvs: dict[str, list[list[str]]] = {}
+
+    def wrap(name, evaluate):
+        def recorded(argv):
+            argvs.setdefault(name, []).append(argv)
+            return evaluate(argv + FAST_FLAGS.get(name, []))
+        return recorded
+    monkeypatch.setattr(report, "EVALUATIONS", {name: wrap(name, f) for name, f in report.EVALUATIONS.items()})
+    assert report.main(["--run", str(run)])["budget"] == "quick"  # 64 tokens trained
+    assert argvs["logic_puzzles"][0][-2:] == ["--per-category", "25"]
+    assert argvs["alignment"][0][-2:] == ["--residual-tokens", "32768"]
+    out = capsys.readouterr().out
+    assert "run, step 1: 4 of 4 evaluations to run, quick budget (the run trained 64 tokens" in out
+    assert "report: [1/4] eval.val_loss (not computed) ..." in out
+    assert re.search(r"report: \[4/4\] eval\.dynamics done in \d+\.\ds", out)
+    assert "Evaluation budget: **quick**" in (run / "report.md").read_text()
+    argvs.clear()
+    report.main(["--run", str(run), "--full"])
+    assert sorted(argvs) == ["alignment", "logic_puzzles"]  # the quick outputs, nothing else
+    assert "--per-category" not in argvs["logic_puzzles"][0]
+    assert "report: [1/2] eval.logic_puzzles (computed with the quick budget) ..." in capsys.readouterr().out
+    argvs.clear()
+    report.main(["--run", str(run)])
+    assert argvs == {}  # full outputs stand for a quick report
+    assert report.choose_budget(False, False, 20_000_000)[0] == "full"
+    assert report.choose_budget(False, False, None)[0] == "full"  # an exported model: its training is unknown
+    assert report.trained_tokens({"step": 3, "config": {"train": {"batch_tokens": 100}}}) == 300
+
+
+def test_an_interrupted_report_leaves_a_page_with_what_was_done(tmp_path, val_file, monkeypatch, capsys):
+    run = tiny_run(tmp_path, "run", val_file, steps=(1,))
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(report, "EVALUATIONS", {**report.EVALUATIONS, "logic_puzzles": interrupted})
+    with pytest.raises(SystemExit) as stopped:
+        report.main(["--run", str(run)])
+    assert stopped.value.code == 130
+    assert f"interrupted during eval.logic_puzzles; {run / 'report.md'} shows what was done" in capsys.readouterr().err
+    text = (run / "report.md").read_text()
+    rows = {row[0]: row for row in table(text, "## Evaluations")}
+    assert rows["val_loss"][3] == "current" and "**Validation loss" in text
+    assert rows["logic_puzzles"][3] == rows["dynamics"][3] == "interrupted: run the report again"
+    assert json.loads((run / "eval" / "report.json").read_text())["evaluations"]["alignment"]["status"].startswith(
+        "interrupted")
+
+
+def fake_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best: float,
+             activation: str = "prelu") -> Path:
+    """A run directory with config.json and an old-format log.jsonl (training records repeat the last validation
+    loss) whose least measured validation loss is `best`; no checkpoint, no evaluation."""
+    from config import RunConfig
+    from variants import ResearchConfig
+
+    cfg = RunConfig(train_gpt.GPTConfig(bias_mode=bias, activation=activation),
+                    train_gpt.TrainConfig(optimizer=optimizer, seed=seed), ResearchConfig(),
+                    OPTIMIZERS[optimizer].config())
+    run = root / name
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    log = [{"step": 0, "tokens": 0, "val_loss": 11.0, "val_step": 0},
+           {"step": 5, "tokens": 500, "train_loss": 9.0, "val_loss": 11.0, "val_step": 0},
+           {"step": 10, "tokens": 1000, "val_loss": best, "val_step": 10},
+           {"step": 15, "tokens": 1500, "train_loss": best - 1, "val_loss": best, "val_step": 10},
+           {"step": 20, "tokens": 2000, "val_loss": best + 0.5, "val_step": 20},
+           {"summary": True, "step": 20, "tokens": 2000, "val_loss": best + 0.5, "val_step": 20}]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    return run
+
+
+def test_compare_pivots_optimizers_by_bias_mode_with_seed_statistics_and_names_missing_evaluations(tmp_path, capsys):
+    best = {("adamw", "none"): (3.0, 3.2), ("adamw", "bqbv"): (2.5, 2.7), ("sgdm", "none"): (4.0, 4.0),
+            ("sgdm", "bqbv"): (4.5, 4.1)}
+    made = [fake_run(tmp_path, f"{o}-{b}-{seed}", o, b, seed, values[i])
+            for (o, b), values in best.items() for i, seed in enumerate((1, 2))]
+    gelu = fake_run(tmp_path, "adamw-none-gelu", "adamw", "none", 1, 2.0, activation="gelu")
+    (made[0] / "checkpoints").mkdir()
+    (made[0] / "checkpoints" / "latest.pt").write_bytes(b"")  # --checkpoint FILE names its run
+    out = tmp_path / "cmp"
+    (out).mkdir()
+    (out / "compare_enrichment.png").write_bytes(b"from an earlier comparison")
+    compare.main(["--checkpoint", str(made[0] / "checkpoints" / "latest.pt"), *(a for r in made[1:4] for a in
+                  ("--run", str(r))), *map(str, made[4:]), str(gelu), "--out", str(out)])
+    printed = capsys.readouterr().out
+    text = (out / "compare.md").read_text()
+    pivot = table(text, "## Best validation loss")
+    assert [row[0] for row in pivot] == ["adamw, activation prelu", "sgdm, activation prelu", "adamw, activation gelu"]
+    assert pivot[0][1:] == ["3.1000 ± 0.1414 (n = 2)", "2.6000 ± 0.1414 (n = 2)", "-0.5000"]
+    assert pivot[1][1:] == ["4.0000 ± 0.0000 (n = 2)", "4.3000 ± 0.2828 (n = 2)", "+0.3000"]
+    assert pivot[2][1:] == ["2.0000", "no run", "-"]
+    assert "## Best validation loss" in printed and f"compare: wrote {out / 'compare.json'}" in printed
+    rows = {row[0]: row for row in table(text, "## Runs")}
+    assert rows["adamw-none-1"][4:7] == ["3.0000", "run eval.val_loss", "run eval.logic_puzzles"]
+    assert rows["adamw-none-1"][10] == "run eval.alignment"
+    assert not (out / "compare_enrichment.png").exists() and "compare_enrichment" not in text
+    assert "## Logic puzzles" not in text
+    with pytest.raises(SystemExit):
+        compare.main(["--out", str(out)])
+    assert "name the runs to compare" in capsys.readouterr().err

@@ -123,7 +123,7 @@ def test_query_key_matrix_orientation_and_head_sum():
 def tiny_run(tmp_path_factory):
     """A 4-step run of a tiny model with checkpoints at steps 2 and 4 (step_*.pt and latest.pt)."""
     return train_tiny_run(tmp_path_factory.mktemp("structure"), "--log-every", "2", "--checkpoint-every", "2",
-                          "--keep-checkpoints")
+                          "--keep-checkpoints", "-1")
 
 
 def test_cli_over_a_runs_checkpoints(tiny_run, tmp_path):

@@ -20,6 +20,7 @@ import sample  # noqa: E402
 import runs
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
+from tests.test_train import ROOT  # noqa: E402
 
 TINY = dict(block_size=32, n_layer=2, n_head=2, n_embd=32)
 BIAS_CASES = {
@@ -65,6 +66,24 @@ def test_gelu_export_loads_as_gpt2_with_our_logits(tmp_path, case):
     ours = our_logits(model, idx)
     assert theirs.shape == ours.shape
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cut_vocabulary_lowers_the_loss_by_the_padding_mass_as_documented(tmp_path):
+    """docs/export.md#what-the-conversion-does: the logits of real tokens are ours, but the exported softmax leaves
+    out the 47 padding ids, so its loss on the same tokens is lower by the mean of -log(1 - p_pad)."""
+    model = random_model()
+    export.export_model(model, tmp_path / "hf")
+    exported = export.load_exported(tmp_path / "hf")
+    idx = tokens()
+    with torch.no_grad():
+        ours = model(idx[:, :-1], idx[:, 1:], biases=model.mean_biases)[1].item()
+        theirs = exported(idx[:, :-1], idx[:, 1:])[1].item()
+        logits = model(idx[:, :-1], biases=model.mean_biases)[0].double()
+    padding_mass = logits.softmax(-1)[..., GPT2_VOCAB:].sum(-1)
+    assert ours - theirs == pytest.approx(-torch.log1p(-padding_mass).mean().item(), abs=5e-6)  # float32 losses
+    assert ours - theirs > 1e-4  # 9.3e-4 here: about 47/50304 for an untrained head
+    text = " ".join((ROOT / "docs" / "export.md").read_text().split())
+    assert "its loss on the same tokens is lower than ours by the mean of −log(1 − p_pad)" in text
 
 
 def test_bias_folding_is_needed(tmp_path):
@@ -407,12 +426,20 @@ def gpt2_directory(tmp_path) -> str:
     return str(tmp_path / "hf")
 
 
+def edit_config(directory, **changes) -> None:
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:1000]),
      r"hf/model.safetensors: not a readable safetensors file .* truncated or damaged"),
     (lambda d: (d / "config.json").write_text('{"model_type": "gpt2", '), r"hf/config.json: not a JSON config"),
     (lambda d: (d / "config.json").write_bytes(b"\xff\xfe{}"), r"hf/config.json: not a JSON config"),
     (lambda d: (d / "config.json").write_text("[1, 2]"), r"hf/config.json: holds a JSON list"),
+    (lambda d: edit_config(d, n_head=0), r"hf/config.json: n_head = 0; a GPT-2 needs a positive integer"),
+    (lambda d: edit_config(d, n_layer="2"), r"hf/config.json: n_layer = '2'; a GPT-2 needs a positive integer"),
+    (lambda d: edit_config(d, n_head=3), r"hf/config.json: n_embd = 32 does not split into n_head = 3 heads"),
 ])
 def test_from_hf_names_a_damaged_file(tmp_path, damage, message):
     source = gpt2_directory(tmp_path)

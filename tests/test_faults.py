@@ -276,7 +276,7 @@ def damage_a_tensor(path: Path) -> None:
 
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus, tmp_path, capsys):
     train_gpt.main(tiny_args(corpus, tmp_path, "rot", steps=4, **{"val-every": 0, "checkpoint-every": 2,
-                                                                  "keep-checkpoints": True}))
+                                                                  "keep-checkpoints": -1}))
     checkpoints = tmp_path / "rot" / "checkpoints"
     damage_a_tensor(checkpoints / "latest.pt")
     damage_a_tensor(checkpoints / "step_000004.pt")
@@ -295,7 +295,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus
 
 def test_a_cut_or_missing_latest_checkpoint_falls_back_and_nothing_intact_is_an_error(corpus, tmp_path, capsys):
     train_gpt.main(tiny_args(corpus, tmp_path, "cut", steps=4, **{"val-every": 0, "checkpoint-every": 2,
-                                                                  "keep-checkpoints": True}))
+                                                                  "keep-checkpoints": -1}))
     run = tmp_path / "cut"
     latest, newest, oldest = (run / "checkpoints" / name for name in ("latest.pt", "step_000004.pt", "step_000002.pt"))
     latest.write_bytes(latest.read_bytes()[:latest.stat().st_size // 2])  # what a copy or a full disk cut short
@@ -322,7 +322,7 @@ def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run)])
     assert (f"--resume {run}: {latest} is damaged (its tensors do not match its checksum) and the run kept no "
-            "step_XXXXXX.pt to fall back on (--keep-checkpoints); start a new run") in capsys.readouterr().err
+            "step_XXXXXX.pt to fall back on (--keep-checkpoints K); start a new run") in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--init-from", str(run), "--device", "cpu"])
     assert f"--init-from {latest}: its tensors do not match the checksum" in capsys.readouterr().err
@@ -352,7 +352,7 @@ def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_
 
 def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
     args = tiny_args(corpus, tmp_path, "straight", steps=4, **{"val-every": 0, "checkpoint-every": 2,
-                                                               "keep-checkpoints": True})
+                                                               "keep-checkpoints": -1})
     assert (result := torchrun(args)).returncode == 0, result.stderr[-3000:]
     resumed = tmp_path / "resumed" / "checkpoints"
     resumed.mkdir(parents=True)
@@ -384,7 +384,8 @@ def test_the_flags_fixed_on_resume_are_marked_in_help_and_listed_in_the_docs(cap
         train_gpt.parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert text.count("(fixed on --resume)") == sum(map(len, fixed.values()))
-    assert "--seed INT seed for initialisation and the bias sampler (allowed: >= 0) (fixed on --resume)" in text
+    assert ("--seed INT seed for initialisation and the bias sampler (allowed: [0, 4294967295]) (fixed on --resume)"
+            in text)
 
 
 # ----- the presets' parity report ignores what only logs -----

@@ -1,41 +1,214 @@
-"""bench/gpu_session.py on the CPU: a step that hangs is stopped at its limit and the others still run and report."""
+"""bench/gpu_session.sh on the CPU with a fake interpreter standing in for the GPU machine's python3 (it answers each
+step as the real module would, or hangs, as the test asks): at most 3 files come back, the report is the last
+output, the budget is kept, a hung test is stopped and the others still get their verdicts, an environment failure
+ends the session at once, and SIGTERM still leaves a report. The real command on this CUDA-less machine stops at the
+environment check."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from bench import gpu_session
 
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_ecd_kernels.py::test_fp32[ragged]", "tests/test_a.py::test_slow_hang", "tests/test_a.py::test_ok",
+         "tests/test_a.py::test_fails"]
+FAKE = r'''
+import json, os, sys, time
 
-def test_a_hung_step_is_stopped_and_the_report_keeps_the_rest(tmp_path: Path) -> None:
-    steps = [
-        gpu_session.Step("env", 20, [sys.executable, "-c", 'print(\'{"gpu": "none", "torch": "x"}\')']),
-        gpu_session.Step("hangs", 1, [sys.executable, "-c", "import time; print('started', flush=True); "
-                                                            "time.sleep(60)"]),
-        gpu_session.Step("fails", 20, [sys.executable, "-c", "raise SystemExit(3)"]),
-        gpu_session.Step("late", 20, [sys.executable, "-c", "print('never')"]),
-    ]
+def arg(name):
+    return sys.argv[sys.argv.index(name) + 1]
+
+def hang(step):
+    if step in os.environ.get("FAKE_HANG", "").split(","):
+        print(f"{step}: hanging", flush=True)
+        time.sleep(600)
+
+module = sys.argv[2] if sys.argv[1] == "-m" else ""
+if module == "bench.session_env":
+    hang("env")
+    env = {"gpu": "Fake H100", "torch": "2.11.0", "triton": "3.6.0", "cuda": "12.8", "tokenizer_ranks": True}
+    if os.environ.get("FAKE_ENV") == "nocuda":
+        env["problem"] = "torch 2.11.0 sees no CUDA device"
+    open(arg("--out"), "w").write(json.dumps(env))
+    sys.exit(3 if "problem" in env else 0)
+if module == "bench.attention":
+    shape = {"B": 16, "H": 12, "T": 1024, "d": 64, "causal": True, "complete": False,
+             "variants": {"triton+bias": {"fwd_ms": 0.5, "x_fwd": 1.2, "fwd_bwd_ms": 2.0, "x_fwd_bwd": 1.1,
+                                          "first_s": 9.0}}}
+    open(arg("--out"), "w").write(json.dumps({"shapes": [shape]}))
+    hang("attention")
+    shape.update(complete=True, auto={"+bias": "triton"})
+    open(arg("--out"), "w").write(json.dumps({"shapes": [shape]}))
+elif module == "bench.e2e":
+    hang("e2e")
+    result = {"batch_tokens": 32768 if "32768" in sys.argv else 4096, "tokens_per_s": 200000.0,
+              "step_time_ms": 20.5, "mfu": 0.3, "profile": None}
+    if "--profile-steps" in sys.argv:
+        result["profile"] = {"steps": [27, 28], "wall_ms_per_step": 21.0, "host_ms_per_step": 13.0,
+                             "device_ms_per_step": 7.7, "trace": None,
+                             "top": [{"name": "fake_gemm_kernel", "calls": 48, "ms_per_step": 3.0, "share": 0.4}]}
+    open(arg("--out"), "w").write(json.dumps(result))
+elif module == "bench.optim":
+    print("device Fake H100 | torch 2.11.0")
+    print("copy bandwidth 3000.0 GB/s (read + write)")
+    print("         ecd:       1.2 ms/step (min 1.1, max 1.3) |  4.00 bytes/param of optimizer state")
+elif module == "pytest":
+    targets = [a for a in sys.argv[3:] if a.startswith("tests/")]
+    chosen = [t for t in os.environ["FAKE_TESTS"].split(",") if any(t == x or x.endswith("/") or t.startswith(x + "::")
+                                                                     for x in targets)]
+    events = open(os.environ["SYMGPT_SESSION_EVENTS"], "a", buffering=1)
+    for t in chosen:
+        events.write(f"collected {t}\n")
+    for t in chosen:
+        events.write(f"start {t}\n")
+        if "hang" in t:
+            time.sleep(600)
+        events.write(f"{'failed' if 'fails' in t else 'passed'} {t} 0.1\n")
+    print(f"{len(chosen)} tests")
+'''
+
+
+@pytest.fixture()
+def fake_python(tmp_path: Path) -> Path:
+    path = tmp_path / "fake" / "python3"
+    path.parent.mkdir()
+    path.write_text(f"#!{sys.executable}\n{FAKE}")
+    path.chmod(0o755)
+    return path
+
+
+def session(out: Path, python: Path | str, *args: str, timeout: float = 120, **env: str
+            ) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    for step in steps[:3]:
-        gpu_session.run_step(step, tmp_path, deadline=time.monotonic() + 60)
-    gpu_session.run_step(steps[3], tmp_path, deadline=time.monotonic() + 2)  # the budget is spent
-    assert time.monotonic() - start < 30
-    gpu_session.write_report(steps, tmp_path)
-
-    report = json.loads((tmp_path / "gpu_session.json").read_text())
-    status = {name: r["status"] for name, r in report["steps"].items()}
-    assert status == {"env": "ok", "hangs": "timed out after 1 s", "fails": "failed (exit 3)",
-                      "late": "not run: no time left in the budget"}
-    assert report["env"] == {"gpu": "none", "torch": "x"}
-    assert (tmp_path / "hangs.log").read_text() == "started\n"
-    markdown = (tmp_path / "gpu_session.md").read_text()
-    assert "| hangs | timed out after 1 s |" in markdown and "GPU: none | torch x" in markdown
+    proc = subprocess.run(["bash", "bench/gpu_session.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OUT": str(out), "PYTHON": str(python),
+                                                "SYMGPT_COMMIT": "abc1234", "FAKE_TESTS": ",".join(TESTS), **env})
+    return proc, time.monotonic() - start
 
 
-def test_the_session_fits_its_budget() -> None:
-    steps = gpu_session.session_steps(Path("out"), "python")
-    assert sum(s.limit_s for s in steps) <= gpu_session.BUDGET_S < 600
-    assert [s.name for s in steps if s.name.startswith("e2e")] == [
-        f"e2e_{batch}_{impl}" for batch in ("paper", "32k") for impl in ("triton", "sdpa", "flex")]
+def test_a_session_returns_three_files_and_prints_its_report_last(tmp_path: Path, fake_python: Path) -> None:
+    out = tmp_path / "out"
+    proc, seconds = session(out, fake_python, "--budget", "60", "--test-limit", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "session.log"]
+    markdown = (out / "report.md").read_text()
+    assert proc.stdout.rstrip().endswith(markdown.rstrip())  # the tail of the output carries the numbers
+    report = json.loads((out / "report.json").read_text())
+    assert report["commit"] == "abc1234" and report["env"]["gpu"] == "Fake H100" and report["stopped"] is None
+    assert [name for name, r in report["steps"].items() if r["status"] == "ok"] == [
+        "env", "attention", "e2e_paper_triton", "e2e_paper_sdpa", "e2e_32k_triton", "optim"]
+    assert report["attention"]["shapes"][0]["complete"]
+    assert report["e2e"]["e2e_32k_triton"]["batch_tokens"] == 32768
+    assert report["profile"]["run"] == "e2e_paper_triton" and report["profile"]["device_ms_per_step"] == 7.7
+    assert any("ecd:" in line for line in report["optim"])
+    verdicts = {t: r["verdict"] for t, r in report["tests"].items()}
+    assert verdicts == {TESTS[0]: "passed", TESTS[1]: "timed out after 3 s", TESTS[2]: "passed",
+                        TESTS[3]: "failed"}  # the hung test stopped, the rest run in a second pytest
+    assert report["steps"]["cuda_tests"]["status"] == "1 failed, 2 passed, 1 timed out after 3 s"
+    for text in ("| triton+bias | 0.500 | 1.20 | 2.000 | 1.10 | 9.0 |", "| paper_triton | 4,096 | 200,000 | 20.50 |",
+                 "21.00 ms per step = 2.73x the device's work", "| test_a.py::test_slow_hang | timed out after 3 s |"):
+        assert text in markdown
+    assert "Fake H100" in (out / "session.log").read_text() and seconds < 40
+
+
+def test_the_budget_is_kept_and_a_cut_step_keeps_what_it_measured(tmp_path: Path, fake_python: Path) -> None:
+    out = tmp_path / "out"
+    proc, seconds = session(out, fake_python, "--budget", "12", FAKE_HANG="attention")
+    assert seconds < 12 + 8, seconds  # the budget, the report and the interpreters' start
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"]["attention"]["status"].startswith("timed out")
+    assert report["attention"]["shapes"][0]["complete"] is False  # the shape measured before the cut
+    assert all(report["steps"][name]["status"] == "not run: no time left in the budget"
+               for name in ("e2e_paper_triton", "e2e_paper_sdpa", "e2e_32k_triton", "optim"))
+    assert "(cut short)" in proc.stdout.split("# GPU session")[-1]
+
+
+def test_an_environment_failure_ends_the_session_at_once(tmp_path: Path, fake_python: Path) -> None:
+    out = tmp_path / "out"
+    proc, seconds = session(out, fake_python, FAKE_ENV="nocuda")
+    assert proc.returncode == 1 and seconds < 20
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"] == {"env": {"status": "failed", "seconds": report["steps"]["env"]["seconds"]}}
+    assert "sees no CUDA device" in report["stopped"]
+    assert proc.stdout.rstrip().endswith("| env | failed | " + f"{report['steps']['env']['seconds']} |  |")
+
+
+def test_a_hung_environment_check_is_stopped_within_its_limit(tmp_path: Path, fake_python: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(gpu_session, "ENV_LIMIT_S", 3)
+    monkeypatch.setenv("FAKE_HANG", "env")
+    start = time.monotonic()
+    assert gpu_session.main(["--out", str(tmp_path), "--python", str(fake_python)]) == 1
+    assert time.monotonic() - start < 3 + 8
+    assert "timed out after 3 s" in json.loads((tmp_path / "report.json").read_text())["stopped"]
+    assert "**Stopped: environment check failed" in capsys.readouterr().out
+
+
+def test_without_cuda_the_real_command_stops_at_the_environment_check(tmp_path: Path) -> None:
+    proc, seconds = session(tmp_path, sys.executable)
+    assert proc.returncode == 1 and seconds < 60
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "sees no CUDA device" in report["stopped"] and report["env"]["torch"]
+
+
+def test_sigterm_stops_the_step_and_still_reports(tmp_path: Path, fake_python: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(["bash", "bench/gpu_session.sh"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "OUT": str(out), "PYTHON": str(fake_python), "FAKE_HANG": "e2e"})
+    log, deadline = out / "session.log", time.monotonic() + 30
+    while time.monotonic() < deadline and not (log.exists() and "e2e: hanging" in log.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=30)
+    report = json.loads((out / "report.json").read_text())
+    assert report["stopped"].startswith("SIGTERM") and report["steps"]["attention"]["status"] == "ok"
+    assert report["steps"]["e2e_paper_triton"]["status"] == "stopped by SIGTERM"
+    assert stdout.rstrip().endswith((out / "report.md").read_text().rstrip())
+
+
+def test_the_commit_comes_from_the_environment_a_file_or_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SYMGPT_COMMIT", "from-env")
+    assert gpu_session.commit() == "from-env"
+    monkeypatch.delenv("SYMGPT_COMMIT")
+    monkeypatch.setattr(gpu_session, "REPO", tmp_path)  # a tree that travelled without .git
+    assert gpu_session.commit() == "unknown (set SYMGPT_COMMIT)"
+    (tmp_path / "SYMGPT_COMMIT").write_text("from-file\n")
+    assert gpu_session.commit() == "from-file"
+
+
+def test_the_printed_report_lists_only_the_tests_that_did_not_pass_when_long() -> None:
+    tests = {f"tests/test_x.py::test_{i}": {"verdict": "passed", "seconds": 1.0} for i in range(300)}
+    tests["tests/test_x.py::test_bad"] = {"verdict": "failed", "seconds": 1.0}
+    report = {"commit": "c", "date": "d", "budget_s": 570, "elapsed_s": 1, "stopped": None, "env": None,
+              "steps": {"cuda_tests": {"status": "1 failed, 300 passed"}}, "attention": None, "e2e": {},
+              "profile": None, "optim": None, "tests": tests}
+    assert len(gpu_session.markdown(report)) > gpu_session.PRINT_LIMIT_CHARS
+    compact = gpu_session.markdown(report, compact=True)
+    assert len(compact) < 2000 and "test_x.py::test_bad | failed" in compact and "test_7 " not in compact
+
+
+def test_the_pytest_plugin_writes_each_verdict_as_it_happens(tmp_path: Path) -> None:
+    events = tmp_path / "events.txt"
+    test = tmp_path / "test_sample.py"
+    test.write_text("import pytest\n\ndef test_good():\n    pass\n\ndef test_bad():\n    assert False\n\n"
+                    "@pytest.fixture\ndef broken():\n    raise RuntimeError\n\ndef test_setup(broken):\n    pass\n\n"
+                    "@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.session_tests",
+                    "--rootdir", str(tmp_path), str(test)], cwd=ROOT, capture_output=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(ROOT), "SYMGPT_SESSION_EVENTS": str(events)})
+    lines = [line.rsplit(" ", 1)[0] if line[0] in "pfse" and not line.startswith("start") else line
+             for line in events.read_text().splitlines()]
+    name = f"{test.name}::test_"
+    assert lines == [f"collected {name}good", f"collected {name}bad", f"collected {name}setup",
+                     f"collected {name}skipped", f"start {name}good", f"passed {name}good", f"start {name}bad",
+                     f"failed {name}bad", f"start {name}setup", f"error {name}setup", f"start {name}skipped",
+                     f"skipped {name}skipped"]

@@ -49,7 +49,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 def test_resume_reproduces_the_trajectory(corpus, tmp_path, optimizer):
     train_gpt.main(args(corpus, tmp_path, "straight", optimizer, **{"lr-schedule": "cosine", "warmup-steps": 2}))
     train_gpt.main(args(corpus, tmp_path, "halves", optimizer, **{"lr-schedule": "cosine", "warmup-steps": 2,
-                                                                   "checkpoint-every": 3, "keep-checkpoints": True}))
+                                                                   "checkpoint-every": 3, "keep-checkpoints": -1}))
     resumed = resume_in_new_directory(tmp_path / "halves/checkpoints/step_000003.pt", tmp_path / "resumed")
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
     assert sorted(again) == [4, 5, 6]

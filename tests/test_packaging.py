@@ -15,9 +15,9 @@ pytest.importorskip("setuptools", reason="building the package needs setuptools 
 pytestmark = pytest.mark.slow  # two offline pip builds and two fresh interpreters importing torch: ~20 s on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["train_gpt", "cli", "config", "runs", "variants", "sample", "export", "kernels.attention", "kernels.ecd",
-           "optim", "gauge.dynamics", "gauge.updates", "data.tokenizer", "data.loader", "data.lookup", "eval.common",
-           "eval.logic_puzzles", "bench"]
+MODULES = ["train_gpt", "cli", "config", "runs", "timing", "variants", "sample", "export", "kernels.attention",
+           "kernels.ecd", "optim", "gauge.dynamics", "gauge.updates", "data.tokenizer", "data.loader", "data.lookup",
+           "eval.common", "eval.logic_puzzles", "bench"]
 IMPORT_CHECK = (
     "import importlib, sys\n"
     f"mods = [importlib.import_module(m) for m in {MODULES!r}]\n"

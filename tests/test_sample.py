@@ -149,7 +149,9 @@ def test_cli_samples_from_an_exported_directory(tmp_path, model):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0: greedy), got nan"),
+    (["--seed", "99999999999999999999999"], "--seed must be in [0, 4294967295], got 99999999999999999999999"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--top-k", "-2"], "--top-k must be >= 0"),
     (["--num-samples", "0"], "--num-samples must be >= 1"),

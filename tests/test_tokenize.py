@@ -269,3 +269,14 @@ def test_the_staging_directory_of_a_killed_run_is_removed(tmp_path):
     (stale / "t_train_000001.bin").write_bytes(b"x" * 4096)  # what SIGKILL in the middle of a run leaves
     documents_to_shards(make_docs(9, 20), tmp_path, "t", shard_tokens=400, val_tokens=200, workers=1)
     assert not stale.exists() and not list(tmp_path.glob(".t.*"))
+
+
+@pytest.mark.parametrize("prefix", ["a/b", "..", ""])
+def test_a_prefix_that_is_not_a_file_name_is_refused_before_anything_is_written(tmp_path, prefix, capsys):
+    (tmp_path / "doc.txt").write_text("some text to tokenize")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as excinfo:
+        tok.main([str(tmp_path / "doc.txt"), "--out", str(out), "--prefix", prefix, "--workers", "1"])
+    assert excinfo.value.code == 2
+    assert f"--prefix {prefix!r}: a name for the shard files, without '/'" in capsys.readouterr().err
+    assert not out.exists()

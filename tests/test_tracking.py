@@ -113,7 +113,7 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
 def test_a_failed_run_ends_its_wandb_run_as_failed(args, monkeypatch):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
-    monkeypatch.setattr(train_gpt.Trainer, "finish", lambda trainer: 1 / 0)
+    monkeypatch.setattr(train_gpt.Trainer, "finish", lambda trainer, final=True: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train_gpt.main([*args, "--wandb-project", "p", "--steps", "1", "--val-every", "0"])
     assert calls[-1] == ("finish", 1) and [c[0] for c in calls].count("finish") == 1

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import runs
 import train_gpt
 from cli import option
 from data.lookup import resolve_data_files
-from data.shards import ShardError, write_shard
+from data.shards import write_shard
 from eval import report, val_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +113,7 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path):
     common = {"lr-schedule": "cosine", "warmup-steps": 2}
     train_gpt.main(tiny_args(corpus, tmp_path, "straight", **common))
     train_gpt.main(tiny_args(corpus, tmp_path, "halves", **common, **{"checkpoint-every": 3, "steps": 8},
-                             **{"keep-checkpoints": True}))
+                             **{"keep-checkpoints": -1}))
     halves = tmp_path / "halves"
     straight = train_losses(tmp_path / "straight")
     first = train_losses(halves)
@@ -183,11 +184,15 @@ def test_default_batch_splits_over_eight_ranks_and_a_bad_split_names_the_fix(mon
 
 @pytest.mark.parametrize("flags, error", [
     ({"val-files": "/nonexistent/nothing_*.bin"}, "no shard files match"),
-    ({"val-tokens": 16}, "raise --val-tokens"),
+    ({"train-files": "/nonexistent/nothing_*.bin"}, "no shard files match '/nonexistent/nothing_*.bin'"),
+    ({"val-tokens": 16}, "--val-tokens 16 is less than one sequence of --seq-len 32; raise --val-tokens"),
+    ({"val-tokens": 10**6}, "the validation budget needs 31250 (1000000 tokens); lower --val-tokens"),
 ])
-def test_unusable_validation_data_fails_before_the_first_step(corpus, tmp_path, flags, error):
-    with pytest.raises((ShardError, ValueError), match=error):
+def test_unusable_validation_data_fails_before_the_first_step(corpus, tmp_path, flags, error, capsys):
+    with pytest.raises(SystemExit) as excinfo:
         train_gpt.main(tiny_args(corpus, tmp_path, "badval", **{"val-every": 0}, **flags))
+    err = capsys.readouterr().err
+    assert excinfo.value.code == 2 and error in err and "Traceback" not in err
     assert not (tmp_path / "badval").exists()  # nothing was trained, nothing written
 
 
@@ -349,7 +354,9 @@ def test_presets_compose_with_flags():
     (["--batch-tokens", "1000"], "--batch-tokens 1000 must be a multiple of --seq-len 512"),
     (["--seq-len", "1024"], "--seq-len 1024 exceeds --block-size 512"),
     (["--lr", "-1"], "--lr must be > 0, got -1"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be [0, 4294967295], got -1"),
+    (["--seed", "99999999999999999999999"], "--seed must be [0, 4294967295], got 99999999999999999999999"),
+    (["--optimizer", "sgdm", "--optim-seed", str(2**32)], "--optim-seed must be [0, 4294967295], got 4294967296"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--bias-mode", "bk"], "invalid choice: 'bk'"),
     (["--optimizer", "muon", "--dynamics-every", "10"], "muon has none (set --dynamics-every 0)"),
@@ -484,11 +491,13 @@ def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_p
     assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
 
 
-def test_corrupt_shard_names_the_file(corpus, tmp_path):
+def test_corrupt_shard_names_the_file(corpus, tmp_path, capsys):
     bad = tmp_path / "bad_train_000001.bin"
     bad.write_bytes(np.full(256, 7, dtype="<i4").tobytes() + b"\0" * 64)
-    with pytest.raises(ShardError, match=r"bad_train_000001\.bin: bad magic 7"):
+    with pytest.raises(SystemExit) as excinfo:
         train_gpt.main(tiny_args(corpus, tmp_path, "corrupt", **{"train-files": str(bad)}))
+    assert excinfo.value.code == 2
+    assert re.search(r"^error: .*bad_train_000001\.bin: bad magic 7", capsys.readouterr().err, re.M)
 
 
 def test_sigint_stops_a_single_process_promptly(corpus, tmp_path):

@@ -1,0 +1,253 @@
+"""Run a grid of train_gpt.py runs on every GPU of a node (or CPU workers), then report and compare them.
+
+    python -m grid --name paper --axis optimizer=ecd,adamw,sgdm,soap --axis bias-mode=none,bq,bqbv \\
+        --axis seed=42,83 -- --preset gpt2-124m
+    python -m grid --grid paper.toml                 # the same grid from a file (axes and shared flags)
+    python -m grid status runs/paper                 # where a grid (running here or elsewhere) stands
+    python -m grid report runs/paper                 # eval.report per finished run, then eval.compare
+
+Each --axis FLAG=V1,V2,... names a train_gpt.py flag; everything after -- goes to every run. A run per combination
+goes to <--run-dir>/<--name>/<flag=value,...>. On CUDA each run gets one GPU (CUDA_VISIBLE_DEVICES), or N under
+torchrun with --gpus-per-run N; on a CPU --workers N processes share the cores. The same command again skips
+finished runs, resumes interrupted ones and reruns failed ones only with --retry-failed; Ctrl-C stops every run with
+a checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+from pathlib import Path
+
+from data.lookup import resolve_data_files
+from grid.execute import Journal, Scheduler, claim, initial_state, make_slots, owner
+from grid.plan import GridError, build_spec, check_flags, plan_runs, slurm_script, train_command, train_flags
+from grid.progress import Display, run_finished, run_row, summary_line, table
+from grid.report import report_grid
+
+
+def visible_gpus(given: str | None) -> list[str]:
+    """The GPUs runs may use: --gpus, else CUDA_VISIBLE_DEVICES's, else every GPU torch sees (none without CUDA)."""
+    if given:
+        return [g.strip() for g in given.split(",") if g.strip()]
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    listed = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return listed or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m grid", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", help="the grid's name: its runs go to <--run-dir>/<name>/ (or name in --grid)")
+    parser.add_argument("--axis", action="append", default=[], metavar="FLAG=V1,V2",
+                        help="a train_gpt.py flag and its values (repeatable; the first axis varies slowest)")
+    parser.add_argument("--grid", type=Path, metavar="FILE.toml", help="axes and shared flags from a TOML file "
+                        "(docs/grid.md#grid-files); --name, --axis and flags after -- override it")
+    parser.add_argument("--run-dir", default=None, help="parent of the grid's directory (default: runs)")
+    parser.add_argument("--workers", type=int, default=1, help="CPU runs: processes at once, the cores divided "
+                        "between them (default: %(default)s)")
+    parser.add_argument("--gpus-per-run", type=int, default=1, help="CUDA runs: GPUs per run; more than 1 runs "
+                        "each under torchrun (default: %(default)s)")
+    parser.add_argument("--gpus", default=None, help="comma-separated GPU ids to use (default: every visible GPU)")
+    parser.add_argument("--retry-failed", action="store_true", help="run again the runs whose last attempt failed")
+    parser.add_argument("--dry-run", action="store_true", help="print the runs, their commands and placement; "
+                        "start nothing")
+    parser.add_argument("--print-slurm", action="store_true", help="print a Slurm job-array script (one array "
+                        "task per run, the same commands) instead of running")
+    parser.add_argument("--no-report", action="store_true", help="skip eval.report and eval.compare at the end")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--quick", action="store_true", help="report with the quick evaluation set whatever "
+                        "the runs' size (default: quick for runs under 20M tokens)")
+    budget.add_argument("--full", action="store_true", help="report with the full evaluation set")
+    parser.add_argument("--status-every", type=float, default=60.0, metavar="SECONDS",
+                        help="when the output is not a terminal, print the table this often (default: %(default)s)")
+    return parser
+
+
+def _plan_record(runs) -> list[dict]:
+    """The runs as grid.jsonl's start record keeps them (what `status` and `report` read)."""
+    return [{"name": r.name, "values": r.values, "path": str(r.path), "steps": r.steps,
+             "batch_tokens": r.batch_tokens, "stop_at_target": r.stop_at_target, "device": r.device,
+             "problem": r.problem} for r in runs]
+
+
+def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:
+    """--dry-run: every run, its state, where the first wave goes, and its command with the slot's environment."""
+    sizes = " × ".join(f"{a.flag} {len(a.values)}" for a in spec.axes)
+    print(f"grid {spec.name} in {spec.directory}: {len(runs)} runs ({sizes}); slots: "
+          + (", ".join(s.label for s in slots) or "none"))
+    free = list(slots)
+    for run in runs:
+        state = states[run.name]
+        if state == "invalid":
+            print(f"  [invalid]  {run.name}: {run.problem}")
+            continue
+        if state in ("finished", "failed"):
+            print(f"  [{state}] {run.name}" + (" (--retry-failed runs it again)" if state == "failed" else ""))
+            continue
+        slot = next((s for s in free if s.kind == run.device), None)
+        if slot is not None:
+            free.remove(slot)
+        print(f"  [{state}] {run.name} -> {slot.label if slot else 'queued: the next free ' + run.device + ' slot'}")
+        env = slot.env if slot else next(s.env for s in slots if s.kind == run.device)
+        command = train_command(run, gpus_per_run if run.device == "cuda" else 1, state == "resume")
+        print("      " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command))
+
+
+def plan_grid(args: argparse.Namespace, shared: list[str]):
+    """(spec, runs, visible GPUs), every flag checked; GridError for a grid that cannot run as given."""
+    spec = build_spec(args.name, args.run_dir, args.axis, shared, args.grid)
+    known = train_flags()
+    check_flags(spec, known)
+    if args.workers < 1 or args.gpus_per_run < 1:
+        raise GridError("--workers and --gpus-per-run take a number of at least 1")
+    gpus = visible_gpus(args.gpus)
+    if args.gpus and not (args.dry_run or args.print_slurm) and not visible_gpus(None):
+        raise GridError(f"--gpus {args.gpus}: torch sees no CUDA device here (plan with --dry-run or --print-slurm)")
+    if gpus and len(gpus) < args.gpus_per_run:
+        raise GridError(f"--gpus-per-run {args.gpus_per_run}: only {len(gpus)} GPUs are visible ({','.join(gpus)})")
+    return spec, known, gpus
+
+
+def finish_grid(args, spec, runs, scheduler: Scheduler, states: dict[str, str]) -> int:
+    """After the runs: name each run that did not finish (with the end of its output), report and compare the
+    finished ones; 0, 1 when a run or a report failed, 130 when the reports were interrupted."""
+    finished = [r for r in runs if run_finished(r.path, r.steps, r.stop_at_target)]
+    failed = [r for r in runs if r not in finished]
+    for run in failed:
+        state = scheduler.states.get(run.name, {})
+        error = state.get("error") if not run.problem else None
+        print(f"grid: NOT FINISHED {run.name}: {run.problem or state.get('state', states[run.name])}"
+              + ("\n    " + error.replace("\n", "\n    ") if error else ""), file=sys.stderr)
+    code = 0
+    if not args.no_report:
+        budget = ["--quick"] if args.quick else ["--full"] if args.full else []
+        code = report_grid(spec.directory, [r.path for r in finished], budget, [r.name for r in failed],
+                           scheduler.slots)
+    print(f"grid {spec.name}: {len(finished)} of {len(runs)} runs finished"
+          + (f"; {len(failed)} did not (above)" if failed else "")
+          + ("" if args.no_report or not finished or code else f"; comparison: {spec.directory / 'compare.md'}"))
+    return code or (1 if failed else 0)
+
+
+def run_grid(argv: list[str]) -> int:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = run_parser().parse_args(argv[:cut])
+    try:
+        spec, known, gpus = plan_grid(args, argv[cut + 1:])
+        lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
+        runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
+        if all(r.problem for r in runs):
+            raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
+    except GridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_slurm:
+        print(slurm_script(spec, runs, args.gpus_per_run, None), end="")
+        return 0
+    slots = make_slots(gpus, args.gpus_per_run, args.workers, len(os.sched_getaffinity(0)),
+                       {r.device for r in runs if r.problem is None})
+    journal = Journal(spec.directory)
+    previous = journal.states()
+    states = {r.name: initial_state(r, previous.get(r.name, {}), args.retry_failed) for r in runs}
+    if args.dry_run:
+        print_plan(spec, runs, states, slots, args.gpus_per_run)
+        return 0
+    journal.append({"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
+                    "runs": _plan_record(runs), "slots": [s.label for s in slots]})
+    for run in runs:
+        if states[run.name] == "invalid" and previous.get(run.name, {}).get("error") != run.problem:
+            journal.append({"run": run.name, "state": "invalid", "error": run.problem})
+    todo = [(r, states[r.name] == "resume") for r in runs if states[r.name] in ("new", "resume")]
+    counts = {s: list(states.values()).count(s) for s in ("new", "resume", "finished", "failed", "invalid")}
+    print(f"grid {spec.name}: {len(runs)} runs in {spec.directory}: {counts['new']} to start, {counts['resume']} to "
+          f"resume, {counts['finished']} finished, {counts['failed']} failed before (--retry-failed runs them), "
+          f"{counts['invalid']} refused by train_gpt.py; slots: {', '.join(s.label for s in slots)}", flush=True)
+    if any(not run.train_files for run, _ in todo):
+        print("grid: preparing the default data once for every run", flush=True)
+        resolve_data_files("", "")
+    scheduler = Scheduler(spec.directory, spec.name, runs, slots, journal, Display(plain_every=args.status_every))
+    code = scheduler.execute(todo) if todo else 0
+    if code:
+        print("grid: stopped by a signal; every run wrote a checkpoint where it could. The same command continues "
+              "the grid.", file=sys.stderr)
+    else:
+        code = finish_grid(args, spec, runs, scheduler, states)
+    journal.append({"event": "end", "rc": code})
+    lock.close()
+    return code
+
+
+def grid_status(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grid status", description="Where a grid stands: each run's "
+                                     "state, step, last loss, tokens/s, ETA and device, from DIR/grid.jsonl and "
+                                     "the runs' logs.")
+    parser.add_argument("directory", type=Path, help="the grid's directory (<run-dir>/<name>)")
+    args = parser.parse_args(argv)
+    journal = Journal(args.directory)
+    plan = journal.plan()
+    if plan is None:
+        print(f"error: {args.directory}: no {journal.path.name} here: not a grid directory", file=sys.stderr)
+        return 2
+    states = journal.states()
+    rows = [run_row(p, states.get(p["name"], {"state": "invalid"} if p.get("problem") else {}))
+            for p in plan["runs"]]
+    print(summary_line(args.directory.name, [row[1] for row in rows]))
+    print("\n".join(table(rows)))
+    holder = owner(args.directory)
+    print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it")
+    for p in plan["runs"]:
+        state = states.get(p["name"], {})
+        if state.get("state") in ("failed", "invalid"):
+            print(f"{p['name']}: {state['state']}: " + (state.get("error") or p.get("problem") or ""))
+    return 0
+
+
+def grid_report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grid report", description="eval.report for every finished "
+                                     "run of a grid, then eval.compare into DIR/compare.md.")
+    parser.add_argument("directory", type=Path, help="the grid's directory (<run-dir>/<name>)")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--quick", action="store_true", help="the quick evaluation set for every run")
+    budget.add_argument("--full", action="store_true", help="the full evaluation set for every run")
+    parser.add_argument("--workers", type=int, default=1, help="reports at once without GPUs (default: %(default)s)")
+    parser.add_argument("--gpus", default=None, help="comma-separated GPU ids, one report each at a time "
+                        "(default: every visible GPU)")
+    args = parser.parse_args(argv)
+    plan = Journal(args.directory).plan()
+    try:
+        if plan is None:
+            raise GridError(f"{args.directory}: no grid.jsonl here: not a grid directory")
+        lock = claim(args.directory)
+    except GridError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    done = [p for p in plan["runs"] if run_finished(Path(p["path"]), p["steps"], p.get("stop_at_target", False))]
+    others = [p["name"] for p in plan["runs"] if p not in done]
+    gpus = visible_gpus(args.gpus)
+    slots = make_slots(gpus, 1, max(args.workers, 1), len(os.sched_getaffinity(0)), {"cuda"} if gpus else {"cpu"})
+    code = report_grid(args.directory, [Path(p["path"]) for p in done], ["--quick"] * args.quick
+                       + ["--full"] * args.full, others, slots)
+    lock.close()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = {"status": grid_status, "report": grid_report}
+    try:
+        if argv and argv[0] in commands:
+            return commands[argv[0]](argv[1:])
+        return run_grid(argv)
+    except KeyboardInterrupt:  # before any run started (while planning), or in a report of its own
+        print("\ngrid: interrupted; the same command continues", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

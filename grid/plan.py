@@ -1,0 +1,269 @@
+"""What a grid runs: axes of train_gpt.py flags and the flags every run shares (from the command line or a TOML
+file), one run per combination of axis values with a readable, stable name, each run's flags checked by
+train_gpt.py's own parser, and the command that trains or resumes it (docs/grid.md)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import io
+import itertools
+import re
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import config
+import train_gpt
+from optim import OPTIMIZERS
+from runs import batch_layout
+
+TRAIN_SCRIPT = Path(train_gpt.__file__).resolve()
+RESERVED = {"run-dir": "give --run-dir to the grid (before --): runs go to <run-dir>/<name>/<run>",
+            "run-name": "the grid names each run after its axis values",
+            "resume": "the grid resumes interrupted runs itself: run the same grid command again"}
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+TOML_KEYS = ("name", "run_dir", "axes", "flags")
+
+
+class GridError(ValueError):
+    """A grid that cannot be planned as given (the message names the flag, value or file and the fix)."""
+
+
+def train_flags() -> dict[str, bool]:
+    """Every train_gpt.py flag (dash-separated, no leading dashes) -> whether it is a boolean, over every
+    optimizer's flags."""
+    flags = {"preset": False}
+    for optimizer in OPTIMIZERS:
+        for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer).values():
+            flags.update({f.name.replace("_", "-"): f.type in (bool, "bool") for f in dataclasses.fields(cls)})
+    return flags
+
+
+def unknown_flag(name: str, known: dict[str, bool], where: str) -> GridError:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean --{close[0]}?)" if close else " (python train_gpt.py --help lists them)"
+    return GridError(f"{where}: train_gpt.py has no flag --{name}{hint}")
+
+
+@dataclass
+class Axis:
+    """One axis: a train_gpt.py flag (dash-separated, no dashes in front) and its values, in order."""
+
+    flag: str
+    values: list[str]
+
+    @classmethod
+    def parse(cls, text: str) -> Axis:
+        """`FLAG=V1,V2,...` (the flag with or without its leading dashes)."""
+        flag, sep, values = text.partition("=")
+        flag = flag.strip().removeprefix("--")
+        items = [v.strip() for v in values.split(",")]
+        if not sep or not flag or not all(items):
+            raise GridError(f"--axis {text}: write FLAG=V1,V2,... (e.g. --axis optimizer=ecd,adamw)")
+        return cls(flag, items)
+
+
+@dataclass
+class GridSpec:
+    """A grid as the user gave it: its name, the parent of its directory, the axes and the shared flags."""
+
+    name: str
+    run_dir: Path
+    axes: list[Axis]
+    flags: list[str] = field(default_factory=list)
+
+    @property
+    def directory(self) -> Path:
+        return self.run_dir / self.name
+
+
+def _toml_module():
+    try:
+        import tomllib
+    except ImportError:
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise GridError("--grid: reading TOML needs Python 3.11 or newer, or on Python 3.10 the tomli package "
+                            "(`pip install tomli`)") from None
+    return tomllib
+
+
+def _flag_words(name: str, value: object) -> list[str]:
+    if isinstance(value, bool):
+        return [f"--{name}" if value else f"--no-{name}"]
+    return [f"--{name}={value}"]
+
+
+def read_toml(path: Path) -> dict:
+    """A grid file: {"name", "run_dir", "axes": {flag: [values]}, "flags": table or list}; every key checked."""
+    tomllib = _toml_module()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise GridError(f"--grid {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise GridError(f"--grid {path}: not valid TOML ({exc})") from None
+    unknown = sorted(set(data) - set(TOML_KEYS))
+    if unknown:
+        raise GridError(f"--grid {path}: unknown keys {', '.join(unknown)} (a grid file holds {', '.join(TOML_KEYS)})")
+    axes = data.get("axes", {})
+    if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
+        raise GridError(f"--grid {path}: [axes] maps each flag to a non-empty list of values, e.g. seed = [42, 83]")
+    flags = data.get("flags", [])
+    if isinstance(flags, dict):
+        flags = [word for name, value in flags.items() for word in _flag_words(name.replace("_", "-"), value)]
+    elif not (isinstance(flags, list) and all(isinstance(w, str) for w in flags)):
+        raise GridError(f"--grid {path}: flags is a table (steps = 100) or a list of strings ([\"--steps\", \"100\"])")
+    return {"name": data.get("name"), "run_dir": data.get("run_dir"), "flags": flags,
+            "axes": [Axis(k.replace("_", "-"), [str(v).lower() if isinstance(v, bool) else str(v) for v in values])
+                     for k, values in axes.items()]}
+
+
+def build_spec(name: str | None, run_dir: str | None, axes: list[str], flags: list[str],
+               grid_file: Path | None) -> GridSpec:
+    """The grid from a TOML file (if any) and the command line, which wins: its --name and --run-dir replace the
+    file's, an --axis of a flag the file has replaces that axis, and its shared flags come after the file's."""
+    base = read_toml(grid_file) if grid_file else {"name": None, "run_dir": None, "axes": [], "flags": []}
+    merged = {axis.flag: axis for axis in base["axes"]}
+    for text in axes:
+        axis = Axis.parse(text)
+        merged[axis.flag] = axis
+    name = name or base["name"]
+    if not name:
+        raise GridError("name the grid: --name NAME (or name = \"...\" in the --grid file); runs go to "
+                        "<run-dir>/<name>/")
+    if "/" in name or name in (".", ".."):
+        raise GridError(f"--name {name}: a directory name, without '/'")
+    if not merged:
+        raise GridError("a grid needs at least one --axis FLAG=V1,V2,... (or an [axes] table in the --grid file)")
+    return GridSpec(name, Path(run_dir or base["run_dir"] or "runs"), list(merged.values()), base["flags"] + flags)
+
+
+def check_flags(spec: GridSpec, known: dict[str, bool]) -> None:
+    """Refuse, before anything runs, an axis or shared flag that train_gpt.py does not have, one the grid sets
+    itself, a boolean axis value that is not true/false, and a value repeated on an axis."""
+    for axis in spec.axes:
+        where = f"--axis {axis.flag}"
+        if axis.flag in RESERVED:
+            raise GridError(f"{where}: {RESERVED[axis.flag]}")
+        if axis.flag not in known:
+            raise unknown_flag(axis.flag, known, where)
+        if known[axis.flag] and not all(v.lower() in TRUE + FALSE for v in axis.values):
+            raise GridError(f"{where}: a boolean flag takes true or false, got {','.join(axis.values)}")
+        if len(set(axis.values)) < len(axis.values):
+            raise GridError(f"{where}: a value is repeated ({','.join(axis.values)})")
+    for word in spec.flags:
+        if not word.startswith("--"):
+            continue
+        name = word[2:].partition("=")[0]
+        plain = name[3:] if name.startswith("no-") and known.get(name[3:]) else name
+        if plain in RESERVED:
+            raise GridError(f"--{plain} after --: {RESERVED[plain]}")
+        if plain not in known:
+            raise unknown_flag(name, known, f"--{name} after --")
+        if plain in {axis.flag for axis in spec.axes}:
+            raise GridError(f"--{plain} is an --axis and a shared flag after --: give it once")
+
+
+def _safe(value: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", value)
+
+
+@dataclass
+class Run:
+    """One run of the grid: its name (`flag=value,...`), axis values, train_gpt.py flags, directory and what the
+    trainer's parser says of them (problem, device, steps, tokens per step)."""
+
+    name: str
+    values: dict[str, str]
+    flags: list[str]
+    path: Path
+    problem: str | None = None
+    device: str = "cpu"
+    steps: int = 0
+    batch_tokens: int = 0
+    stop_at_target: bool = False
+    train_files: str = ""
+
+
+def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
+    """(train_gpt.py's refusal of `flags`, or None; the parsed RunConfig) with the batch split over `world`
+    processes checked too. The parser's usage text is dropped: the error line is kept."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
+            cfg = train_gpt.parse_config(flags)
+    except SystemExit:
+        lines = [line for line in captured.getvalue().splitlines() if line.strip()]
+        last = lines[-1] if lines else "train_gpt.py refused these flags"
+        return last.split("error: ", 1)[-1], None
+    try:
+        batch_layout(cfg.train, world)
+    except ValueError as exc:
+        return str(exc), cfg
+    return None, cfg
+
+
+def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gpus: bool) -> list[Run]:
+    """One Run per combination of axis values (the first axis varying slowest), each checked by train_gpt.py's
+    parser (`known`: train_flags()); a refused combination keeps its reason in `problem`. Raises GridError when
+    names collide."""
+    runs, directory = [], spec.directory.absolute()
+    for combo in itertools.product(*(axis.values for axis in spec.axes)):
+        values = {axis.flag: value for axis, value in zip(spec.axes, combo)}
+        name = ",".join(f"{flag}={_safe(value)}" for flag, value in values.items())
+        flags = list(spec.flags)
+        for flag, value in values.items():
+            flags += _flag_words(flag, value.lower() in TRUE) if known[flag] else _flag_words(flag, value)
+        problem, cfg = parser_problem(flags, gpus_per_run)
+        run = Run(name, values, flags, directory / name, problem)
+        if cfg is not None:
+            hp = cfg.train
+            run.device = "cuda" if hp.device == "cuda" or (hp.device == "auto" and have_gpus) else "cpu"
+            run.steps, run.batch_tokens, run.stop_at_target = hp.steps, hp.batch_tokens, hp.stop_at_target
+            run.train_files = hp.train_files
+        runs.append(run)
+    names = [r.name for r in runs]
+    if len(set(names)) < len(names):
+        raise GridError("two runs get the same directory name (values that differ only in characters outside "
+                        "A-Z a-z 0-9 . _ + -): choose values that differ in those")
+    return runs
+
+
+def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:
+    """The command that trains `run` (in its directory), or continues it with --resume; under torchrun on
+    `gpus_per_run` GPUs when that is more than one."""
+    where = ["--resume", str(run.path)] if resume else ["--run-dir", str(run.path.parent), "--run-name", run.path.name]
+    launcher = ([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus_per_run}"]
+                if gpus_per_run > 1 and run.device == "cuda" else [python])
+    return launcher + [str(TRAIN_SCRIPT)] + run.flags + where
+
+
+def slurm_script(spec: GridSpec, runs: list[Run], gpus_per_run: int, cpus_per_task: int | None) -> str:
+    """A Slurm job-array script with one array task per valid run: the run's command, or its --resume command
+    when the run holds a checkpoint, skipped when its log ends with the summary (finished)."""
+    valid = [r for r in runs if r.problem is None]
+    uses_gpus = any(r.device == "cuda" for r in valid)
+    lines = ["#!/bin/bash", f"# python -m grid --name {spec.name}: {len(valid)} runs, one array task each",
+             f"#SBATCH --job-name=grid-{spec.name}", f"#SBATCH --array=0-{max(len(valid) - 1, 0)}",
+             f"#SBATCH --output={spec.directory.absolute()}/logs/slurm-%A_%a.log", "#SBATCH --ntasks=1"]
+    lines += [f"#SBATCH --gpus-per-task={gpus_per_run}"] if uses_gpus else []
+    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task else []
+    lines += [f"# not run: {r.name}: {r.problem}" for r in runs if r.problem is not None]
+    lines += ["set -euo pipefail", f"cd {shlex.quote(str(TRAIN_SCRIPT.parent))}",
+              f"mkdir -p {shlex.quote(str(spec.directory.absolute() / 'logs'))}",
+              'PYTHON="${PYTHON:-python}"', 'case "$SLURM_ARRAY_TASK_ID" in']
+    for index, run in enumerate(valid):
+        def shell(resume: bool) -> str:
+            return shlex.join(train_command(run, gpus_per_run, resume, "PYTHON")).replace("PYTHON", '"$PYTHON"', 1)
+        run_dir = shlex.quote(str(run.path))
+        lines += [f"  {index})",
+                  f"    if tail -n 1 {run_dir}/log.jsonl 2>/dev/null | grep -q '\"summary\": true'; then "
+                  f"echo 'finished: {run.name}'",
+                  f"    elif [ -f {run_dir}/checkpoints/latest.pt ]; then exec {shell(True)}",
+                  f"    else exec {shell(False)}", "    fi ;;"]
+    lines += ["esac", ""]
+    return "\n".join(lines)

@@ -1,0 +1,270 @@
+"""python -m grid (docs/grid.md): a grid of tiny CPU runs with 2 workers finishes, reports and compares; the same
+command again starts nothing; a refused or failing run does not stop the others; SIGINT then the same command gives
+runs bit-identical to uninterrupted ones; the plan from a TOML file, GPU placement, the Slurm script, the errors."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import runs
+from data.shards import write_shard
+from grid import plan
+from grid.__main__ import main
+from grid.execute import Journal
+from tests.conftest import ROOT
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def tiny_flags(tmp_path_factory) -> list[str]:
+    """Shared train_gpt.py flags of a 1-layer, 16-wide model on random GPT-2 tokens (blocks of 64 hold the logic
+    prompts of the report), on the CPU."""
+    root = tmp_path_factory.mktemp("corpus")
+    write_shard(root / "g_val_000000.bin", np.random.default_rng(0).integers(0, 50257, 4096))
+    write_shard(root / "g_train_000001.bin", np.random.default_rng(1).integers(0, 50257, 8192))
+    return ["--train-files", str(root / "g_train_*.bin"), "--val-files", str(root / "g_val_*.bin"),
+            "--block-size", "64", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
+            "--batch-tokens", "32", "--micro-batch", "2", "--val-tokens", "32", "--device", "cpu", "--no-compile",
+            "--log-every", "1"]
+
+
+def grid(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=600, **kwargs)
+
+
+def markdown_rows(text: str, heading: str) -> list[list[str]]:
+    """The header and body rows of the first Markdown table after `heading`."""
+    lines = text.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start:end]]
+    return [rows[0]] + rows[2:]
+
+
+def started(directory: Path) -> list[str]:
+    return [r["run"] for r in Journal(directory).records() if r.get("state") == "running"]
+
+
+def test_a_2x2_grid_finishes_reports_and_compares_and_the_same_command_starts_nothing(tmp_path, tiny_flags, capsys):
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "optimizer=adamw,sgdm", "--axis",
+            "bias-mode=none,bqbv", "--workers", "2", "--", *tiny_flags, "--steps", "3"]
+    first = grid(args)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    directory = tmp_path / "g"
+    names = ["optimizer=adamw,bias-mode=none", "optimizer=adamw,bias-mode=bqbv", "optimizer=sgdm,bias-mode=none",
+             "optimizer=sgdm,bias-mode=bqbv"]
+    assert sorted(started(directory)) == sorted(names)
+    for name in names:
+        assert runs.read_log(directory / name)[-1]["summary"] and runs.read_log(directory / name)[-1]["step"] == 3
+        assert (directory / name / "report.md").is_file()
+    assert json.loads((directory / names[0] / "eval" / "report.json").read_text())["budget"] == "quick"
+    page = (directory / "compare.md").read_text()
+    runs_table = markdown_rows(page, "## Runs")
+    assert [row[0] for row in runs_table[1:]] == names
+    pivot = markdown_rows(page, "## Best validation loss")
+    assert pivot[0] == ["optimizer and settings", "symmetric (none)", "b_Q + b_V (bqbv)", "Δ b_Q + b_V"]
+    assert [row[0] for row in pivot[1:]] == ["adamw", "sgdm"]
+    assert all(row[3].startswith(("+", "-")) for row in pivot[1:])  # the Δ column
+    assert (directory / "compare_loss.png").is_file() and f"comparison: {directory / 'compare.md'}" in first.stdout
+
+    again = grid(args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 to start, 0 to resume, 4 finished" in again.stdout
+    assert sorted(started(directory)) == sorted(names)  # no run started a second time
+
+    assert main(["status", str(directory)]) == 0
+    status = capsys.readouterr().out
+    assert "grid g: 4 runs: 4 finished" in status and "3/3" in status and "CPU worker" in status
+
+
+def without(flags: list[str], *names: str) -> list[str]:
+    """`flags` less each `--name VALUE` pair of `names`."""
+    drop = {i + k for i, word in enumerate(flags) if word in names for k in (0, 1)}
+    return [word for i, word in enumerate(flags) if i not in drop]
+
+
+def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags, capsys):
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "n-head=2,3", "--axis", "val-tokens=32,100000000",
+            "--workers", "2", "--no-report", "--", *without(tiny_flags, "--n-head", "--val-tokens"), "--steps", "2"]
+    result = grid(args)
+    assert result.returncode == 1, result.stderr[-3000:]
+    directory = tmp_path / "g"
+    assert runs.read_log(directory / "n-head=2,val-tokens=32")[-1]["summary"]
+    assert started(directory) == ["n-head=2,val-tokens=32", "n-head=2,val-tokens=100000000"]  # n-head 3: refused
+    assert ("NOT FINISHED n-head=3,val-tokens=32: --n-embd 16 must be divisible by --n-head 3" in result.stderr)
+    failure = result.stderr.split("NOT FINISHED n-head=2,val-tokens=100000000: failed", 1)[1]
+    assert "--val-tokens" in failure  # the last lines of the run's output, which name the cause
+    assert Journal(directory).states()["n-head=2,val-tokens=100000000"]["state"] == "failed"
+
+    assert main(["status", str(directory)]) == 0
+    status = capsys.readouterr().out
+    assert "1 finished" in status and "1 failed" in status and "2 invalid" in status
+    assert main(args[:8] + ["--dry-run"] + args[8:]) == 0  # failed runs wait for --retry-failed
+    assert "[failed] n-head=2,val-tokens=100000000 (--retry-failed runs it again)" in capsys.readouterr().out
+    assert main(args[:8] + ["--dry-run", "--retry-failed"] + args[8:]) == 0
+    assert "[new] n-head=2,val-tokens=100000000 -> CPU worker 1" in capsys.readouterr().out
+
+
+def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes_them_bit_identically(
+        tmp_path, tiny_flags, capsys):
+    def args(name: str) -> list[str]:
+        return ["--name", name, "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "2", "--no-report",
+                "--", *tiny_flags, "--steps", "100"]
+    assert grid(args("straight")).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "grid", *args("stopped")], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [tmp_path / "stopped" / f"seed={seed}" / "log.jsonl" for seed in (1, 2)]
+    deadline = time.time() + 300
+    while not any(p.is_file() and '"train_loss"' in p.read_text() for p in logs):  # a run is in its loop
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    assert main(args("stopped")) == 2  # a second grid process on the same directory is refused
+    assert f"{tmp_path / 'stopped'} is in use by grid pid {proc.pid}" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "stopped")]) == 0  # from another terminal
+    assert f"running: grid pid {proc.pid} on host" in capsys.readouterr().out
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    states = Journal(tmp_path / "stopped").states()
+    assert {s["state"] for s in states.values()} <= {"interrupted", "finished"}, states
+    kept = [p.parent.name for p in logs if (p.parent / "checkpoints" / "latest.pt").is_file()
+            and runs.load_checkpoint(p.parent / "checkpoints" / "latest.pt")["step"] < 100]
+    assert kept, states  # stopped in the middle, with a checkpoint (a run still starting has none: it starts again)
+
+    before = len(Journal(tmp_path / "stopped").records())
+    again = grid(args("stopped"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [r["run"] for r in Journal(tmp_path / "stopped").records()[before:] if r.get("state") == "running"
+               and r["resume"]]
+    assert resumed == kept
+    for seed in (1, 2):
+        done, straight = (tmp_path / name / f"seed={seed}" for name in ("stopped", "straight"))
+        a = runs.load_checkpoint(done / "checkpoints" / "latest.pt")["model"]
+        b = runs.load_checkpoint(straight / "checkpoints" / "latest.pt")["model"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        losses = [{r["step"]: r["train_loss"] for r in runs.read_log(run) if "train_loss" in r}
+                  for run in (done, straight)]
+        assert losses[0] == losses[1] and len(losses[0]) == 100
+
+
+def test_a_grid_file_gives_the_same_plan_as_the_command_line(tmp_path, tiny_flags):
+    toml = tmp_path / "paper.toml"
+    toml.write_text('name = "paper"\nrun_dir = "%s"\n[axes]\noptimizer = ["ecd", "adamw"]\nbias-mode = ["none", '
+                    '"bqbv"]\nseed = [42, 83]\nbias_per_head = [true, false]\n[flags]\nsteps = 3\ncompile = false\n'
+                    % tmp_path)
+    from_file = plan.build_spec(None, None, [], [], toml)
+    from_line = plan.build_spec("paper", str(tmp_path), ["optimizer=ecd,adamw", "bias-mode=none,bqbv", "seed=42,83",
+                                                         "bias-per-head=true,false"],
+                                ["--steps=3", "--no-compile"], None)
+    assert from_file == from_line
+    known = plan.train_flags()
+    runs_ = plan.plan_runs(from_file, known, 1, False)
+    assert len(runs_) == 16 and runs_[0].name == "optimizer=ecd,bias-mode=none,seed=42,bias-per-head=true"
+    assert runs_[0].flags[-4:] == ["--optimizer=ecd", "--bias-mode=none", "--seed=42", "--bias-per-head"]
+    assert runs_[1].flags[-1] == "--no-bias-per-head" and all(r.problem is None for r in runs_)
+    override = plan.build_spec("other", None, ["seed=7"], ["--steps=5"], toml)
+    assert override.name == "other" and [a.values for a in override.axes][2] == ["7"]
+    assert override.flags[-1] == "--steps=5"
+
+
+def test_toml_needs_python_311_or_tomli(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tomllib", None)
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    with pytest.raises(plan.GridError, match=r"Python 3\.11 or newer, or on Python 3\.10 the tomli package"):
+        plan.read_toml(tmp_path / "grid.toml")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--axis", "lrr=1,2"], "--axis lrr: train_gpt.py has no flag --lrr (did you mean --lr?)"),
+    (["--axis", "optimizer"], "--axis optimizer: write FLAG=V1,V2,..."),
+    (["--axis", "run-name=a,b"], "the grid names each run after its axis values"),
+    (["--axis", "compile=yes,maybe"], "--axis compile: a boolean flag takes true or false"),
+    (["--axis", "seed=1,2", "--", "--stpes", "3"], "--stpes after --: train_gpt.py has no flag --stpes (did you "
+                                                   "mean --steps?)"),
+    (["--axis", "seed=1,2", "--", "--run-dir", "x"], "give --run-dir to the grid (before --)"),
+    (["--axis", "n-head=3,5", "--", "--n-embd", "16"], "train_gpt.py refuses every run of the grid, e.g. n-head=3: "
+                                                      "--n-embd 16 must be divisible by --n-head 3"),
+])
+def test_bad_grids_are_refused_before_anything_runs(tmp_path, capsys, args, message):
+    assert main(["--name", "bad", "--run-dir", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "grid.jsonl").exists()
+
+
+def test_gpu_placement_one_gpu_or_torchrun_per_run_and_a_queue(tmp_path, capsys):
+    base = ["--name", "p", "--run-dir", str(tmp_path), "--axis", "seed=1,2,3", "--gpus", "0,1,2,3", "--dry-run"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "slots: GPU 0, GPU 1, GPU 2, GPU 3" in out
+    assert "[new] seed=1 -> GPU 0" in out and "[new] seed=3 -> GPU 2" in out
+    assert "CUDA_VISIBLE_DEVICES=1 " in out
+    assert main(base + ["--gpus-per-run", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "[new] seed=2 -> GPUs 2,3" in out and "[new] seed=3 -> queued: the next free cuda slot" in out
+    assert "CUDA_VISIBLE_DEVICES=2,3 " in out and "-m torch.distributed.run --standalone --nproc_per_node=2" in out
+
+
+def test_the_slurm_script_runs_each_runs_command_in_its_own_array_task(tmp_path, capsys):
+    assert main(["--name", "paper", "--run-dir", str(tmp_path), "--axis", "optimizer=ecd,adamw", "--axis",
+                 "n-head=12,5", "--gpus-per-run", "2", "--print-slurm", "--", "--steps", "10"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --array=0-1" in script and "#SBATCH --gpus-per-task=2" in script
+    assert "# not run: optimizer=ecd,n-head=5: --n-embd 768 must be divisible by --n-head 5" in script
+    spec = plan.build_spec("paper", str(tmp_path), ["optimizer=ecd,adamw", "n-head=12,5"], ["--steps", "10"], None)
+    valid = [r for r in plan.plan_runs(spec, plan.train_flags(), 2, True) if r.problem is None]
+    tasks: dict[str, list[list[str]]] = {}
+    for line in script.split('case "$SLURM_ARRAY_TASK_ID" in', 1)[1].splitlines():
+        if re.fullmatch(r"  \d+\)", line):
+            tasks[line.strip()] = []
+        elif "exec " in line:
+            tasks[list(tasks)[-1]].append(shlex.split(line.split("exec ", 1)[1]))
+    assert list(tasks) == ["0)", "1)"] and len(valid) == 2
+    for commands, run in zip(tasks.values(), valid):
+        assert commands == [plan.train_command(run, 2, resume, "$PYTHON") for resume in (True, False)]
+        assert commands[1][:5] == ["$PYTHON", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def test_the_progress_table_reads_each_runs_log_and_redraws_in_place_on_a_terminal(tmp_path):
+    from grid.progress import Display, run_row, table
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "tokens": 4096 * s, "train_loss": 5.0 - s / 100, "tokens_per_s": 4096.0} for s in (50, 100)]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 101, "trai')
+    row = run_row({"name": "run", "path": str(run), "steps": 1000, "batch_tokens": 4096},
+                  {"state": "running", "placement": "GPU 3"})
+    assert row == ["run", "running", "100/1000", "4.0000", "4,096", "15m00s", "GPU 3"]
+    lines = table([row])
+    assert lines[0].split() == ["run", "state", "step", "loss", "tok/s", "ETA", "device"]
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    screen = Terminal()
+    display = Display(screen)
+    display.refresh(lines)
+    display.event("grid: run: finished")
+    display.refresh(lines)
+    assert screen.getvalue() == ("\n".join(lines) + "\n" + "\x1b[2F\x1b[J" + "grid: run: finished\n" + "\n".join(lines)
+                                 + "\n" + "\x1b[2F\x1b[J" + "\n".join(lines) + "\n")
+    plain = io.StringIO()
+    display = Display(plain, plain_every=3600)
+    display.refresh(lines)
+    display.event("grid: run: finished")
+    assert plain.getvalue() == "grid: run: finished\n"  # no escape codes, the table only every --status-every s
+    display.refresh(lines, force=True)
+    assert plain.getvalue().endswith("\n".join(lines) + "\n") and "\x1b" not in plain.getvalue()
