@@ -1,16 +1,22 @@
-"""Command-line flags from dataclass fields.
+"""The command line of every tool: one parser class, flags from dataclass fields, progress bars.
 
-`flag()` declares a field's default, help, choices and what the rest of the code needs to know about it (its
-allowed range, whether it changes a run's numbers, whether a resumed run may change it) in one place; `add_flags()`
-turns every field of a config dataclass into `--field-name` (booleans also get `--no-field-name`), and
-`field_problem()` checks every value against its declared range.
+`ArgumentParser` is the parser of every CLI (train_gpt.py, sample, export, data.*, eval.*, bench.*): usage names
+`python -m <module>`, --help shows each flag's default, an abbreviated or misspelt flag is refused with the flag it
+resembles, and every refusal is one line (no usage block before it). `flag()` declares a field's default, help,
+choices and what the rest of the code needs to know about it (its allowed range, whether it changes a run's numbers,
+whether a resumed run may change it) in one place; `add_flags()` turns every field of a config dataclass into
+`--field-name` (booleans also get `--no-field-name`), and `field_problem()` checks every value against its declared
+range. `progress_bar()` is tqdm on a terminal and plain periodic lines in a log file or a pipe.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
 import math
 import re
+import sys
 import typing
 
 _RANGE = re.compile(r"^\s*(?:(>=|>|<=|<)\s*(\S+)|([\[(])\s*([^,]+),\s*([^\])]+)([\])]))\s*$")
@@ -123,3 +129,118 @@ def add_model_flag(parser: argparse.ArgumentParser, help: str = MODEL_HELP) -> N
     evaluations), a run directory, a checkpoint file or an exported directory (export.model_file)."""
     parser.add_argument("--checkpoint", "--run", dest="checkpoint", required=True, metavar="PATH",
                         default=argparse.SUPPRESS, action=_GivenOnce, help=help)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help as written (descriptions keep their lines), with each flag's default said once: appended unless the
+    help text already says what the default is, or the default is empty (None, "")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, "", argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The parser of every command line here. `module` names the tool as users run it (`python -m eval.val_loss`);
+    flags are never abbreviated (`--step 3` is not `--steps 3`); an error is one line, and an unknown flag names the
+    known flag it resembles."""
+
+    def __init__(self, *, module: str | None = None, **kwargs) -> None:
+        if module is not None:
+            kwargs.setdefault("prog", f"python -m {module}")
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None) -> argparse.Namespace:
+        """As argparse's, but an unknown flag is refused first (before a missing required flag that it may be a
+        misspelling of), with the flag it resembles."""
+        args = sys.argv[1:] if args is None else list(args)
+        known = self.known_flags()
+        flags = args[:args.index("--")] if "--" in args else args
+        unknown = [arg for arg in flags if arg.startswith("--") and arg.split("=", 1)[0] not in known]
+        if unknown:
+            self.error(unknown_arguments(unknown, known, self.prog))
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_arguments(extras, known, self.prog))
+        return namespace
+
+    def known_flags(self) -> list[str]:
+        """Every flag this parser and its subcommands accept."""
+        flags = []
+        for action in self._actions:
+            flags += [f for f in action.option_strings if f.startswith("--")]
+            for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+                flags += [f for f in sub.known_flags() if f not in flags]
+        return flags
+
+
+def unknown_arguments(extras: list[str], known: list[str], prog: str) -> str:
+    """The one-line refusal of arguments no flag took: the first unknown flag and the known flag it abbreviates or
+    resembles (difflib), or the stray values."""
+    flags = [arg.split("=", 1)[0] for arg in extras if arg.startswith("-") and not _is_number(arg)]
+    if not flags:
+        return f"unexpected argument{'s' * (len(extras) > 1)}: {' '.join(extras)}"
+    flag, others = flags[0], [f for f in flags[1:] if f != flags[0]]
+    longer = [k for k in known if k.startswith(flag) and k != flag]
+    if longer:
+        names = longer[0] if len(longer) == 1 else " or ".join(sorted(longer)[:4])
+        message = f"unknown flag {flag} (flags are never abbreviated): did you mean {names}?"
+    else:
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        message = (f"unknown flag {flag}: did you mean {close[0]}?" if close
+                   else f"unknown flag {flag} ({prog} --help lists the flags)")
+    return message + (f" (also unknown: {', '.join(others)})" if others else "")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+LINE_INTERVAL_S = 15.0  # how often a progress line is written where no terminal shows a bar
+
+
+@functools.cache
+def _line_progress() -> type:
+    """tqdm for a log file or a pipe: every refresh is one plain line (no carriage returns, no padding). Built on
+    first use, so that this module needs only the standard library (bench/gpu_session.py's driver imports it)."""
+    from tqdm import tqdm
+
+    class LineProgress(tqdm):
+        def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+            if msg == "":  # tqdm clearing its bar: nothing to clear
+                return False
+            self.fp.write(f"{self if msg is None else msg}\n")
+            self.fp.flush()
+            return True
+
+        def close(self) -> None:
+            if not self.disable and self.leave is not False and getattr(self, "last_print_t", None) is not None:
+                self.display()  # the final count, then nothing more (tqdm would end the bar with a newline)
+            self.leave = False
+            super().close()
+
+    return LineProgress
+
+
+def progress_bar(iterable: typing.Iterable | None = None, **kwargs) -> typing.Any:
+    """A progress bar (a tqdm) on stderr (or `file=`): tqdm's own on a terminal; elsewhere a plain line every
+    LINE_INTERVAL_S (the first after that long) and one with the totals at the end, so a short task writes one
+    line."""
+    stream = kwargs.setdefault("file", sys.stderr)
+    if stream is not None and hasattr(stream, "isatty") and stream.isatty():
+        from tqdm import tqdm
+
+        return tqdm(iterable, **kwargs)
+    kwargs.setdefault("mininterval", LINE_INTERVAL_S)
+    kwargs.setdefault("delay", LINE_INTERVAL_S)
+    return _line_progress()(iterable, **kwargs)

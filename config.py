@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cli import add_flags, field_problem, option
+from cli import ArgumentParser, add_flags, field_problem, option
 from optim import OPTIMIZERS, OptimizerConfig
 from optim.registry import upgrade_saved_config
 from runs import (
@@ -159,10 +159,11 @@ def fields_where(section: object, key: str) -> list[str]:
     return [f.name for f in dataclasses.fields(section) if f.metadata.get(key)]
 
 
-def preset_report(cfg: RunConfig) -> dict:
+def preset_report(cfg: RunConfig, dtype: str | None = None) -> dict:
     """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
     start of log.txt; docs/optimizers.md#paper-parity): every flag that affects results and differs from the paper
-    preset. A run without --preset is compared with gpt2-124m, whose values are the defaults."""
+    preset. A run without --preset is compared with gpt2-124m, whose values are the defaults. dtype: the precision
+    the run computes in (runs.Runtime.dtype_name; default: --dtype's)."""
     name = cfg.preset
     if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
         return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
@@ -178,7 +179,7 @@ def preset_report(cfg: RunConfig) -> dict:
             if value != published:
                 differs.append(f"{option(field_name)} {value} ({reference}: {published})")
     return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
-            "differs": differs + [PRECISION_NOTES[cfg.train.dtype], VALIDATION_PROTOCOL_NOTE],
+            "differs": differs + [PRECISION_NOTES[dtype or cfg.train.dtype], VALIDATION_PROTOCOL_NOTE],
             "sources": [SOURCE_CONFLICTS[optimizer]] if optimizer in SOURCE_CONFLICTS else []}
 
 
@@ -190,11 +191,10 @@ def preset_lines(report: dict) -> str:
             + "".join(f"\n  {note}" for note in report.get("sources", [])))
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+TRAINER = "train_gpt.py"  # how the trainer is run (python or torchrun): the name its messages give
 
 
-def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, dict]) -> argparse.ArgumentParser:
+def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, dict]) -> ArgumentParser:
     """A parser with one flag per field of every section, defaulting to `base` (defaults <- preset <- resumed
     config); the epilog lists every optimizer and the others' flags."""
     lines = ["optimizers (--optimizer NAME; its flags replace the optimizer group above):"]
@@ -204,9 +204,8 @@ def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, d
         if name != optimizer:
             own = [f for f in dataclasses.fields(spec.config) if f.name not in shared]
             lines.append("         " + ", ".join(f"{option(f.name)} {f.default}" for f in own))
-    parser = argparse.ArgumentParser(
-        description="Train GPT-2 with symmetry-breaking attention biases (see README.md).",
-        formatter_class=_HelpFormatter, epilog="\n".join(lines))
+    parser = ArgumentParser(prog=TRAINER, epilog="\n".join(lines),
+                            description="Train GPT-2 with symmetry-breaking attention biases (see README.md).")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
                         help="named configuration; flags override it. gpt2-124m (and -gelu) pin the paper's run, "
                              "whose values are also the defaults (docs/optimizers.md#paper-parity)")
@@ -225,7 +224,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     """Defaults <- preset <- resumed checkpoint's config <- command-line flags, then checked; model and train are the
     trainer's flag dataclasses."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgumentParser(prog=TRAINER, add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
     pre.add_argument("--resume", default="")
     pre.add_argument("--optimizer", choices=sorted(OPTIMIZERS))

@@ -21,7 +21,6 @@ directory, a checkpoint file or such a directory (`model_file`).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -36,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 import runs
 import train_gpt
-from cli import add_model_flag
+from cli import ArgumentParser, add_model_flag
 from config import config_from_dict
 from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write
 from data.tokenizer import ENDOFTEXT, gpt2_bpe_files
@@ -346,8 +345,7 @@ def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="export", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("to-hf", help="checkpoint -> a Hugging Face directory (GPT-2 layout, safetensors)")
     add_model_flag(to_hf)

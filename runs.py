@@ -1,7 +1,7 @@
 """Run directories and checkpoints: one API for the trainer, eval/, export, sample and bench/ (docs/runs.md).
 
     <run>/config.json   what ran: flags, batch layout, data record, preset report
-    <run>/log.txt       the trainer's code, then every printed line;   <run>/log.jsonl   one record per log step
+    <run>/log.txt       the trainer's code (once), then every printed line;   <run>/log.jsonl   one record per log step
     <run>/code/         the source as it ran;   <run>/checkpoints/latest.pt (and step_XXXXXX.pt)
     <run>/.lock         held by the trainer that owns the run while it runs
 
@@ -19,6 +19,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -102,6 +103,11 @@ class Runtime:
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else \
             contextlib.nullcontext()
+
+    @property
+    def dtype_name(self) -> str:
+        """The precision the model computes in: bf16 (autocast) or fp32 (a CPU run, whatever --dtype says)."""
+        return "bf16" if self.autocast_dtype == torch.bfloat16 else "fp32"
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -594,8 +600,9 @@ def open_trackers(hp, run_dir: Path, config: dict, step: int) -> list:
 
 class RunLog:
     """What the master rank reports: stdout, and once the run directory exists, log.txt (which starts with the
-    trainer's code), log.jsonl and the optional trackers (WandbTracker, TensorBoardTracker). Lines printed before
-    the directory exists are written to log.txt when it does."""
+    trainer's code as the run started; a resumed run's code is in code/), log.jsonl and the optional trackers
+    (WandbTracker, TensorBoardTracker). Lines printed before the directory exists are written to log.txt when it
+    does."""
 
     def __init__(self, is_master: bool) -> None:
         self.is_master = is_master
@@ -609,7 +616,9 @@ class RunLog:
         self.text = open(run_dir / "log.txt", "a")
         torn = cut_torn_line(run_dir / "log.jsonl")
         self.records = open(run_dir / "log.jsonl", "a")
-        self.text.write(code + "\n" + "=" * 100 + "\n")
+        if self.text.tell() == 0:  # a resumed run's log holds the code already; its own is in code/
+            self.text.write(code + "\n")
+        self.text.write("=" * 100 + "\n")
         self.text.writelines(line + "\n" for line in self.pending)
         self.text.flush()
         if torn:
@@ -679,9 +688,10 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
         for line in notes:
             log.line(line)
         gpu = f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else ""
-        log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}{gpu} | world "
-                 f"{rt.world}")
-        log.line(f"run directory {run_dir.path}")
+        log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}{gpu} | "
+                 f"{rt.dtype_name} | world {rt.world}")
+        log.line(f"run directory {run_dir.path} | code in code/ (train_gpt.py sha256 "
+                 f"{hashlib.sha256(code.encode()).hexdigest()[:16]})")
     return run_dir or RunDirectory(box[0])
 
 
@@ -723,6 +733,15 @@ def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: in
         kept = (f"the finite checkpoint of step {checkpoint_step} is kept in {run_dir / 'checkpoints'}; continue "
                 f"with --resume {run_dir} and {advice}")
     return f"step {step}: {what} is not finite; stopping: {kept}."
+
+
+def next_steps(run_dir: Path) -> str:
+    """The lines a finished run ends with: where it is and the three commands a user runs next."""
+    run = shlex.quote(str(run_dir))
+    return (f"the run is in {run} (log.txt, config.json, checkpoints/latest.pt); next:\n"
+            f"  python -m eval.report --run {run}    # the evaluations and a page: {run}/report.md\n"
+            f"  python -m sample --run {run} --prompt \"The meaning of\"\n"
+            f"  python -m export to-hf --run {run} --out {shlex.quote(str(run_dir / 'hf'))}    # a Hugging Face model")
 
 
 def format_duration(seconds: float) -> str:

@@ -19,7 +19,7 @@ import torch
 import export
 import runs
 import train_gpt
-from cli import add_model_flag
+from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 
 
@@ -39,13 +39,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=_HelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(module="sample", description=__doc__.split("\n\n")[0],
+                            epilog=__doc__.split("\n\n", 1)[1])
     add_model_flag(parser)
     parser.add_argument("--prompt", default="", help="text to continue (default: start after <|endoftext|>)")
     parser.add_argument("--prompt-file", type=Path, default=None,

@@ -624,9 +624,10 @@ class Trainer:
     def open_run(self) -> None:
         """The run directory (runs.open_run_directory), its config.json and the log's header."""
         cfg, rt = self.cfg, self.rt
-        layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum}
-        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record, "preset": config.preset_report(cfg),
-                  "attention": self.attention}
+        layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum,
+                  "device": rt.device.type, "dtype": rt.dtype_name}  # what runs, whatever --device/--dtype said
+        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record,
+                  "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
         self.run_dir = runs.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
                                                cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
                                                self.progress.step)
@@ -838,6 +839,7 @@ class Trainer:
                       + (f", target reached at step {progress.reached_target['step']}"
                          if progress.reached_target else ""))
         self.log.record({"summary": True, **summary})
+        self.log.line(runs.next_steps(self.run_dir.path))
         return summary
 
     def close(self) -> None:

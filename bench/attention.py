@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from cli import ArgumentParser  # noqa: E402
 import kernels.attention as attn  # noqa: E402
 from data.shards import atomic_write  # noqa: E402
 from kernels.attention_select import fastest  # noqa: E402
@@ -188,7 +189,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.attention", description=__doc__)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=DEFAULT_SHAPES,
                         help="BxHxTxd shapes (default: 16x12x1024x64, the paper's batch 8x12x512x64, 64x12x512x64, "
                              "T = 2048 with the same tokens, and d = 128)")

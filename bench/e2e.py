@@ -16,15 +16,17 @@ the GPU.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from cli import ArgumentParser
 import runs
 import train_gpt
 from config import PRESETS
@@ -33,9 +35,9 @@ from data.shards import write_shard
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS))
-    parser.add_argument("--optimizer", default="adamw")
+    parser = ArgumentParser(module="bench.e2e", description=__doc__)
+    parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS), help="the model and batch to time")
+    parser.add_argument("--optimizer", default="adamw", help="optimizer of the timed steps")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
     parser.add_argument("--log-every", type=int, default=5, help="steps per timed interval")
     parser.add_argument("--warmup", type=int, default=2, help="timed intervals to discard")
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args, passthrough = parser.parse_known_args(argv)
     passthrough = [a for a in passthrough if a != "--"]
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    warning = busy_warning(load, cores)
+    if warning:
+        print(warning, file=sys.stderr)
 
     cfg = train_gpt.parse_config(["--preset", args.preset, "--optimizer", args.optimizer, *passthrough])
     hp = cfg.train
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
         "passthrough": passthrough, "final_val_loss": summary["val_loss"] if args.final else None,
-        "attention": attention, "profile": profile,
+        "attention": attention, "profile": profile, "load_average_before": load, "cores": cores,
     }
     print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'attention':>9} {'tokens/s':>12} "
           f"{'step ms':>9} {'MFU':>6}")
@@ -84,6 +90,18 @@ def main(argv: list[str] | None = None) -> None:
           f"{str(attention['choice']):>9} {tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+    if warning:
+        print(warning, file=sys.stderr)  # again under the numbers it qualifies
+
+
+def busy_warning(load: float, cores: int) -> str | None:
+    """A warning when other work competes for the cores (1-minute load average above their number): the timing
+    then measures the machine's load as much as the trainer."""
+    if load <= cores:
+        return None
+    return (f"WARNING: this machine is busy (load average {load:.1f} on {cores} cores, before this benchmark): its "
+            "numbers are slower than on an idle machine and do not compare with other runs; rerun when the load is "
+            f"below {cores}")
 
 
 def steady_intervals(records: list[dict], warmup: int, profiled: list[int] | None) -> list[dict]:

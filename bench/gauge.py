@@ -13,7 +13,6 @@ dresses every --gauge-every steps, so its per-step overhead is that time divided
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.optim import add_step_flags  # noqa: E402
+from cli import ArgumentParser  # noqa: E402
 import train_gpt  # noqa: E402
 from optim import OPTIMIZERS  # noqa: E402
 from gauge.updates import GaugeUpdates  # noqa: E402
@@ -53,18 +54,13 @@ def time_steps(model, optimizers, spec, grads, loss, gauge: GaugeUpdates | None,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
-    parser.add_argument("--modes", default="correct,correct:diagonal,project,project:o,dress,hyperball")
+    parser = ArgumentParser(module="bench.gauge", description=__doc__)
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
+                        help="optimizer whose step is timed")
+    parser.add_argument("--modes", default="correct,correct:diagonal,project,project:o,dress,hyperball",
+                        help="comma-separated --gauge modes to time (mode:variant as in the module's docstring)")
     parser.add_argument("--gauge-every", type=int, default=10, help="dressing period used for the amortised figure")
-    parser.add_argument("--n-layer", type=int, default=12)
-    parser.add_argument("--n-head", type=int, default=12)
-    parser.add_argument("--n-embd", type=int, default=768)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_step_flags(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)

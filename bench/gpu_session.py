@@ -24,7 +24,6 @@ steps run under the interpreter the environment check chose.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -34,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Callable
+
+from cli import ArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 570  # for `timeout 590`: the steps end by then and the report follows
@@ -397,7 +398,7 @@ def _profile_lines(profile: dict | None) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.gpu_session", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"),
                         help="directory for report.md, report.json and session.log (default: $OUT, else runs/gpu)")
     parser.add_argument("--python", default=os.environ.get("PYTHON") or None,

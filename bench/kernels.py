@@ -21,7 +21,6 @@ flagged only); speed has to be measured on a GPU (bench/attention.py).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -46,6 +45,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
+from cli import ArgumentParser  # noqa: E402
 import kernels.attention as attn  # noqa: E402
 import kernels.ecd as ecd  # noqa: E402
 import kernels.soap as soap  # noqa: E402
@@ -237,7 +237,7 @@ def print_row(row: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.kernels", description=__doc__)
     parser.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS, reverse=True),
                         help="GPU targets to build for (default: sm_90 sm_80)")
     parser.add_argument("--subset", action="store_true",

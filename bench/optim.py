@@ -40,7 +40,6 @@ BENCHMARKS.md records both effects on Muon.
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import importlib.util
@@ -57,6 +56,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cli import ArgumentParser  # noqa: E402
 import train_gpt  # noqa: E402
 from optim import OPTIMIZERS, optimizer_state_bytes  # noqa: E402
 from optim.muon import MuonConfig, muon_groups  # noqa: E402
@@ -256,8 +256,23 @@ def load() -> str:
     return f"{os.getloadavg()[0]:.2f}" if hasattr(os, "getloadavg") else "n/a"
 
 
+def add_step_flags(parser: ArgumentParser, steps: int = 5,
+                   steps_help: str = "timed steps of each variant (the median is reported)") -> None:
+    """The flags of an optimizer-step benchmark (this one and bench.gauge): the model's shape, the batch whose
+    gradients are stepped, how many steps are timed, the device."""
+    parser.add_argument("--n-layer", type=int, default=12, help="model layers (12: the 124M preset)")
+    parser.add_argument("--n-head", type=int, default=12, help="attention heads")
+    parser.add_argument("--n-embd", type=int, default=768, help="model width")
+    parser.add_argument("--batch", type=int, default=2, help="sequences of the forward/backward giving the gradients")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence of that pass")
+    parser.add_argument("--steps", type=int, default=steps, help=steps_help)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2 for SOAP)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda if available, else cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.optim", description=__doc__)
     parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm",
                         help="comma-separated variants: NAME, NAME:unfused, NAME:bf16, soap:published, muon:modded")
     parser.add_argument("--published-soap", metavar="FILE", help="soap.py of github.com/nikhilvyas/SOAP (for "
@@ -267,18 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ratio-to", default="soap:published,muon:modded",
                         help="references: each variant is compared with those of its own optimizer present in the run")
     parser.add_argument("--baseline", default="adamw", help="every variant is also compared with this one, if run")
-    parser.add_argument("--n-layer", type=int, default=12, help="model layers (12: the 124M preset)")
-    parser.add_argument("--n-head", type=int, default=12, help="attention heads")
-    parser.add_argument("--n-embd", type=int, default=768, help="model width")
-    parser.add_argument("--batch", type=int, default=2, help="sequences of the forward/backward giving the gradients")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence of that pass")
-    parser.add_argument("--steps", type=int, default=20, help="consecutive timed steps per variant and round")
+    add_step_flags(parser, steps=20, steps_help="consecutive timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved variants (median reported)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 2 for SOAP)")
     parser.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16"],
                         help="--optim-state-dtype of the variants without :bf16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda if available, else cpu")
     args = parser.parse_args(argv)
     names = args.optimizers.split(",")
     for peer, flag in PEERS.items():

@@ -14,7 +14,6 @@ With the cache, tokens past the block size rerun the whole window (positions are
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -28,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from cli import ArgumentParser  # noqa: E402
 import config  # noqa: E402
 import train_gpt  # noqa: E402
 from data.shards import EOT_TOKEN, GPT2_VOCAB  # noqa: E402
@@ -41,12 +41,12 @@ def preset_model(name: str) -> train_gpt.GPT:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.sample", description=__doc__.split("\n\n")[0],
+                            epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--shapes", default="smoke,gpt2-124m", help="comma-separated presets")
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--num-samples", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens generated per timed call")
+    parser.add_argument("--num-samples", type=int, default=1, help="sequences generated together")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls (the best is reported)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: under bf16 autocast")
     args = parser.parse_args(argv)
     device = torch.device(args.device)

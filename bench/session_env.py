@@ -8,12 +8,13 @@ cached (a machine without network cannot fetch them: carry data/cache), and `pro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from cli import ArgumentParser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def _nvidia_smi() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.session_env", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON")
     args = parser.parse_args(argv)
     result = check()

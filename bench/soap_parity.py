@@ -17,7 +17,6 @@ factors ours follows the published SOAP to 1e-9 of the distance moved over 60 st
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train_gpt  # noqa: E402
 from bench.optim import load_published_soap  # noqa: E402
+from cli import ArgumentParser  # noqa: E402
 from optim import OPTIMIZERS  # noqa: E402
 from optim.soap import SOAPConfig  # noqa: E402
 
@@ -65,7 +65,7 @@ def train(model: train_gpt.GPT, optimizers: list, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="bench.soap_parity", description=__doc__)
     parser.add_argument("--published-soap", metavar="FILE", required=True,
                         help="soap.py of github.com/nikhilvyas/SOAP")
     parser.add_argument("--n-layer", type=int, default=6, help="model layers")

@@ -1,25 +1,27 @@
-"""The embedded default corpus: docstrings and comments of the installed Python, tokenized into shards (docs/data.md).
+"""The embedded default corpus: a pinned text shipped in the repository, tokenized into shards (docs/data.md).
 
-It needs no network, so a fresh checkout can train (smoke runs, tests, CI) before any download. Sources, in order:
-every `.py` file of the standard library (`sysconfig` "stdlib", without site-packages/dist-packages), then of
-site-packages ("purelib", then "platlib" if different); each tree walked with directories and files sorted, skipping
-`__pycache__`. One module is one document: its docstrings (`ast`) and comments (a regex scan) in source order; files
-that do not parse are skipped and counted. The text is capped at `max_bytes` UTF-8 bytes (the last module is cut),
-default 16 MB ~ 4.5M tokens, which takes ~30 s single-core (extraction dominates; it runs on all cores). The output
-is deterministic for a given environment; the manifest records the Python version and a fingerprint (path, size) of
-the files read, and the cache is rebuilt when any of them changes.
+It needs no network, so a fresh checkout can train (smoke runs, tests, CI) before any download, and it is the same
+everywhere: the text is `data/embedded_corpus/python-3.11-stdlib.jsonl.gz`, the docstrings and comments of CPython
+3.11.7's standard library modules (tests, IDLE and demos left out; PSF license, `LICENSE` beside it), one module per
+document, 2 MB of text ~ 0.55M tokens, pinned by the sha256 of its uncompressed bytes (TEXT_SHA256). Whatever Python
+runs, every installation builds the same shards (the same sha256), so runs on the default data compare. The
+tokens take a few seconds to build, once.
 
 Shards go to `<cache>/embedded/` (`<repo>/data/cache`, or `$SYMGPT_CACHE`): `embedded_val_000000.bin` (the first
-`val_fraction` of the tokens), `embedded_train_000001.bin`, ... and `embedded_manifest.json`.
+`val_fraction` of the tokens), `embedded_train_000001.bin` and `embedded_manifest.json`; they are rebuilt when the
+text or the settings change.
 
-    python -m data.embedded [--max-bytes N] [--out DIR]
+    python -m data.embedded [--out DIR]
     python -m data.embedded --text notes/*.txt [--out DIR]     # the same kind of shards from your own text files
+
+`--write-text` regenerates the text from the running Python's standard library (`module_text`: docstrings via
+`ast`, comments via a string-aware scan, in source order): for maintainers only, since another text is another
+corpus, whose numbers do not compare with the old one's; pin the sha256 it prints.
 """
 from __future__ import annotations
 
-import argparse
 import ast
-import dataclasses
+import gzip
 import hashlib
 import io
 import json
@@ -31,41 +33,20 @@ import sysconfig
 import tokenize
 from pathlib import Path
 
-from tqdm import tqdm
-
-from data.shards import ShardError, read_shard_header, shard_globs
+from cli import ArgumentParser
+from data.shards import ShardError, cache_root, read_shard_header, shard_globs
 from data.tokenize import TokenizeError, default_workers, documents_to_shards, parallel_map
 from data.tokenize import main as tokenize_main
-from data.shards import cache_root
 
 PREFIX = "embedded"
-DEFAULT_MAX_BYTES = 16_000_000
+TEXT_FILE = Path(__file__).resolve().parent / "embedded_corpus" / "python-3.11-stdlib.jsonl.gz"
+TEXT_SHA256 = "6e1fc1ac6b0dbd466c6836e2c146caf1b58494fbe948c7fce17737f99e703041"
+TEXT_MAX_BYTES = 2_000_000
 DEFAULT_VAL_FRACTION = 0.05
 SHARD_TOKENS = 2_000_000
-SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-@dataclasses.dataclass
-class ExtractStats:
-    """Files visited, modules kept, files skipped (unparsable, no docstrings/comments), text kept."""
-
-    files: int = 0
-    modules: int = 0
-    unparsable: int = 0
-    empty: int = 0
-    text_bytes: int = 0
-    truncated: bool = False
-
-
-def python_source_roots() -> list[Path]:
-    """Standard library first, then site-packages (purelib, platlib), without duplicates."""
-    paths = sysconfig.get_paths()
-    roots: list[Path] = []
-    for key in ("stdlib", "purelib", "platlib"):
-        root = Path(paths[key])
-        if root.is_dir() and root not in roots:
-            roots.append(root)
-    return roots
+# Left out of the text: other packages, tests, the IDE and demos (their comments are code more than prose)
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib", "turtledemo", "ensurepip",
+             "lib2to3", "tkinter", "pydoc_data", "encodings"}
 
 
 def python_files(roots: list[Path]) -> list[Path]:
@@ -127,114 +108,102 @@ def module_text(path: Path) -> str | None:
     return "".join(text)
 
 
-def extract_corpus(files: list[Path], max_bytes: int, workers: int = 1, progress: bool = False
-                   ) -> tuple[list[str], ExtractStats]:
-    """Module texts of `files` in order up to `max_bytes` UTF-8 bytes (the last one cut); stats.files: files visited."""
-    if max_bytes < 1:
-        raise TokenizeError(f"max_bytes must be >= 1 (got {max_bytes})")
-    docs, stats = [], ExtractStats()
-    bar = tqdm(total=max_bytes, unit="B", unit_scale=True, desc="extracting text", disable=not progress,
-               file=sys.stderr)
-    for text in parallel_map(module_text, files, workers):
-        stats.files += 1
-        if text is None:
-            stats.unparsable += 1
+def write_text(path: Path = TEXT_FILE, max_bytes: int = TEXT_MAX_BYTES, workers: int = 1) -> str:
+    """Write the embedded text from the running Python's standard library (see the module docstring): gzipped JSON
+    lines {"module", "text"}, whole modules in sorted order up to `max_bytes` of text. Returns the sha256 of the
+    uncompressed lines, to pin as TEXT_SHA256."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = python_files([root])
+    lines, size = [], 0
+    for path_read, text in zip(files, parallel_map(module_text, files, workers)):
+        if not text:  # no docstring or comment, or not parsable
             continue
-        if not text:
-            stats.empty += 1
-            continue
-        data = text.encode("utf-8", errors="replace")  # lone surrogates from escapes in docstrings become "?"
-        room = max_bytes - stats.text_bytes
-        stats.truncated = len(data) > room
-        text = data[:room].decode("utf-8", errors="ignore")  # a cut lands on a character boundary
-        if text:
-            docs.append(text)
-            stats.modules += 1
-            size = len(text.encode("utf-8"))
-            stats.text_bytes += size
-            bar.update(size)
-        if stats.truncated or stats.text_bytes >= max_bytes:
+        text = text.encode("utf-8", errors="replace").decode("utf-8")  # lone surrogates of escapes become "?"
+        size += len(text.encode("utf-8"))
+        if size > max_bytes:
             break
-    bar.close()
-    return docs, stats
+        module = ".".join(path_read.relative_to(root).with_suffix("").parts)
+        lines.append(json.dumps({"module": module, "text": text}, ensure_ascii=False) + "\n")
+    data = "".join(lines).encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as f:
+        f.write(data)
+    return hashlib.sha256(data).hexdigest()
 
 
-def _fingerprint(files: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(f"{path}\0{path.stat().st_size}\n".encode())
-    return digest.hexdigest()
+def read_text(path: Path = TEXT_FILE, sha256: str = TEXT_SHA256) -> list[str]:
+    """The documents of the embedded text, after checking its sha256 (a changed file is an error naming it)."""
+    try:
+        data = gzip.decompress(path.read_bytes())
+    except (OSError, EOFError) as exc:
+        raise TokenizeError(f"{path}: cannot read the embedded text ({exc}); restore it with `git checkout -- "
+                            f"{path.name}` in {path.parent}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise TokenizeError(f"{path}: sha256 {digest[:16]}.. is not the pinned {sha256[:16]}..: the embedded text "
+                            "was changed, so its numbers would not compare with other installations'; restore it "
+                            f"with `git checkout -- {path.name}` in {path.parent}")
+    return [json.loads(line)["text"] for line in data.decode("utf-8").splitlines()]
 
 
-def _manifest_is_current(out_dir: Path, expected: dict, files: list[Path]) -> bool:
-    """Whether `out_dir` holds a complete corpus built with `expected` settings from the same files."""
+def _manifest_is_current(out_dir: Path, expected: dict) -> bool:
+    """Whether `out_dir` holds a complete corpus built with `expected` settings from the same text."""
     try:
         manifest = json.loads((out_dir / f"{PREFIX}_manifest.json").read_text())
         if any(manifest.get(k) != v for k, v in expected.items()):
-            return False
-        visited = manifest["files_visited"]
-        if visited > len(files) or manifest["files_sha256"] != _fingerprint(files[:visited]):
             return False
         return all(read_shard_header(out_dir / s["name"]) == s["tokens"] for s in manifest["shards"])
     except (OSError, ValueError, KeyError, TypeError, ShardError):
         return False
 
 
-def prepare_embedded_corpus(
-    cache_dir: Path | None = None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    val_fraction: float = DEFAULT_VAL_FRACTION,
-    *,
-    roots: list[Path] | None = None,
-    workers: int | None = None,
-    progress: bool = True,
-) -> tuple[str, str]:
+def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, *,
+                            text: Path = TEXT_FILE, sha256: str = TEXT_SHA256, workers: int | None = None,
+                            progress: bool = True) -> tuple[str, str]:
     """Build (or reuse) the embedded corpus shards; return (train_glob, val_glob) for the trainer.
 
-    `cache_dir` defaults to `cache_root()/embedded`; `roots` to `python_source_roots()`. Reuses the cache when its
-    manifest matches the settings, Python version and source files; otherwise builds in a temporary sibling
-    directory and renames it into place, so concurrent callers never see a half-written corpus.
+    `cache_dir` defaults to `cache_root()/embedded`. Reuses the cache when its manifest names the same text
+    (sha256) and settings; otherwise builds in a temporary sibling directory and renames it into place, so
+    concurrent callers never see a half-written corpus.
     """
     out_dir = Path(cache_dir) if cache_dir is not None else cache_root() / PREFIX
-    roots = [Path(r) for r in roots] if roots is not None else python_source_roots()
-    files = python_files(roots)
-    expected = {"corpus": PREFIX, "python": sys.version, "roots": [str(r) for r in roots],
-                "max_bytes": max_bytes, "val_fraction": val_fraction}
-    if _manifest_is_current(out_dir, expected, files):
+    expected = {"corpus": PREFIX, "text": Path(text).name, "text_sha256": sha256, "val_fraction": val_fraction}
+    if _manifest_is_current(out_dir, expected):
         return shard_globs(out_dir, PREFIX)
-    workers = workers or default_workers()
-    docs, stats = extract_corpus(files, max_bytes, workers, progress)
-    if not docs:
-        raise TokenizeError(f"no docstrings or comments found under {', '.join(map(str, roots))}")
+    docs = read_text(Path(text), sha256)
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
-    metadata = {**expected, "files_visited": stats.files, "files_sha256": _fingerprint(files[:stats.files]),
-                "extraction": dataclasses.asdict(stats)}
     documents_to_shards(docs, tmp_dir, PREFIX, shard_tokens=SHARD_TOKENS, val_fraction=val_fraction,
-                        workers=workers, metadata=lambda: metadata, progress=progress)
+                        workers=workers or default_workers(), metadata=lambda: expected, progress=progress)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     try:
         tmp_dir.rename(out_dir)
     except OSError:  # another process renamed its (identical) build into place first
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        if not _manifest_is_current(out_dir, expected, files):
+        if not _manifest_is_current(out_dir, expected):
             raise
     return shard_globs(out_dir, PREFIX)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Build the embedded corpus (or shards from local text files).")
-    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                        help="cap on the extracted text (UTF-8 bytes)")
-    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION)
+    parser = ArgumentParser(module="data.embedded",
+                            description="Build the embedded corpus (or shards from local text files).")
+    parser.add_argument("--val-fraction", type=float, default=DEFAULT_VAL_FRACTION,
+                        help="fraction of the tokens in the validation shard")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: data/cache/embedded (or data/cache/text with --text)")
     parser.add_argument("--text", nargs="+", default=None, metavar="FILE",
-                        help="instead: shards with prefix 'text' from these .txt/.jsonl/.parquet files or globs "
-                        "(one document per .txt file; replaces earlier text_* shards in --out)")
-    parser.add_argument("--workers", type=int, default=None)
+                        help="instead: shards with prefix 'text' from these files or globs (plain text, .jsonl or "
+                        ".parquet; one document per text file; replaces earlier text_* shards in --out)")
+    parser.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    parser.add_argument("--write-text", action="store_true",
+                        help=f"maintainers: regenerate {TEXT_FILE.name} from this Python's standard library "
+                        "(another text is another corpus) and print its sha256 to pin")
     args = parser.parse_args(argv)
+    if args.write_text:
+        print(f"{TEXT_FILE}: sha256 {write_text(workers=args.workers or default_workers())} (pin as TEXT_SHA256)")
+        return
     if args.text is not None:
         out = args.out or cache_root() / "text"
         workers = ["--workers", str(args.workers)] if args.workers else []
@@ -242,8 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                        "--val-fraction", str(args.val_fraction), "--overwrite", *workers])
         return
     try:
-        train_glob, val_glob = prepare_embedded_corpus(args.out, args.max_bytes, args.val_fraction,
-                                                      workers=args.workers, progress=True)
+        train_glob, val_glob = prepare_embedded_corpus(args.out, args.val_fraction, workers=args.workers)
     except TokenizeError as e:
         sys.exit(f"error: {e}")
     print(f"train files: {train_glob}\nval files:   {val_glob}")

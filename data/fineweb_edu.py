@@ -14,14 +14,13 @@ Offline, it stops at the first file it cannot fetch and says what to do instead.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
 
+from cli import ArgumentParser, progress_bar
 from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, cache_root, open_shard, read_shard_header, remember_sha256,
                          sha256_file, shard_globs)
 
@@ -126,8 +125,8 @@ def download_shards(
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     paths = []
-    bar = tqdm(shard_names(chunks, val_file, train_format), unit="shard", desc=f"{repo} -> {dest}",
-               disable=not progress, file=sys.stderr)
+    bar = progress_bar(shard_names(chunks, val_file, train_format), unit="shard", desc=f"{repo} -> {dest}",
+                       disable=not progress)
     for name in bar:
         path = dest / name
         if path.is_file():
@@ -136,19 +135,20 @@ def download_shards(
                 paths.append(path)
                 continue
             except ShardError as e:
-                tqdm.write(f"{e}; downloading it again", file=sys.stderr)
+                bar.write(f"{e}; downloading it again", file=sys.stderr)
                 path.unlink()
         paths.append(_download_one(name, dest, repo, revision, endpoint))
     return paths
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md).")
+    parser = ArgumentParser(module="data.fineweb_edu",
+                            description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md).")
     parser.add_argument("--chunks", type=int, default=FULL_TRAIN_CHUNKS,
                         help=f"train shards 1..N (100M tokens each; default all {FULL_TRAIN_CHUNKS})")
-    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST)
+    parser.add_argument("--dest", type=Path, default=DEFAULT_DEST, help="directory the shards go to")
     parser.add_argument("--repo", default=DEFAULT_REPO, help="Hub dataset repo")
-    parser.add_argument("--val-file", default=VAL_FILE)
+    parser.add_argument("--val-file", default=VAL_FILE, help="name of the validation shard in the repo")
     parser.add_argument("--train-format", default=TRAIN_FORMAT, help="printf pattern of train file names")
     parser.add_argument("--revision", default=None, help="branch, tag or commit of the repo")
     parser.add_argument("--endpoint", default=None, help="Hub endpoint (default: $HF_ENDPOINT or huggingface.co)")

@@ -2,6 +2,8 @@
 (docs/data.md#what-a-run-records)."""
 from __future__ import annotations
 
+import hashlib
+
 import torch.distributed as dist
 
 from data.shards import DIGEST_CACHE, cache_root, describe_shards
@@ -30,20 +32,36 @@ def resolve_data_files(train_files: str, val_files: str, is_master: bool = True)
         dist.barrier()
     train, val = files if is_master else prepare_embedded_corpus()
     return train, val_files or val, ("no --train-files and no FineWeb-Edu shards: using the embedded corpus "
-                                     "(Python docstrings)")
+                                     "(the docstrings of Python 3.11's standard library, shipped in "
+                                     "data/embedded_corpus/)")
+
+
+SPLITS = ("train", "val")
 
 
 def describe_data(given: dict[str, str], resolved: dict[str, str]) -> dict:
     """Per split ("train", "val"): the glob as given (empty: the default data), the resolved glob, each file with
-    its token count and sha256, and the total tokens. Digests are cached by (path, size, mtime_ns) in the cache
-    root (data.shards.sha256_shards), so only new or changed shards are read."""
+    its token count and sha256, and the total tokens; and the data's `fingerprint`. Digests are cached by (path,
+    size, mtime_ns) in the cache root (data.shards.sha256_shards), so only new or changed shards are read."""
     cache = cache_root() / DIGEST_CACHE
-    return {split: {"given": given[split], **describe_shards(resolved[split], cache)} for split in ("train", "val")}
+    record = {split: {"given": given[split], **describe_shards(resolved[split], cache)} for split in SPLITS}
+    return {**record, "fingerprint": data_fingerprint(record)}
+
+
+def data_fingerprint(record: dict) -> str:
+    """16 hex digits naming the data by content (each split's shards in order: token counts and sha256, not paths):
+    losses compare between runs only when their fingerprints are equal."""
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        files = record[split]["files"]
+        digest.update((split + "".join(f" {f['tokens']}:{f['sha256']}" for f in files) + "\n").encode())
+    return digest.hexdigest()[:16]
 
 
 def data_summary(data: dict) -> str:
-    return " | ".join(f"{split} data {d['pattern']}: {len(d['files'])} files, {d['tokens']:,} tokens"
-                      for split, d in data.items())
+    splits = [f"{split} data {data[split]['pattern']}: {len(data[split]['files'])} files, {data[split]['tokens']:,} "
+              "tokens" for split in SPLITS]
+    return " | ".join(splits + [f"data fingerprint {data['fingerprint']}"])
 
 
 def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:

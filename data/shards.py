@@ -10,13 +10,13 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from tqdm import tqdm
+
+from cli import progress_bar
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -195,8 +195,8 @@ def sha256_shards(paths: list[Path], cache_file: str | os.PathLike | None, progr
     keys = [str(Path(p).resolve()) for p in paths]
     stale = [(path, key) for path, key in zip(paths, keys)
              if not (isinstance(entry := cache.get(key), list) and entry[:2] == _stat_key(Path(path)))]
-    for path, key in tqdm(stale, desc="sha256 of new or changed shards", unit="shard", file=sys.stderr,
-                          disable=not progress or not stale):
+    for path, key in progress_bar(stale, desc="sha256 of new or changed shards", unit="shard",
+                                  disable=not progress or not stale):
         cache[key] = [*_stat_key(Path(path)), sha256_file(path)]
         if cache_file is not None:
             _write_digests(cache_file, cache)  # after every file: an interrupted first start keeps what it did

@@ -12,7 +12,6 @@ Every copy is checked against the sha256 in docs/data.md#shard-format before use
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import functools
 import hashlib
@@ -28,6 +27,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
+from cli import ArgumentParser
 from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write, cache_root
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -198,7 +198,8 @@ def gpt2_tokenizer() -> tiktoken.Encoding:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Fetch and verify the GPT-2 BPE rank file; print its path.")
+    parser = ArgumentParser(module="data.tokenizer",
+                            description="Fetch and verify the GPT-2 BPE rank file; print its path.")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="default: $SYMGPT_CACHE/tiktoken or data/cache/tiktoken")
     args = parser.parse_args(argv)

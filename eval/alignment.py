@@ -17,7 +17,6 @@ with the checkpoint in `manifest.json` (docs/evaluation.md#b_q-alignment-and-enr
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import unicodedata
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cli import ArgumentParser
 import train_gpt
 from data.loader import validation_batches, validation_capacity
 from data.shards import GPT2_VOCAB
@@ -348,9 +348,10 @@ def markdown_summary(results: list[dict], title: str, example_heads: int = 2) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.alignment", description=__doc__)
     add_target_args(parser)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="alignment modes to compute (docs/evaluation.md#b_q-alignment-and-enrichment)")
     parser.add_argument("--val-files", default=None,
                         help="text for mode residual (default: the run's validation files)")
     parser.add_argument("--residual-tokens", type=int, default=262_144, help="tokens of text for mode residual")

@@ -16,7 +16,6 @@ tables and where it wrote.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -24,6 +23,7 @@ import statistics
 from pathlib import Path
 
 import train_gpt
+from cli import ArgumentParser
 from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, save_figure, write_json, write_text
 from eval.curves import runs_loss_figure, validation_losses
 from optim import OPTIMIZERS
@@ -205,7 +205,7 @@ def plot_enrichment(rows: list[dict], correlation: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def run_directories(parser: argparse.ArgumentParser, given: list[Path]) -> list[Path]:
+def run_directories(parser: ArgumentParser, given: list[Path]) -> list[Path]:
     """Run directories from --run/--checkpoint and positional values: a run directory as it is, a checkpoint file
     as its run; an error naming every value that is neither."""
     runs, bad = [], []
@@ -218,7 +218,7 @@ def run_directories(parser: argparse.ArgumentParser, given: list[Path]) -> list[
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.compare", description=__doc__)
     parser.add_argument("--run", "--checkpoint", dest="run", action="append", type=Path, default=[], metavar="PATH",
                         help="a run directory (or a checkpoint file of one) to compare; repeat for each run")
     parser.add_argument("positional", nargs="*", type=Path, metavar="RUN", help="more run directories")

@@ -13,11 +13,11 @@ recorded with the target checkpoint (with `--run`: latest.pt) in `manifest.json`
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
+from cli import ArgumentParser
 import export
 import runs
 from eval.common import (
@@ -110,7 +110,7 @@ def plot_training(log: list[dict], checkpoints: list[dict], path: Path, title: s
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.dynamics", description=__doc__)
     add_target_args(parser)
     args = parser.parse_args(argv)
     run_dir, ckpt_path, whole_run = resolve_target(args.checkpoint)

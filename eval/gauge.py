@@ -23,12 +23,12 @@ differences are not rounding. Writes gauge.json, gauge.md and gauge.png (per-hea
 """
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 import torch
 
+from cli import ArgumentParser
 import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
@@ -94,7 +94,7 @@ def report(result: dict, run_name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.gauge", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--optimizer", default=None, choices=sorted(OPTIMIZERS),
                         help="optimizer of the step (default: the run's, with its hyperparameters; another one "

@@ -18,7 +18,6 @@ Writes `logic_puzzles.json`, `logic_puzzles.png`, `logic_puzzles.md`, recorded w
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import tiktoken
 import torch
 import torch.nn.functional as F
 
+from cli import ArgumentParser
 import train_gpt
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
@@ -349,7 +349,7 @@ def markdown_summary(results: list[dict], title: str, step: int | None = None) -
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.logic_puzzles", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--suite", action="append", default=None,
                         help="suite JSON file, or a built-in suite: fixed, paper (repeatable; default: fixed, or "

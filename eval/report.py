@@ -20,13 +20,13 @@ command exits with status 1.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from cli import ArgumentParser
 import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
 from eval.common import (
@@ -208,7 +208,7 @@ class Page:
 
 def main(argv: list[str] | None = None) -> dict:
     """Write the report; exits with status 1 (after writing) when an evaluation failed, 130 when interrupted."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.report", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--skip-missing", action="store_true",
                         help="run no evaluation: report the outputs that exist, marking those of another checkpoint")

@@ -19,13 +19,13 @@ step, and the per-layer scores of the last checkpoint).
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from cli import ArgumentParser
 import runs
 from data.shards import atomic_write
 from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, pyplot, resolve_device,
@@ -184,7 +184,7 @@ def report(results: list[dict], run_name: str, convention: str, gamma: float, st
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.structure", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--convention", choices=CONVENTIONS, default=CONVENTIONS[0],
                         help="figures: the sign and scale of the paper's figures and tables; paper: Definition 3.2 "

@@ -10,13 +10,13 @@ with the checkpoint in `manifest.json` (docs/evaluation.md#validation-loss).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import time
 
 import torch
 
+from cli import ArgumentParser
 import runs
 import train_gpt
 from data.shards import ShardError
@@ -44,7 +44,7 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(module="eval.val_loss", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--val-files", default=None, help="validation shard glob (default: the run's config)")
     parser.add_argument("--val-tokens", type=int, default=None, help="token budget (default: the run's val_tokens)")

@@ -21,6 +21,7 @@ import socket
 import sys
 from pathlib import Path
 
+from cli import ArgumentParser
 from data.lookup import resolve_data_files
 from grid.execute import Journal, Scheduler, claim, initial_state, make_slots, owner
 from grid.plan import GridError, build_spec, check_flags, plan_runs, slurm_script, train_command, train_flags
@@ -40,9 +41,8 @@ def visible_gpus(given: str | None) -> list[str]:
     return listed or [str(i) for i in range(torch.cuda.device_count())]
 
 
-def run_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m grid", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def run_parser() -> ArgumentParser:
+    parser = ArgumentParser(module="grid", description=__doc__)
     parser.add_argument("--name", help="the grid's name: its runs go to <--run-dir>/<name>/ (or name in --grid)")
     parser.add_argument("--axis", action="append", default=[], metavar="FLAG=V1,V2",
                         help="a train_gpt.py flag and its values (repeatable; the first axis varies slowest)")
@@ -184,9 +184,8 @@ def run_grid(argv: list[str]) -> int:
 
 
 def grid_status(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grid status", description="Where a grid stands: each run's "
-                                     "state, step, last loss, tokens/s, ETA and device, from DIR/grid.jsonl and "
-                                     "the runs' logs.")
+    parser = ArgumentParser(module="grid status", description="Where a grid stands: each run's state, step, last "
+                            "loss, tokens/s, ETA and device, from DIR/grid.jsonl and the runs' logs.")
     parser.add_argument("directory", type=Path, help="the grid's directory (<run-dir>/<name>)")
     args = parser.parse_args(argv)
     journal = Journal(args.directory)
@@ -209,8 +208,8 @@ def grid_status(argv: list[str]) -> int:
 
 
 def grid_report(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grid report", description="eval.report for every finished "
-                                     "run of a grid, then eval.compare into DIR/compare.md.")
+    parser = ArgumentParser(module="grid report", description="eval.report for every finished run of a grid, then "
+                            "eval.compare into DIR/compare.md.")
     parser.add_argument("directory", type=Path, help="the grid's directory (<run-dir>/<name>)")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--quick", action="store_true", help="the quick evaluation set for every run")

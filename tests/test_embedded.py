@@ -1,18 +1,21 @@
-"""The embedded corpus (data/embedded.py): extraction, shards, cache, cap."""
+"""The embedded corpus (data/embedded.py): the pinned text, its shards and their fingerprint, the cache, extraction."""
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import random
+import sysconfig
 import tokenize
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data import embedded
-from data.embedded import extract_corpus, module_comments, module_text, prepare_embedded_corpus, python_files
+from data import embedded, lookup
+from data.embedded import module_comments, module_text, prepare_embedded_corpus, python_files
 from data.shards import EOT_TOKEN, GPT2_VOCAB, find_shards, open_shard
+from data.tokenize import TokenizeError
 from data.tokenizer import gpt2_tokenizer
 
 WORDS = ["alpha", "beta", "gauge", "symmetry", "bias", "orbit", "tensor", "naïve", "日本", "query", "value", "key"]
@@ -62,75 +65,73 @@ def test_comment_scan_matches_tokenize():
         "s = 'it''s # no'  # one\nt = \"\\\"#\"  ## two\nu = '''\n# in string\n'''\nv = r'\\'#'\n"
         "w = f\"{1:#x}\"  # three\nx = b'\\\\'  # four\n#\n"
     )
-    sources = [tricky] + [p.read_text(encoding="utf-8") for p in python_files(embedded.python_source_roots()[:1])[:40]]
+    sources = [tricky] + [p.read_text(encoding="utf-8") for p in 
+               python_files([Path(sysconfig.get_paths()["stdlib"])])[:40]]
     for source in sources:
         reference = [(t.start[0], t.string.lstrip("#").strip())
                      for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
         assert module_comments(source) == [c for c in reference if c[1]]
 
 
-def test_extract_skips_and_counts(tmp_path):
+def test_python_files_skips_caches_and_walks_in_order(tmp_path):
     make_package(tmp_path, random.Random(1))
     files = python_files([tmp_path])
-    assert all("__pycache__" not in str(f) for f in files) and files == sorted(files)
-    docs, stats = extract_corpus(files, max_bytes=10**9)
-    assert (stats.files, stats.modules, stats.unparsable, stats.empty) == (len(files), 6, 1, 1)
-    assert stats.text_bytes == sum(len(d.encode()) for d in docs) and not stats.truncated
-
-
-def test_max_bytes_cap(tmp_path):
-    make_package(tmp_path, random.Random(2))
-    full, _ = extract_corpus(python_files([tmp_path]), max_bytes=10**9)
-    cap = len(full[0].encode()) + len(full[1].encode()) // 2
-    docs, stats = extract_corpus(python_files([tmp_path]), max_bytes=cap)
-    assert stats.truncated and len(docs) == 2
-    assert cap - 3 <= stats.text_bytes == sum(len(d.encode()) for d in docs) <= cap
-    assert docs[0] == full[0] and full[1].startswith(docs[1])
+    assert all("__pycache__" not in str(f) for f in files) and files == sorted(files) and len(files) == 8
 
 
 def read_all(pattern: str) -> np.ndarray:
     return np.concatenate([np.asarray(open_shard(p, vocab_size=GPT2_VOCAB)) for p in find_shards(pattern)])
 
 
-def test_prepare_shards_split_and_cache(tmp_path, monkeypatch):
-    make_package(tmp_path / "src", random.Random(3), modules=40)
-    cache = tmp_path / "cache"
-    train_glob, val_glob = prepare_embedded_corpus(cache, max_bytes=10**9, val_fraction=0.1,
-                                                   roots=[tmp_path / "src"], workers=1)
-    docs, _ = extract_corpus(python_files([tmp_path / "src"]), max_bytes=10**9)
+# The data fingerprint (data.lookup.data_fingerprint) of the default corpus: the same on every installation, since
+# the text is pinned (embedded.TEXT_SHA256) and so are the tokenizer's ranks. A new text or tokenizer changes it on
+# purpose, and every number measured on the old corpus stops being comparable: update it only then.
+EMBEDDED_FINGERPRINT = "d88fdc24dce58f40"
+
+
+def test_the_default_corpus_is_the_pinned_text_everywhere(tmp_path, monkeypatch):
+    """The shards hold exactly the shipped documents, tokenized, with the default validation fraction; their
+    fingerprint is the pinned one whatever Python runs; a second call reuses them, another setting rebuilds."""
+    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))
+    cache = tmp_path / "embedded"
+    train_glob, val_glob = prepare_embedded_corpus(cache, workers=1, progress=False)
+    docs = embedded.read_text()
+    assert len(docs) > 250 and 1_900_000 < sum(len(d.encode()) for d in docs) <= embedded.TEXT_MAX_BYTES
     enc = gpt2_tokenizer()
     expected = np.concatenate([np.array([EOT_TOKEN] + enc.encode_ordinary(d), dtype=np.uint16) for d in docs])
     val, train = read_all(val_glob), read_all(train_glob)
     assert np.array_equal(np.concatenate([val, train]), expected)
-    assert val.size == round(0.1 * expected.size) and val[0] == EOT_TOKEN
-    assert [p.name for p in find_shards(val_glob)] == ["embedded_val_000000.bin"]
-    assert find_shards(train_glob)[0].name == "embedded_train_000001.bin"
+    assert val.size == round(embedded.DEFAULT_VAL_FRACTION * expected.size) >= 16384  # the smoke preset's budget
+    record = lookup.describe_data({"train": "", "val": ""}, {"train": train_glob, "val": val_glob})
+    assert record["fingerprint"] == EMBEDDED_FINGERPRINT
     manifest = json.loads((cache / "embedded_manifest.json").read_text())
-    assert manifest["tokens"] == expected.size and manifest["extraction"]["unparsable"] == 1
+    assert manifest["text_sha256"] == embedded.TEXT_SHA256 and manifest["tokens"] == expected.size
 
-    # A second call reuses the cache without extracting again ...
     def fail(*args, **kwargs):
         raise AssertionError("cache not reused")
 
-    monkeypatch.setattr(embedded, "extract_corpus", fail)
-    assert prepare_embedded_corpus(cache, max_bytes=10**9, val_fraction=0.1, roots=[tmp_path / "src"]) == (
-        train_glob, val_glob)
-    # ... but rebuilds when the settings or a source file change.
+    monkeypatch.setattr(embedded, "read_text", fail)
+    assert prepare_embedded_corpus(cache, progress=False) == (train_glob, val_glob)
     with pytest.raises(AssertionError, match="cache not reused"):
-        prepare_embedded_corpus(cache, max_bytes=10**6, val_fraction=0.1, roots=[tmp_path / "src"])
-    with (tmp_path / "src" / "pkg" / "mod0.py").open("a") as f:
-        f.write("# one more comment\n")
-    with pytest.raises(AssertionError, match="cache not reused"):
-        prepare_embedded_corpus(cache, max_bytes=10**9, val_fraction=0.1, roots=[tmp_path / "src"])
+        prepare_embedded_corpus(cache, val_fraction=0.1, progress=False)
 
 
-def test_real_python_sources_small_cap(tmp_path):
-    train_glob, val_glob = prepare_embedded_corpus(tmp_path, max_bytes=60_000, val_fraction=0.2, workers=1)
-    val, train = read_all(val_glob), read_all(train_glob)
-    text = gpt2_tokenizer().decode(np.concatenate([val, train]).tolist())
-    assert len(text.replace("<|endoftext|>", "").encode()) <= 60_000
-    manifest = json.loads((tmp_path / "embedded_manifest.json").read_text())
-    assert manifest["roots"][0] == str(embedded.python_source_roots()[0]) and manifest["extraction"]["truncated"]
+def test_a_changed_text_is_refused(tmp_path):
+    changed = tmp_path / "text.jsonl.gz"
+    changed.write_bytes(gzip.compress(b'{"module": "m", "text": "another text"}\n'))
+    with pytest.raises(TokenizeError, match=r"text.jsonl.gz: sha256 .* is not the pinned .*git checkout"):
+        prepare_embedded_corpus(tmp_path / "out", text=changed, workers=1, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_write_text_keeps_whole_modules_in_order_and_is_deterministic(tmp_path):
+    first, second = tmp_path / "a.jsonl.gz", tmp_path / "b.jsonl.gz"
+    digest = embedded.write_text(first, max_bytes=40_000)
+    assert embedded.write_text(second, max_bytes=40_000) == digest and first.read_bytes() == second.read_bytes()
+    records = [json.loads(line) for line in gzip.decompress(first.read_bytes()).decode().splitlines()]
+    assert records and sum(len(r["text"].encode()) for r in records) <= 40_000
+    assert [r["module"] for r in records] == sorted(r["module"] for r in records)  # top-level modules first
+    assert embedded.read_text(first, digest) == [r["text"] for r in records]
 
 
 def test_text_mode_makes_text_shards_with_the_val_fraction(tmp_path):

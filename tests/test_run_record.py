@@ -93,7 +93,27 @@ def test_config_checkpoint_and_log_record_the_data(corpus, tmp_path):
     ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["config"]["data"] == data
     assert (f"train data {corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
-            f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens") in (run / "log.txt").read_text()
+            f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens | data fingerprint {data['fingerprint']}") in \
+        (run / "log.txt").read_text()
+
+
+def test_the_data_fingerprint_names_the_contents_not_the_paths(tmp_path, monkeypatch):
+    """Equal shards in other places give the same fingerprint; one other token or another split gives another."""
+    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))
+    for folder, last in (("a", 7), ("b", 7), ("c", 8)):
+        values = tokens(300, 0)
+        values[-1] = last
+        write_shard(tmp_path / folder / "x_train_000001.bin", values)
+        write_shard(tmp_path / folder / "x_val_000000.bin", tokens(200, 1))
+
+    def fingerprint(folder: str, val: str = "x_val_*.bin") -> str:
+        record = lookup.describe_data({"train": "", "val": ""}, {"train": str(tmp_path / folder / "x_train_*.bin"),
+                                                                "val": str(tmp_path / folder / val)})
+        assert record["fingerprint"] == lookup.data_fingerprint(record) and len(record["fingerprint"]) == 16
+        return record["fingerprint"]
+
+    assert fingerprint("a") == fingerprint("b") != fingerprint("c")
+    assert fingerprint("a", "x_train_*.bin") != fingerprint("a")
 
 
 def test_default_data_records_the_empty_glob_as_given(monkeypatch, tmp_path):

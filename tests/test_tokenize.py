@@ -15,7 +15,9 @@ import pytest
 from data import embedded
 from data import tokenize as tok
 from data.shards import EOT_TOKEN, GPT2_VOCAB, find_shards
-from data.tokenize import CorpusStats, TokenizeError, documents_to_shards, iter_documents, resolve_sources
+from data import documents
+from data.documents import CorpusStats, TokenizeError, iter_documents, resolve_sources
+from data.tokenize import documents_to_shards
 from data.tokenizer import gpt2_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,20 +142,48 @@ def test_bad_inputs_are_counted_and_named(tmp_path):
     docs = list(iter_documents(paths, stats, utf8_errors="skip"))
     assert docs == ["fine text", "one", "kept", "also kept"] and stats.invalid_utf8_skipped == 2
 
-    (tmp_path / "table.csv").write_text("a,b\n")
-    for bad, message in [("table.csv", "unsupported file type"), ("missing.txt", "no such file"),
-                         ("nothing*.jsonl", "matches no files")]:
+    for bad, message in [("missing.txt", "no such file"), ("nothing*.jsonl", "matches no files")]:
         with pytest.raises(TokenizeError, match=message):
             resolve_sources([str(tmp_path / bad)])
-    with pytest.raises(SystemExit, match="error: .*table.csv"):
-        tok.main([str(tmp_path / "table.csv"), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="error: .*missing.txt: no such file"):
+        tok.main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "out")])
+
+
+def test_any_readable_file_is_plain_text_and_binary_files_are_skipped(tmp_path):
+    """.md, .py, .rst, .csv and extension-less files are text like .txt; a file with NUL bytes is counted and
+    skipped, not tokenized as garbage."""
+    texts = {"notes.md": "# Title\n\nSome *markdown*.", "code.py": "def f():\n    return 1  # one", "doc.rst": "A\n=",
+             "README": "no extension at all", "table.csv": "a,b\n1,2"}
+    for name, text in texts.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    paths = resolve_sources([str(tmp_path / name) for name in [*texts, "image.png"]])
+    stats = CorpusStats()
+    assert list(iter_documents(paths, stats)) == list(texts.values())
+    assert stats.binary_files == 1 and "image.png: NUL bytes" in stats.problems[0]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "more.md").write_text("one more")
+    found = resolve_sources([str(tmp_path / "**")])  # folders left out, files in them found
+    assert tmp_path / "sub" / "more.md" in found and all(path.is_file() for path in found)
+    with pytest.raises(TokenizeError, match="sub: a directory: give its files"):
+        resolve_sources([str(tmp_path / "sub")])
+    out = tmp_path / "out"
+    tok.main([str(tmp_path / "*"), "--out", str(out), "--prefix", "mixed", "--workers", "1"])
+    manifest = json.loads((out / "mixed_manifest.json").read_text())
+    assert manifest["counts"]["documents"] == 5 and manifest["counts"]["binary_files"] == 1
 
 
 def test_small_corpus_and_existing_outputs(tmp_path):
     docs = make_docs(5, 20)
     with pytest.raises(TokenizeError, match="smaller --val-tokens"):
-        documents_to_shards(docs, tmp_path, "t", workers=1)  # default val shard: 100M tokens
+        documents_to_shards(docs, tmp_path, "t", val_tokens=10**8, workers=1)
     assert not list(tmp_path.glob("t_*"))
+    small = documents_to_shards(docs, tmp_path / "default", "t", workers=1)  # smaller than a shard: a tenth
+    total = small["tokens"]
+    assert small["val_tokens"] == round(0.1 * total) and [r["tokens"] for r in small["shards"]] == [
+        round(0.1 * total), total - round(0.1 * total)]
+    large = documents_to_shards(docs, tmp_path / "large", "t", shard_tokens=total // 3, workers=1)
+    assert large["val_tokens"] == total // 3  # a larger corpus: one shard's worth, as llm.c
     documents_to_shards(docs, tmp_path, "t", shard_tokens=100, val_tokens=100, workers=1)
     many = sorted(tmp_path.glob("t_train_*.bin"))
     with pytest.raises(TokenizeError, match="--overwrite"):
@@ -175,14 +205,16 @@ def test_hub_dataset_files(tmp_path):
         files[name] = (tmp_path / "t.parquet").read_bytes()
     hub = FakeHub(files)
     try:
-        fetched = tok.fetch_hub_files(REPO, "sample/10BT/*.parquet", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+        fetched = documents.fetch_hub_files(REPO, "sample/10BT/*.parquet", endpoint=hub.endpoint,
+                                            cache_dir=tmp_path / "hf")
         assert [name for name, _ in fetched] == ["sample/10BT/000.parquet", "sample/10BT/001.parquet"]
         stats = CorpusStats()
         assert list(iter_documents([path for _, path in fetched], stats)) == docs
-        assert tok.fetch_hub_files(REPO, "sample/*", 1, endpoint=hub.endpoint, cache_dir=tmp_path / "hf") == fetched[:1]
+        assert documents.fetch_hub_files(REPO, "sample/*", 1, endpoint=hub.endpoint,
+                                         cache_dir=tmp_path / "hf") == fetched[:1]
         assert sum(hub.gets.values()) == 2  # the second call is served from the cache
         with pytest.raises(TokenizeError, match="match"):
-            tok.fetch_hub_files(REPO, "nothing/*", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+            documents.fetch_hub_files(REPO, "nothing/*", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
     finally:
         hub.close()
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import runs
 import train_gpt
@@ -140,7 +141,8 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     cfg = train_gpt.parse_config([*args, "--wandb-project", "p"])
     log = runs.RunLog(is_master=False)
-    rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2)
+    rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2, device=torch.device("cpu"),
+                               dtype_name="fp32")
     trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
                                     data_record=None, run_dir=None, resumed=None, progress=train_gpt.Progress(),
                                     attention=None)

@@ -96,8 +96,16 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     assert config["model"]["n_embd"] == 32 and config["train"]["optimizer"] == "adamw"
     assert config["optim"] == {"lr": 3e-3, "weight_decay": 0.0, "decay_groups": "all", "fused": True,
                                "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}  # every value that ran, none left to a later default
-    assert config["layout"] == {"world_size": 1, "micro_batch": 4, "grad_accum": 2}
-    assert (run / "log.txt").read_text().startswith(Path(train_gpt.__file__).read_text()[:200])
+    assert config["layout"] == {"world_size": 1, "micro_batch": 4, "grad_accum": 2, "device": "cpu", "dtype": "fp32"}
+    assert config["train"]["dtype"] == "bf16" and config["preset"]["differs"][-2].startswith("precision: fp32")
+    log_text = (run / "log.txt").read_text()
+    assert log_text.startswith(Path(train_gpt.__file__).read_text()[:200])
+    assert "| device cpu | fp32 | world 1" in log_text
+    assert log_text.endswith(  # where the run is and what to run next
+        f"the run is in {run} (log.txt, config.json, checkpoints/latest.pt); next:\n"
+        f"  python -m eval.report --run {run}    # the evaluations and a page: {run}/report.md\n"
+        f"  python -m sample --run {run} --prompt \"The meaning of\"\n"
+        f"  python -m export to-hf --run {run} --out {run / 'hf'}    # a Hugging Face model\n")
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
     ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizers", "loader", "sampler", "rng", "config"}
@@ -254,6 +262,8 @@ def test_flags_given_on_resume_take_effect(corpus, tmp_path):
     assert ckpt["optimizers"][0]["param_groups"][0]["weight_decay"] == 0.05
     config = json.loads((run / "config.json").read_text())
     assert config["optim"]["lr"] == 5e-4 and config["train"]["steps"] == 6
+    log_text = (run / "log.txt").read_text()  # the code once, not once per resume; each part names its code
+    assert log_text.count("def main(argv") == 1 and log_text.count("| code in code/ (train_gpt.py sha256") == 2
 
 
 @pytest.mark.parametrize("flags, error", [
