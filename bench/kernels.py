@@ -9,7 +9,8 @@ Needs no GPU: Triton ships ptxas, cuobjdump and nvdisasm. The launches are captu
 the launch replaced by a recorder: kernels.attention's forward and backward on q, k, v viewed out of one (B, T, 3C)
 projection as the model does (head dims 64 and 128, bf16 and fp16, with and without b_Q and b_V, causal and not, each
 target's shipped tiles), kernels.ecd's two kernels on a GPT-2-shaped chunk (fp32 and bf16 Π, with and without noise,
-and one chunk off the 16-element grid to show the alignment hint). Each launch is then built with Triton's own
+and one chunk off the 16-element grid to show the alignment hint), kernels.soap's step on such a chunk (fp32 and bf16
+m, v). Each launch is then built with Triton's own
 run-time specialisation of its arguments (16-byte divisibility of pointers and integers, integers equal to 1), so
 registers, spills and instructions are those of the kernel that runs.
 
@@ -47,6 +48,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 from cli import ArgumentParser  # noqa: E402
 import kernels.attention as attn  # noqa: E402
 import kernels.ecd as ecd  # noqa: E402
+import kernels.soap as soap  # noqa: E402
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory one block may use (227 KiB, 163 KiB)
@@ -120,6 +122,21 @@ def ecd_launches(pi_dtype: str, noise: bool, aligned: bool = True) -> list[Launc
     return launches
 
 
+def soap_launches(state_dtype: str) -> list[Launch]:
+    """The launch of one fused SOAP step (kernels/soap.py) over a chunk holding a (2304, 768) matrix, a 2304 vector
+    and a 768 one, m and v in `state_dtype` (bf16: rounded stochastically)."""
+    sizes = [768 * 2304, 2304, 768]
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    table = soap.block_table([(lo, lo, hi) for lo, hi in zip(bounds, bounds[1:])], torch.device("cpu"))
+    n = bounds[-1]
+    g = torch.empty(n)
+    m, v = (torch.empty(n, dtype=torch.bfloat16 if state_dtype == "bf16" else torch.float32) for _ in range(2))
+    launches: list[Launch] = []
+    with recording(f"m, v {state_dtype}", launches):
+        soap.moments(g, m, v, g, table, 0.95, 0.95, 1e-8, seed=12345)
+    return launches
+
+
 def autotune_launches(arch: int) -> list[Launch]:
     """The training configuration's attention passes with every tile their autotuner tries."""
     tuned = {"fwd": attn._attn_fwd_tuned, "dkdv": attn._attn_bwd_dkdv_tuned, "dq": attn._attn_bwd_dq_tuned}
@@ -144,6 +161,7 @@ def captured(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Laun
         ecd_configs += [("fp32", True, True), ("bf16", False, True)]
     launches = [x for config in attention for x in attention_launches(arch, *config)]
     launches += [x for config in ecd_configs for x in ecd_launches(*config)]
+    launches += [x for dtype in (["fp32"] if subset else ["fp32", "bf16"]) for x in soap_launches(dtype)]
     launches += autotune_launches(arch) if autotune_tiles else []
     unique: dict[str, Launch] = {}
     for launch in launches:
@@ -224,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU targets to build for (default: sm_90 sm_80)")
     parser.add_argument("--subset", action="store_true",
                         help="only the GPT-2 training configuration of each kernel (d 64, bf16, biases, causal; "
-                             "ECD with fp32 Π, bf16 Π with noise, and one unaligned chunk)")
+                             "ECD with fp32 Π, bf16 Π with noise, and one unaligned chunk; SOAP with fp32 m, v)")
     parser.add_argument("--autotune-tiles", action="store_true",
                         help="also the training configuration's attention passes with every tile the autotuner tries")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")

@@ -8,9 +8,8 @@ projection="per_tensor"). Then:
 2. the optimizer derives the step's scalars from those sums on the device (no host synchronisation);
 3. `apply_update`: per element, Π ← A·Π − k·(g + λθ); θ ← θ + hΠ; with noise Π ← Π/s + ν̂z, reading the scalars
    from device memory (one read of θ, g, Π [, z], one write of θ, Π).
-Π may be stored in bf16 (as raw 16-bit patterns, so the same code runs in Triton's CPU interpreter, which has no
-bf16): read by widening, written with stochastic rounding (`stochastic` — unbiased, so small updates are not lost
-on average) or round-to-nearest-even.
+Π may be stored in bf16 (kernels/bf16.py: raw 16-bit patterns, read by widening, written with stochastic rounding —
+unbiased, so small updates are not lost on average — or round-to-nearest-even).
 
 Each kernel has its PyTorch reference beside it (`*_reference`), which is also the optimizer's own path wherever the
 kernels do not run (CPU, float64, --no-fused): one implementation of the update in torch ops, one in Triton.
@@ -23,6 +22,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kernels.bf16 import as_kernel_arg, load_fp32, round_to_bf16_bits
 
 BLOCK = 2048  # elements per program: large enough to amortise the per-block scalars, small enough for many programs
 ALIGN = 16  # elements: the alignment the kernels are told of when every block starts and ends on it
@@ -62,28 +63,6 @@ def sum_by_key(rows: torch.Tensor, gather_index: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _load_pi(PI, offs, mask, PI_BF16: tl.constexpr):
-    """Π as fp32; a bf16 Π arrives as int16 bit patterns and is widened exactly."""
-    if PI_BF16:
-        return (tl.load(PI + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return tl.load(PI + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _round_to_bf16_bits(x, seed, offs, STOCHASTIC: tl.constexpr):
-    """fp32 → bf16 bit patterns (int16): stochastic rounding (add 16 random low bits, truncate), or
-    round-to-nearest-even. Inf and NaN pass through."""
-    bits = x.to(tl.int32, bitcast=True)
-    if STOCHASTIC:
-        noise = (tl.randint(seed, offs) & 0xFFFF).to(tl.int32)
-    else:
-        noise = 0x7FFF + ((bits >> 16) & 1)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    rounded = tl.where(finite, bits + noise, bits)
-    return (rounded >> 16).to(tl.int16)
-
-
-@triton.jit
 def _load_block(THETA, GRAD, PI, START, LEN, b, PI_BF16: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
     """Offsets, mask and the fp32 θ, g, Π of block b of the table (start and length multiples of ALIGN)."""
     lanes = tl.arange(0, BLOCK)
@@ -91,7 +70,7 @@ def _load_block(THETA, GRAD, PI, START, LEN, b, PI_BF16: tl.constexpr, BLOCK: tl
     offs = tl.multiple_of(tl.load(START + b), ALIGN) + lanes
     t = tl.load(THETA + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(GRAD + offs, mask=mask, other=0.0).to(tl.float32)
-    return offs, mask, t, g, _load_pi(PI, offs, mask, PI_BF16)
+    return offs, mask, t, g, load_fp32(PI, offs, mask, PI_BF16)
 
 
 @triton.jit
@@ -107,15 +86,10 @@ def _partial_dots_kernel(THETA, GRAD, PI, START, LEN, OUT, PI_BF16: tl.constexpr
     tl.store(OUT + b * 6 + 5, tl.sum(p * p, 0))
 
 
-def _pi_arg(pi: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """Π as the kernels take it: bf16 as its int16 bit patterns."""
-    return (pi.view(torch.int16), True) if pi.dtype == torch.bfloat16 else (pi, False)
-
-
 def partial_dots(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, table: BlockTable) -> torch.Tensor:
     """(blocks, 6) fp32: θ·θ, θ·g, g·g, Π·g, Π·θ, Π·Π over each block of the chunk."""
     out = torch.empty(len(table.starts), 6, dtype=torch.float32, device=theta.device)
-    pi_arg, pi_bf16 = _pi_arg(pi)
+    pi_arg, pi_bf16 = as_kernel_arg(pi)
     if len(table.starts):
         _partial_dots_kernel[(len(table.starts),)](theta, grad, pi_arg, table.starts, table.lengths, out,
                                                    PI_BF16=pi_bf16, BLOCK=BLOCK, ALIGN=table.align)
@@ -151,7 +125,7 @@ def _apply_update_kernel(THETA, GRAD, PI, Z, START, LEN, KEY, A, NEG_K, LAM, H, 
         p = p * tl.load(INV_S).to(tl.float32) + z * tl.load(NU).to(tl.float32)
     tl.store(THETA + offs, t.to(THETA.dtype.element_ty), mask=mask)
     if PI_BF16:
-        tl.store(PI + offs, _round_to_bf16_bits(p, seed, base + offs, STOCHASTIC), mask=mask)
+        tl.store(PI + offs, round_to_bf16_bits(p, seed, base + offs, STOCHASTIC), mask=mask)
     else:
         tl.store(PI + offs, p.to(PI.dtype.element_ty), mask=mask)
 
@@ -165,7 +139,7 @@ def apply_update(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, z: t
     element, so the bits do not depend on how the elements are sharded."""
     if not len(table.starts):
         return
-    pi_arg, pi_bf16 = _pi_arg(pi)
+    pi_arg, pi_bf16 = as_kernel_arg(pi)
     _apply_update_kernel[(len(table.starts),)](
         theta, grad, pi_arg, z if z is not None else grad, table.starts, table.lengths, table.keys, coef["A"],
         coef["neg_k"], lam if lam is not None else coef["A"], coef["h"], coef["inv_s"], coef["nu"], seed, base,

@@ -74,10 +74,28 @@ class Piece:
         return local[self.offset : self.offset + self.numel]
 
 
-class Region:
-    """Parameters of one dtype and ownership mode in one flat buffer of world_size equal chunks."""
+@dataclass(frozen=True)
+class Run:
+    """Consecutive pieces of this rank's chunk, elements [lo, hi), whose parameters share `key`."""
 
-    def __init__(self, params: list[tuple[int, Tensor]], tensor_owned: bool, rank: int, world_size: int) -> None:
+    key: object
+    lo: int
+    hi: int
+    pieces: tuple[Piece, ...]
+
+    def of(self, local: Tensor) -> Tensor:
+        """This run's 1-D view into a chunk-sized local buffer."""
+        return local[self.lo : self.hi]
+
+
+class Region:
+    """Parameters of one dtype and ownership mode in one flat buffer of world_size equal chunks.
+
+    In a tensor region each rank's tensors lie in the order of `layout_key(index)` (then index), so tensors of one
+    key are adjacent: a batch of same-shaped matrices is then one view of the flat buffers, with no copy."""
+
+    def __init__(self, params: list[tuple[int, Tensor]], tensor_owned: bool, rank: int, world_size: int,
+                 layout_key=None) -> None:
         self.rank, self.world_size, self.tensor_owned = rank, world_size, tensor_owned
         self.indices = [i for i, _ in params]
         numels = [p.numel() for _, p in params]
@@ -87,10 +105,11 @@ class Region:
                 owner[k] = min(range(world_size), key=lambda r: load[r])
                 load[owner[k]] += numels[k]
             self.chunk = max(load)
-            fill, starts = [0] * world_size, []
-            for k, n in enumerate(numels):
-                starts.append(owner[k] * self.chunk + fill[owner[k]])
-                fill[owner[k]] += n
+            fill, starts = [0] * world_size, [0] * len(params)
+            key = (lambda k: layout_key(params[k][0])) if layout_key else (lambda k: 0)
+            for k in sorted(range(len(params)), key=lambda k: (key(k), k)):  # each rank's tensors grouped by key
+                starts[k] = owner[k] * self.chunk + fill[owner[k]]
+                fill[owner[k]] += numels[k]
             self.owner = {params[k][0]: owner[k] for k in range(len(params))}
         else:
             self.chunk = -(-sum(numels) // world_size)
@@ -107,6 +126,8 @@ class Region:
             a, b = max(start, lo), min(start + p.numel(), hi)
             if a < b:
                 self.pieces.append(Piece(i, a - start, b - start, a - lo))
+        self.pieces.sort(key=lambda piece: piece.offset)
+        for (i, p), start in zip(params, starts):
             view = self.params[start : start + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view
@@ -115,6 +136,18 @@ class Region:
         self._works: dict[int, object] = {}  # in-flight reductions: by parameter index (tensor regions) or -1
         self._not_ready = set(self.indices)  # parameters whose gradient this backward pass has not produced yet
         self._reduced: Tensor | None = None
+
+    def runs(self, key_of) -> list[Run]:
+        """This rank's chunk cut into maximal runs of consecutive pieces with equal `key_of(index)`."""
+        runs: list[Run] = []
+        for piece in self.pieces:
+            key = key_of(piece.index)
+            if runs and runs[-1].key == key:
+                last = runs[-1]
+                runs[-1] = Run(key, last.lo, piece.offset + piece.numel, (*last.pieces, piece))
+            else:
+                runs.append(Run(key, piece.offset, piece.offset + piece.numel, (piece,)))
+        return runs
 
     @property
     def local_params(self) -> Tensor:
@@ -231,9 +264,9 @@ def _buckets(members: list[tuple[int, Tensor]]) -> list[list[tuple[int, Tensor]]
     return buckets
 
 
-def build_regions(params: list[Tensor], tensor_owned: list[bool]) -> list[Region]:
-    """Lay `params` out in regions by (dtype, tensor_owned), element regions cut into buckets, and rebind the
-    parameters to views (see module docstring)."""
+def build_regions(params: list[Tensor], tensor_owned: list[bool], layout_key=None) -> list[Region]:
+    """Lay `params` out in regions by (dtype, tensor_owned), element regions cut into buckets, tensor regions ordered
+    by `layout_key(index)` on each rank, and rebind the parameters to views (see module docstring)."""
     rank, world_size = rank_and_world_size()
     devices = {p.device for p in params}
     if len(devices) != 1:
@@ -243,7 +276,7 @@ def build_regions(params: list[Tensor], tensor_owned: list[bool]) -> list[Region
     for dtype, owned in keys:
         members = [(i, p) for i, (p, o) in enumerate(zip(params, tensor_owned)) if str(p.dtype) == dtype and o == owned]
         for bucket in [members] if owned else _buckets(members):
-            regions.append(Region(bucket, owned, rank, world_size))
+            regions.append(Region(bucket, owned, rank, world_size, layout_key))
     return regions
 
 
@@ -256,6 +289,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the averaged gradient, so it needs the reduction first: gradients are local until step()); `grad_norm` then
     holds the norm before clipping as a device tensor. `overlap_reduce` = False leaves every reduction to step().
 
+    `layout_key(index)` orders each rank's tensors in the tensor regions (`Region`): optimizers that batch
+    same-shaped matrices (SOAP, Muon) key them by shape. `Region.runs` cuts a chunk into runs of equal key.
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
     has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
     Kronecker factors) and `_global_state` / `_load_global_state` for optimizer-wide scalars beyond `calls` (the
@@ -267,7 +302,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     moments_in_parameter_basis = True  # the state's moments are in the parameters' coordinates (gauge/updates.py)
 
     def __init__(self, params, defaults: dict, tensor_owned, grad_clip: float = 0.0,
-                 overlap_reduce: bool = True) -> None:
+                 overlap_reduce: bool = True, layout_key=None) -> None:
         super().__init__(params, defaults)
         self.params_in_order = [p for group in self.param_groups for p in group["params"]]
         self.names: list[str] = []
@@ -276,7 +311,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         if len({id(p) for p in self.params_in_order}) != len(self.params_in_order):
             raise ValueError("a parameter appears twice in the optimizer's parameter groups")
-        self.regions = build_regions(self.params_in_order, [tensor_owned(i) for i in range(len(self.params_in_order))])
+        self.regions = build_regions(self.params_in_order, [tensor_owned(i) for i in range(len(self.params_in_order))],
+                                     layout_key)
         self.region_of = {i: region for region in self.regions for i in region.indices}
         self.flat_state: dict[str, list[Tensor | None]] = {}
         self.calls = 0

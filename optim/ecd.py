@@ -147,7 +147,8 @@ class ECD(ShardedOptimizer):
         # elements; their PyTorch references, the path everywhere else, take each key's run whole.
         from kernels import ecd as ecd_kernels  # Triton: imported when an ECD optimizer is built, not with this module
 
-        ranges = [self._ranges(region) for region in self.regions]
+        ranges = [[(run.key, run.lo, run.hi) for run in region.runs(self.key_of.__getitem__)]
+                  for region in self.regions]
         interpreter = os.environ.get("TRITON_INTERPRET") == "1"
         fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
         self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
@@ -164,17 +165,6 @@ class ECD(ShardedOptimizer):
         self.skipped = _DeferredFlag(device)
         self.warned = False
         self._lam_cache: tuple[tuple[float, ...], Tensor] | None = None
-
-    def _ranges(self, region) -> list[tuple[int, int, int]]:
-        """(key, lo, hi) runs of this rank's chunk that share a key (whole weight-decay groups, or tensors)."""
-        runs: list[tuple[int, int, int]] = []
-        for piece in region.pieces:
-            key = self.key_of[piece.index]
-            if runs and runs[-1][0] == key and runs[-1][2] == piece.offset:
-                runs[-1] = (key, runs[-1][1], piece.offset + piece.numel)
-            else:
-                runs.append((key, piece.offset, piece.offset + piece.numel))
-        return runs
 
     def _lam(self, device) -> Tensor:
         """Weight decay λ per key as a float64 device vector (rebuilt only when a group's value changes)."""

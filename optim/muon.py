@@ -51,18 +51,26 @@ def zeropower_via_newtonschulz5(g: Tensor, steps: int = 5) -> Tensor:
     """Approximate U Vᵀ of g = U S Vᵀ (batched over leading dims) with the quintic Newton–Schulz iteration in bf16.
 
     The iteration maps singular values into roughly [0.7, 1.2] rather than exactly 1: the speedrun's trade of
-    accuracy for a steep slope at zero.
+    accuracy for a steep slope at zero. Each iteration is three batched products with the coefficients folded in
+    (X ← a·X + (b·A + c·A²)·X with A = X Xᵀ: bmm, then two baddbmm, as modded-nanogpt does), into buffers
+    allocated once: no elementwise pass over the matrices inside the loop.
     """
     a, b, c = NS_COEFFICIENTS
-    x = g.bfloat16()
-    tall = g.size(-2) > g.size(-1)
+    shape = g.shape
+    x = g.bfloat16().reshape(-1, *shape[-2:])  # a no-op on the optimizer's bf16 input
+    tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    norm = x.norm(dim=(-2, -1), keepdim=True, dtype=torch.float32).add_(1e-7)  # spectral <= Frobenius: now <= 1
+    x = torch.div(x, norm, out=torch.empty(x.shape, dtype=torch.bfloat16, device=x.device))
+    gram = x.new_empty(x.shape[0], x.size(-2), x.size(-2))
+    poly, following = torch.empty_like(gram), torch.empty_like(x)
     for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.mT if tall else x
+        torch.bmm(x, x.mT, out=gram)
+        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        torch.baddbmm(x, poly, x, beta=a, out=following)
+        x, following = following, x
+    return (x.mT if tall else x).reshape(shape)
 
 
 def is_hidden_matrix(name: str, param: Tensor) -> bool:
@@ -105,18 +113,33 @@ class Muon(ShardedOptimizer):
             tensor_owned=lambda i: self.param_groups[self.group_of[i]]["use_muon"],
             grad_clip=grad_clip,
             overlap_reduce=overlap_reduce,
+            layout_key=self._batch_key,
         )
         for group in self.param_groups:
             if group["use_muon"] and any(p.dim() < 2 for p in group["params"]):
                 raise ValueError("Muon: use_muon groups may only hold matrices (dim >= 2)")
-        self.blocks = [3 if n.endswith("attn.c_attn.weight") and p.shape[0] == 3 * p.shape[1] else 1
-                       for n, p in zip(self.names, self.params_in_order)]
         muon = [r for r in self.regions if r.tensor_owned]
         adam = [r for r in self.regions if not r.tensor_owned]
         dtype = state_dtype(optim_state_dtype, self.params_in_order)
         self.new_flat_state("momentum_buffer", dtype, muon)
         self.new_flat_state("exp_avg", dtype, adam)
         self.new_flat_state("exp_avg_sq", dtype, adam)
+        # Per region: runs of same-shaped matrices (one Newton–Schulz batch each) or of one group (AdamW), and a
+        # scratch buffer (the bf16 Newton–Schulz input, or AdamW's denominator) allocated once.
+        self.runs = [region.runs(self._batch_key if region.tensor_owned else self.group_of.__getitem__)
+                     for region in self.regions]
+        self.scratch = [torch.empty(r.chunk, device=r.params.device, dtype=torch.bfloat16 if r.tensor_owned
+                                    else torch.promote_types(r.params.dtype, torch.float32)) for r in self.regions]
+
+    def blocks_of(self, index: int) -> int:
+        """The fused QKV matrix (3C×C) is orthogonalised as three C×C blocks; other matrices whole."""
+        name, shape = self.names[index], self.params_in_order[index].shape
+        return 3 if name.endswith("attn.c_attn.weight") and shape[0] == 3 * shape[1] else 1
+
+    def _batch_key(self, index: int) -> tuple:
+        """Matrices with equal keys are orthogonalised as one batch: (group, rows of a block, columns)."""
+        shape = self.params_in_order[index].shape
+        return self.group_of[index], shape.numel() // (self.blocks_of(index) * shape[-1]), shape[-1]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -127,53 +150,49 @@ class Muon(ShardedOptimizer):
         self.calls += 1
         for j, (region, g) in enumerate(zip(self.regions, self.reduced_gradients())):
             if region.tensor_owned:
-                self._muon(region, g, self.flat_state["momentum_buffer"][j])
+                self._muon(j, region, g, self.flat_state["momentum_buffer"][j])
             else:
-                self._adamw(region, g, self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j])
+                self._adamw(j, region, g, self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j])
             region.gather_params()
         return loss
 
-    def _muon(self, region, g: Tensor, buf_state: Tensor) -> None:
+    def _muon(self, j: int, region, g: Tensor, buf_state: Tensor) -> None:
         compute = torch.promote_types(g.dtype, torch.float32)
-        buf, gc = buf_state.to(compute), g.to(compute)
-        buf.lerp_(gc, 1 - self.momentum)
-        update = torch.lerp(gc, buf, self.momentum) if self.nesterov else buf
+        buf, g = buf_state.to(compute), g.to(compute)
+        buf.lerp_(g, 1 - self.momentum)
+        update = self.scratch[j]  # the Nesterov update, written in bf16 in one pass: Newton–Schulz's input
+        torch.lerp(g, buf, self.momentum, out=update) if self.nesterov else update.copy_(buf)
         if buf is not buf_state:
             buf_state.copy_(buf)
-        batches: dict[tuple[int, ...], list] = {}
-        for piece in region.pieces:
-            shape = self.params_in_order[piece.index].shape
-            u = piece.of(update).view(self.blocks[piece.index], -1, shape[-1])
-            batches.setdefault(tuple(u.shape[1:]), []).append((piece, u))
         theta = region.local_params
-        for (rows, cols), members in batches.items():
-            ortho = zeropower_via_newtonschulz5(torch.cat([u for _, u in members]), self.ns_steps)
-            ortho = ortho * max(1.0, rows / cols) ** 0.5
-            start = 0
-            for piece, u in members:
-                group = self.param_groups[self.group_of[piece.index]]
-                p = piece.of(theta)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(ortho[start : start + u.shape[0]].reshape(-1), alpha=-group["lr"])
-                start += u.shape[0]
+        for run in self.runs[j]:  # adjacent matrices of one shape: views, no copies
+            group, rows, cols = run.key
+            lr, weight_decay = self.param_groups[group]["lr"], self.param_groups[group]["weight_decay"]
+            ortho = zeropower_via_newtonschulz5(run.of(update).view(-1, rows, cols), self.ns_steps)
+            p = run.of(theta).view(-1, rows, cols)
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay)
+            p.add_(ortho, alpha=-lr * max(1.0, rows / cols) ** 0.5)
 
-    def _adamw(self, region, g: Tensor, m_state: Tensor, v_state: Tensor) -> None:
+    def _adamw(self, j: int, region, g: Tensor, m_state: Tensor, v_state: Tensor) -> None:
+        """torch's AdamW, in place: m/(√v/c + ε) = c·m/(√v + c·ε) with c = √(1−β2ᵗ)."""
         compute = torch.promote_types(g.dtype, torch.float32)
         beta1, beta2 = self.betas
-        m, v, gc = m_state.to(compute), v_state.to(compute), g.to(compute)
-        m.lerp_(gc, 1 - beta1)
-        v.mul_(beta2).addcmul_(gc, gc, value=1 - beta2)
-        direction = m / (v.sqrt() / (1 - beta2**self.calls) ** 0.5 + self.eps)
+        m, v, g = m_state.to(compute), v_state.to(compute), g.to(compute)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        correction = (1 - beta2**self.calls) ** 0.5
+        denominator = torch.sqrt(v, out=self.scratch[j]).add_(self.eps * correction)
         if m is not m_state:
             m_state.copy_(m)
             v_state.copy_(v)
         theta = region.local_params
-        for piece in region.pieces:
-            group = self.param_groups[self.group_of[piece.index]]
-            p = piece.of(theta)
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(piece.of(direction), alpha=-group["lr"] / (1 - beta1**self.calls))
-
+        for run in self.runs[j]:
+            lr, weight_decay = self.param_groups[run.key]["lr"], self.param_groups[run.key]["weight_decay"]
+            p = run.of(theta)
+            if weight_decay:
+                p.mul_(1 - lr * weight_decay)
+            p.addcdiv_(run.of(m), run.of(denominator), value=-lr * correction / (1 - beta1**self.calls))
 
 
 def muon_groups(model: nn.Module, cfg: MuonConfig) -> list[dict]:

@@ -6,10 +6,18 @@ normalised moment back, apply decoupled weight decay, then update L, R with the 
 `precondition_frequency` steps the bases are refreshed by one sorted power-iteration step + QR.
 Sharding: tensors with a rotated dim are owned whole by one rank (so the eigenbasis work is spread over ranks),
 tensors without one are plain Adam and are split by element (`optim.distributed`).
+
+Speed: each rank's rotated tensors of one shape (the layers' c_attn, c_fc, ...) lie next to each other in its flat
+buffers (`layout_key`), so each projection, back-projection, factor update and refresh is one batched matrix product
+over all of them, with no copies; a refresh takes one GEMM F·Q per factor (`refresh_basis`); the last
+back-projection, the step and the weight decay are one baddbmm into the parameters; the elementwise Adam step is
+kernels/soap.py's (one Triton kernel on CUDA, its PyTorch reference elsewhere).
 """
 from __future__ import annotations
 
+import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cli import flag
-from optim.distributed import ShardedOptimizer
+from optim.distributed import Run, ShardedOptimizer
 from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
 
@@ -38,6 +46,10 @@ class SOAPConfig(ShardedOptimizerConfig):
     soap_precondition_1d: bool = flag(False, "also rotate 1-D parameters")
     soap_shampoo_beta: float = flag(-1.0, "decay of the Kronecker factors (negative: --beta2)",
                                      bounds="< 1")
+    optim_seed: int = flag(0, "seed of the stochastic rounding of bf16 moments (--optim-state-dtype bf16, fused)",
+                           bounds=">= 0")
+    fused: bool = flag(True, "on CUDA with fp32 parameters: the elementwise step in one Triton kernel "
+                             "(kernels/soap.py, bf16 moments rounded stochastically); off: its PyTorch reference")
 
 
 def merged_shape(shape: torch.Size, max_precond_dim: int) -> tuple[int, ...]:
@@ -58,40 +70,86 @@ def merged_shape(shape: torch.Size, max_precond_dim: int) -> tuple[int, ...]:
     return tuple(merged)
 
 
-def project(x: Tensor, bases: list[Tensor | None]) -> Tensor:
-    """x → x ×_k Q_kᵀ along every dim k (identity where Q_k is None); dims come back in order."""
-    for q in bases:
-        x = torch.tensordot(x, q, dims=([0], [0])) if q is not None else x.permute(*range(1, x.dim()), 0)
+def contract(x: Tensor, q: Tensor, dim: int, out: Tensor | None = None) -> Tensor:
+    """y = x ×_dim qᵀ for a batch x (B, *shape) and matrices q (B, d, d): y[.., i, ..] = Σ_j x[.., j, ..] q[j, i]
+    along dim `dim` of each tensor, as one batched matrix product (no copy for the first and last dims). `out`
+    receives the result when `dim` is the last dim (else the caller copies)."""
+    axis = dim + 1
+    moved = x.movedim(axis, -1)
+    rows = moved.reshape(x.shape[0], -1, q.shape[-1])
+    if out is not None and axis == x.dim() - 1:
+        return torch.bmm(rows, q, out=out.view(rows.shape)).view(x.shape)
+    return torch.bmm(rows, q).view(moved.shape).movedim(-1, axis)
+
+
+def rotate(x: Tensor, bases: list[Tensor | None], back: bool = False, out: Tensor | None = None) -> Tensor:
+    """Into the eigenbasis, x → x ×_k Q_kᵀ along every rotated dim k (back: x → x ×_k Q_k), for a batch x (B, *shape)
+    and stacked bases Q_k (B, d_k, d_k) (None: dim k is not rotated); the result is written to `out` if given."""
+    dims = [k for k, q in enumerate(bases) if q is not None]
+    for k in dims:
+        q = bases[k].mT if back else bases[k]
+        x = contract(x, q, k, out if k == dims[-1] else None)
+    if out is not None and x.data_ptr() != out.data_ptr():
+        out.copy_(x)
     return x
 
 
-def project_back(x: Tensor, bases: list[Tensor | None]) -> Tensor:
-    """Inverse of `project`: x → x ×_k Q_k along every dim k."""
-    for q in bases:
-        x = torch.tensordot(x, q, dims=([0], [1])) if q is not None else x.permute(*range(1, x.dim()), 0)
-    return x
-
-
-def gram(x: Tensor, dim: int) -> Tensor:
-    """Contract x with itself over every dim but `dim` (GGᵀ for dim 0 of a matrix, GᵀG for dim 1)."""
-    others = [k for k in range(x.dim()) if k != dim]
-    return torch.tensordot(x, x, dims=(others, others))
+def accumulate_gram(factor: Tensor, x: Tensor, dim: int, beta: float) -> None:
+    """factor ← β·factor + (1−β)·x_(dim) x_(dim)ᵀ, contracting every dim of each tensor of the batch x but `dim`
+    (G Gᵀ for dim 0 of a matrix, Gᵀ G for dim 1): one batched GEMM."""
+    rows = x.movedim(dim + 1, 1).reshape(x.shape[0], x.shape[dim + 1], -1)
+    factor.baddbmm_(rows, rows.mT, beta=beta, alpha=1 - beta)
 
 
 def eigenbasis(factor: Tensor) -> Tensor:
-    """Eigenvectors of a symmetric factor, columns by descending eigenvalue (float64 retry if eigh fails)."""
-    eye = torch.eye(factor.shape[0], dtype=factor.dtype, device=factor.device)
+    """Eigenvectors of symmetric factors (B, d, d), columns by descending eigenvalue (float64 retry if eigh fails)."""
+    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     try:
         _, q = torch.linalg.eigh(factor + 1e-30 * eye)
     except RuntimeError:
         _, q = torch.linalg.eigh(factor.double() + 1e-30 * eye.double())
         q = q.to(factor.dtype)
-    return torch.flip(q, [1])
+    return torch.flip(q, [-1]).contiguous()  # row-major (eigh returns column-major), as a loaded state is
+
+
+def refresh_basis(factor: Tensor, q: Tensor) -> tuple[Tensor, Tensor]:
+    """One sorted power-iteration step with QR (docs/optimizers.md#soap) from one GEMM F·Q: the estimated eigenvalues
+    diag(Qᵀ F Q) are the column sums of Q ∘ (F Q), and the power step is F Q with its columns sorted. Returns the new
+    bases and the order (B, d) of the old columns, by descending estimated eigenvalue."""
+    fq = torch.bmm(factor, q)
+    order = (q * fq).sum(1).argsort(dim=-1, descending=True)
+    q_new = torch.linalg.qr(torch.take_along_dim(fq, order[:, None, :], dim=2)).Q
+    return q_new.contiguous(), order  # row-major, as in `eigenbasis`
+
+
+class Batch:
+    """This rank's rotated tensors of one (parameter group, rotated shape, rotated dims), adjacent in its chunk
+    (`optim.distributed.Region`'s layout): (count, *shape) views of the flat buffers, with their Kronecker factors
+    and bases stacked (count, d, d) per rotated dim (None for a dim that is not rotated)."""
+
+    def __init__(self, run: Run) -> None:
+        self.group, self.shape, self.rotated = run.key
+        self.indices = [piece.index for piece in run.pieces]
+        self.lo, self.hi = run.lo, run.hi
+        self.factors: list[Tensor | None] = [None] * len(self.shape)
+        self.bases: list[Tensor | None] = [None] * len(self.shape)
+
+    def view(self, flat: Tensor) -> Tensor:
+        return flat[self.lo : self.hi].view(len(self.indices), *self.shape)
+
+    def allocate(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Zero factors and bases for the rotated dims."""
+        for dim, (size, rot) in enumerate(zip(self.shape, self.rotated)):
+            if rot:
+                self.factors[dim] = torch.zeros(len(self.indices), size, size, dtype=dtype, device=device)
+                self.bases[dim] = torch.zeros_like(self.factors[dim])
 
 
 class SOAP(ShardedOptimizer):
     """SOAP (docs/optimizers.md). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are
-    global."""
+    global. fused: the elementwise step in kernels/soap.py's Triton kernel where it runs (fp32 parameters on CUDA,
+    or Triton's interpreter), m and v in bf16 (optim_state_dtype) then rounded stochastically with optim_seed's bits;
+    False: its PyTorch reference everywhere (a bf16 m, v rounded to nearest)."""
 
     moments_in_parameter_basis = False  # m and v live in the eigenbasis of each rotated tensor
 
@@ -108,7 +166,9 @@ class SOAP(ShardedOptimizer):
         soap_merge_dims: bool = SOAPConfig.soap_merge_dims,
         soap_precondition_1d: bool = SOAPConfig.soap_precondition_1d,
         soap_shampoo_beta: float = SOAPConfig.soap_shampoo_beta,
+        optim_seed: int = SOAPConfig.optim_seed,
         optim_state_dtype: str = SOAPConfig.optim_state_dtype,
+        fused: bool = SOAPConfig.fused,
         grad_clip: float = 0.0,
         overlap_reduce: bool = True,
     ) -> None:
@@ -120,7 +180,7 @@ class SOAP(ShardedOptimizer):
             raise ValueError(f"SOAP: --soap-max-precond-dim must be >= 0, got {soap_max_precond_dim}")
         if eps <= 0:
             raise ValueError(f"SOAP: --eps must be > 0, got {eps}")
-        self.betas, self.eps = (beta1, beta2), eps
+        self.betas, self.eps, self.seed = (beta1, beta2), eps, optim_seed
         self.shampoo_beta = beta2 if soap_shampoo_beta < 0 else soap_shampoo_beta
         self.precondition_frequency, self.max_precond_dim = soap_precondition_frequency, soap_max_precond_dim
         self.merge_dims, self.precondition_1d = soap_merge_dims, soap_precondition_1d
@@ -130,13 +190,30 @@ class SOAP(ShardedOptimizer):
             tensor_owned=lambda i: any(self._rotated(self.params_in_order[i].shape)),
             grad_clip=grad_clip,
             overlap_reduce=overlap_reduce,
+            layout_key=self._batch_key,
         )
         dtype = state_dtype(optim_state_dtype, self.params_in_order)
-        self.shapes = [self._shape(p.shape) for p in self.params_in_order]
         self.new_flat_state("exp_avg", dtype)
         self.new_flat_state("exp_avg_sq", dtype)
-        self.factors: dict[int, list[Tensor | None]] = {}  # L, R per owned rotated tensor (None: no rotation)
-        self.bases: dict[int, list[Tensor | None]] = {}  # Q_L, Q_R
+        self.batches = [[Batch(run) for run in region.runs(self._batch_key)] if region.tensor_owned else []
+                        for region in self.regions]
+        self.batch_of = {i: (batch, b) for batches in self.batches for batch in batches
+                         for b, i in enumerate(batch.indices)}
+        self.group_runs = [[] if region.tensor_owned else region.runs(self.group_of.__getitem__)
+                           for region in self.regions]
+        self.work = [torch.empty(r.chunk, dtype=torch.promote_types(r.params.dtype, torch.float32),
+                                 device=r.params.device) for r in self.regions]  # g′, then the direction
+        device = self.params_in_order[0].device
+        interpreter = os.environ.get("TRITON_INTERPRET") == "1"
+        fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
+        self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
+        from kernels import soap as soap_kernels  # Triton: imported when a SOAP optimizer is built, not with this module
+
+        self.moments = soap_kernels.moments if self.fused else soap_kernels.moments_reference
+        first = list(itertools.accumulate([0] + [p.numel() for p in self.params_in_order]))  # element keys
+        self.tables = [soap_kernels.block_table([(first[piece.index] + piece.start, piece.offset,
+                                                  piece.offset + piece.numel) for piece in region.pieces], device)
+                       if self.fused else None for region in self.regions]
 
     def _shape(self, shape: torch.Size) -> tuple[int, ...]:
         if self.merge_dims and len(shape) > 1:
@@ -150,35 +227,57 @@ class SOAP(ShardedOptimizer):
             return [self.precondition_1d and shape.numel() <= self.max_precond_dim]
         return [size <= self.max_precond_dim for size in self._shape(shape)]
 
-    def _owned_rotated(self):
-        """(index, gradient chunk index, piece) of the rotated tensors this rank owns."""
-        for j, region in enumerate(self.regions):
-            if region.tensor_owned:
-                for piece in region.pieces:
-                    yield piece.index, j, piece
+    def _batch_key(self, index: int) -> tuple:
+        """Rotated tensors with equal keys are stepped as one batch: (group, rotated shape, rotated dims)."""
+        shape = self.params_in_order[index].shape
+        return self.group_of[index], self._shape(shape), tuple(self._rotated(shape))
 
-    def _update_factors(self, i: int, g: Tensor) -> None:
-        for dim, factor in enumerate(self.factors[i]):
+    def _coefficients(self, group: int, scale: float) -> tuple[float, float]:
+        """(β, α) of θ ← β·θ + α·N: the step −ℓ·scale·N then the decoupled decay θ ← (1 − ℓλ)·θ."""
+        lr, weight_decay = self.param_groups[group]["lr"], self.param_groups[group]["weight_decay"]
+        decay = 1 - lr * weight_decay
+        return decay, -lr * scale * decay
+
+    def _update_factors(self, batch: Batch, g: Tensor) -> None:
+        for dim, factor in enumerate(batch.factors):
             if factor is not None:
-                factor.lerp_(gram(g, dim), 1 - self.shampoo_beta)
+                accumulate_gram(factor, g, dim, self.shampoo_beta)
 
-    def _refresh(self, i: int, m: Tensor, v: Tensor) -> None:
-        """Sorted power iteration + QR on each basis; m moves to the new basis, v is re-indexed (docs/optimizers.md)."""
-        m_original = project_back(m, self.bases[i])
-        for dim, (factor, q) in enumerate(zip(self.factors[i], self.bases[i])):
+    def _apply(self, theta: Tensor, direction: Tensor, bases: list[Tensor | None], beta: float, alpha: float) -> None:
+        """θ ← β·θ + α·(direction rotated back), the last back-projection fused with the update in one baddbmm."""
+        dims = [k for k, q in enumerate(bases) if q is not None]
+        last = dims[-1]
+        y = direction
+        for k in dims[:-1]:
+            y = contract(y, bases[k].mT, k)
+        compute = theta if theta.dtype == y.dtype else theta.to(y.dtype)
+        if last == y.dim() - 2:
+            rows = compute.view(y.shape[0], -1, y.shape[-1])
+            rows.baddbmm_(y.reshape(rows.shape), bases[last].mT, beta=beta, alpha=alpha)
+        else:
+            compute.mul_(beta).add_(contract(y, bases[last].mT, last), alpha=alpha)
+        if compute is not theta:
+            theta.copy_(compute)
+
+    def _refresh(self, batch: Batch, m: Tensor, v: Tensor, compute: torch.dtype) -> None:
+        """Refresh every basis of the batch (`refresh_basis`); v is re-indexed to match, m is carried into the new
+        bases (docs/optimizers.md#soap)."""
+        m_original = rotate(m.to(compute), batch.bases, back=True)
+        for dim, (factor, q) in enumerate(zip(batch.factors, batch.bases)):
             if factor is None:
                 continue
-            order = torch.argsort(torch.diag(q.T @ factor @ q), descending=True)
-            v.copy_(v.index_select(dim, order))
-            self.bases[i][dim] = torch.linalg.qr(factor @ q[:, order]).Q
-        m.copy_(project(m_original, self.bases[i]))
-        self._expose(i)
+            batch.bases[dim], order = refresh_basis(factor, q)
+            index = order.view(order.shape[0], *(-1 if k == dim else 1 for k in range(len(batch.shape))))
+            v.copy_(torch.take_along_dim(v, index, dim=dim + 1))
+        m.copy_(rotate(m_original, batch.bases))
+        self._expose(batch)
 
-    def _expose(self, i: int) -> None:
-        state = self.state[self.params_in_order[i]]
-        for dim, (factor, q) in enumerate(zip(self.factors[i], self.bases[i])):
-            if factor is not None:
-                state[f"GG{dim}"], state[f"Q{dim}"] = factor, q
+    def _expose(self, batch: Batch) -> None:
+        for b, i in enumerate(batch.indices):
+            state = self.state[self.params_in_order[i]]
+            for dim, (factor, q) in enumerate(zip(batch.factors, batch.bases)):
+                if factor is not None:
+                    state[f"GG{dim}"], state[f"Q{dim}"] = factor[b], q[b]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -188,49 +287,34 @@ class SOAP(ShardedOptimizer):
                 loss = closure()
         grads = self.reduced_gradients()
         if self.calls == 0:  # accumulate the factors and take eigenbases; no update (published behaviour)
-            for i, j, piece in self._owned_rotated():
-                g = piece.of(grads[j]).view(self.shapes[i]).to(torch.promote_types(grads[j].dtype, torch.float32))
-                self.factors[i] = [
-                    torch.zeros(size, size, dtype=g.dtype, device=g.device) if rot else None
-                    for size, rot in zip(self.shapes[i], self._rotated(self.params_in_order[i].shape))
-                ]
-                self._update_factors(i, g)
-                self.bases[i] = [eigenbasis(f) if f is not None else None for f in self.factors[i]]
-                self._expose(i)
+            for batches, g, work in zip(self.batches, grads, self.work):
+                for batch in batches:
+                    batch.allocate(work.dtype, work.device)
+                    self._update_factors(batch, batch.view(g).to(work.dtype))
+                    batch.bases = [eigenbasis(f) if f is not None else None for f in batch.factors]
+                    self._expose(batch)
             self.calls = 1
             return loss
         t = self.calls
         beta1, beta2 = self.betas
         scale = math.sqrt(1 - beta2**t) / (1 - beta1**t)
+        seed = (self.seed * 1_000_003 + t) % (1 << 31)
+        refresh = t % self.precondition_frequency == 0
         for j, region in enumerate(self.regions):
-            g = grads[j]
-            compute = torch.promote_types(g.dtype, torch.float32)
-            m_state, v_state = self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j]
-            m, v = m_state.to(compute), v_state.to(compute)
-            rotated = [(i, piece) for i, jj, piece in self._owned_rotated() if jj == j]
-            g_rot = g.to(compute, copy=bool(rotated))
-            for i, piece in rotated:
-                piece.of(g_rot).copy_(project(piece.of(g).view(self.shapes[i]).to(compute), self.bases[i]).reshape(-1))
-            m.mul_(beta1).add_(g_rot, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g_rot, g_rot, value=1 - beta2)
-            direction = m / (v.sqrt() + self.eps)
-            for i, piece in rotated:
-                d = piece.of(direction)
-                d.copy_(project_back(d.view(self.shapes[i]), self.bases[i]).reshape(-1))
+            g, work, batches = grads[j], self.work[j], self.batches[j]
+            m, v = self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j]
+            for batch in batches:  # g′ = Q_Lᵀ G Q_R into the work buffer
+                rotate(batch.view(g).to(work.dtype), batch.bases, out=batch.view(work))
+            self.moments(work if batches else g, m, v, work, self.tables[j], beta1, beta2, self.eps, seed)
             theta = region.local_params
-            for piece in region.pieces:
-                group = self.param_groups[self.group_of[piece.index]]
-                p = piece.of(theta)
-                p.add_(piece.of(direction).to(p.dtype), alpha=-group["lr"] * scale)
-                if group["weight_decay"] > 0:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-            for i, piece in rotated:
-                self._update_factors(i, piece.of(g).view(self.shapes[i]).to(compute))
-                if t % self.precondition_frequency == 0:
-                    self._refresh(i, piece.of(m).view(self.shapes[i]), piece.of(v).view(self.shapes[i]))
-            if m is not m_state:
-                m_state.copy_(m)
-                v_state.copy_(v)
+            for run in self.group_runs[j]:
+                decay, alpha = self._coefficients(run.key, scale)
+                run.of(theta).mul_(decay).add_(run.of(work), alpha=alpha)
+            for batch in batches:
+                self._apply(batch.view(theta), batch.view(work), batch.bases, *self._coefficients(batch.group, scale))
+                self._update_factors(batch, batch.view(g).to(work.dtype))
+                if refresh:
+                    self._refresh(batch, batch.view(m), batch.view(v), work.dtype)
             region.gather_params()
         self.calls += 1
         return loss
@@ -242,12 +326,14 @@ class SOAP(ShardedOptimizer):
         owner, mine = region.owner[index], region.owner[index] == region.rank
         out = {}
         dtype = torch.promote_types(region.params.dtype, torch.float32)
-        for dim, (size, rot) in enumerate(zip(self.shapes[index], self._rotated(self.params_in_order[index].shape))):
+        for dim, (size, rot) in enumerate(zip(self._shape(self.params_in_order[index].shape),
+                                              self._rotated(self.params_in_order[index].shape))):
             if not rot:
                 continue
-            for name, source in ((f"GG{dim}", self.factors), (f"Q{dim}", self.bases)):
-                if mine:  # contiguous: QR returns column-major Q and collectives send raw memory
-                    tensor = source[index][dim].clone(memory_format=torch.contiguous_format)
+            for name, stacks in ((f"GG{dim}", "factors"), (f"Q{dim}", "bases")):
+                if mine:
+                    batch, b = self.batch_of[index]
+                    tensor = getattr(batch, stacks)[dim][b].clone()
                 else:
                     tensor = torch.empty(size, size, dtype=dtype, device=region.params.device)
                 if region.world_size > 1:
@@ -260,12 +346,15 @@ class SOAP(ShardedOptimizer):
         saved = any(key.startswith("GG") for key in state)  # absent when saved before the first step
         if not region.tensor_owned or region.owner[index] != region.rank or not saved:
             return
-        device, dtype = region.params.device, torch.promote_types(region.params.dtype, torch.float32)
-        rotated = self._rotated(self.params_in_order[index].shape)
-        self.factors[index] = [state[f"GG{d}"].to(device, dtype).clone() if r else None for d, r in enumerate(rotated)]
-        self.bases[index] = [state[f"Q{d}"].to(device, dtype).clone() if r else None for d, r in enumerate(rotated)]
-        self._expose(index)
-
+        batch, b = self.batch_of[index]
+        work = self.work[self.regions.index(region)]
+        if batch.factors[batch.rotated.index(True)] is None:
+            batch.allocate(work.dtype, work.device)
+        for dim, rot in enumerate(batch.rotated):
+            if rot:
+                batch.factors[dim][b].copy_(state[f"GG{dim}"])
+                batch.bases[dim][b].copy_(state[f"Q{dim}"])
+        self._expose(batch)
 
 
 SOAP_SPEC = OptimizerSpec(

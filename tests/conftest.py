@@ -49,6 +49,28 @@ def run_in_interpreter(test_file: str, out_dir: Path, timeout: int) -> dict:
     return json.loads(path.read_text())
 
 
+def interpreter_results(test_file: str, tmp_path_factory: pytest.TempPathFactory, timeout: int = 900) -> dict:
+    """`run_in_interpreter` for a test module's fixture: its JSON, failing with the subprocess's traceback if any."""
+    data = run_in_interpreter(test_file, tmp_path_factory.mktemp(Path(test_file).stem), timeout=timeout)
+    assert "traceback" not in data, data["traceback"]
+    return data
+
+
+def write_interpreter_results(path: str, **checks) -> None:
+    """The TRITON_INTERPRET=1 subprocess's side: run each check (a function returning a JSON-able dict) and write
+    {name: result}, or {"traceback": ...} if one raises. One torch thread: the checks' products are tiny, and with
+    several threads each waits for cores the interpreter keeps busy."""
+    import traceback
+
+    patch_triton_interpreter()
+    torch.set_num_threads(1)
+    try:
+        results = {name: check() for name, check in checks.items()}
+    except Exception:
+        results = {"traceback": traceback.format_exc()}
+    Path(path).write_text(json.dumps(results))
+
+
 def train_tiny_run(root: Path, *flags: str) -> Path:
     """Train a tiny model (2 layers, width 32, vocabulary 64) for 4 CPU steps on a random shard written under `root`
     and return its run directory `root/tiny`; `flags` add to or override the trainer's flags."""

@@ -33,7 +33,7 @@ def by(rows: list[dict], target: str, kernel: str, config: str = "d64 bf16 biase
 
 def test_every_kernel_builds_for_both_targets_without_spills(rows: list[dict]) -> None:
     kernels = {"key_logit_bias", "attn_fwd", "attn_bwd_preprocess", "attn_bwd_dkdv", "attn_bwd_dq",
-               "partial_dots_kernel", "apply_update_kernel"}
+               "partial_dots_kernel", "apply_update_kernel", "moments_kernel"}
     for target in ("sm_90", "sm_80"):
         assert {r["kernel"] for r in rows if r["target"] == target} == kernels
     for row in rows:
@@ -57,6 +57,11 @@ def test_the_ecd_alignment_hint_gives_16_byte_loads_and_fewer_registers(rows: li
         assert aligned["widest_load_bits"] == 128
         assert unaligned["widest_load_bits"] < 128
         assert aligned["registers"] < unaligned["registers"] and aligned["instructions"] < unaligned["instructions"]
+
+
+def test_the_soap_step_loads_16_bytes_at_a_time(rows: list[dict]) -> None:
+    for target in ("sm_90", "sm_80"):
+        assert by(rows, target, "moments_kernel", "m, v fp32")["widest_load_bits"] == 128
 
 
 def test_the_capture_specialises_as_the_jit_does() -> None:

@@ -7,10 +7,7 @@ of the JSON it writes. The interpreter has no bf16; a bf16 Π travels as int16 b
 """
 from __future__ import annotations
 
-import json
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
@@ -145,11 +142,9 @@ def optimizer_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import run_in_interpreter
+    from tests.conftest import interpreter_results
 
-    data = run_in_interpreter(__file__, tmp_path_factory.mktemp("ecd_interpreter"), timeout=900)
-    assert "traceback" not in data, data["traceback"]
-    return data
+    return interpreter_results(__file__, tmp_path_factory)
 
 
 def assert_kernels_match(k: dict) -> None:
@@ -247,16 +242,7 @@ def test_bf16_pi_stochastic_rounding_is_unbiased_on_cuda() -> None:
     assert torch.equal(nearest.view(torch.int16), exact.bfloat16().view(torch.int16))
 
 
-def _interpreter_main(path: str) -> None:
-    from tests.conftest import patch_triton_interpreter
-
-    patch_triton_interpreter()
-    try:
-        results = {"kernels": kernel_checks(), "optimizer": optimizer_checks()}
-    except Exception:
-        results = {"traceback": traceback.format_exc()}
-    Path(path).write_text(json.dumps(results))
-
-
 if __name__ == "__main__":
-    _interpreter_main(sys.argv[1])
+    from tests.conftest import write_interpreter_results
+
+    write_interpreter_results(sys.argv[1], kernels=kernel_checks, optimizer=optimizer_checks)

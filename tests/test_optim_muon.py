@@ -58,7 +58,7 @@ def test_hidden_matrices_use_muon_and_the_rest_adamw():
     opt = build(Block(0))
     muon = {n for g in opt.param_groups if g["use_muon"] for n in g["names"]}
     assert muon == {"attn.c_attn.weight", "mlp.weight"}
-    assert opt.blocks[opt.names.index("attn.c_attn.weight")] == 3
+    assert opt.blocks_of(opt.names.index("attn.c_attn.weight")) == 3
     lrs = {g["use_muon"]: g["lr"] for g in opt.param_groups}
     assert lrs == {True: 0.02, False: 3e-4}
 

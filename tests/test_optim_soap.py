@@ -65,8 +65,15 @@ def np_project_back(x, bases):
     return x
 
 
-def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, merge, pre1d, shampoo_beta):
-    """The published SOAP step (per tensor, m projected back and forth every step) in float64 NumPy."""
+def published_eigenbasis(factor):
+    """The published first basis: eigh's eigenvectors by descending eigenvalue."""
+    return np.flip(np.linalg.eigh(factor)[1], 1)
+
+
+def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, merge, pre1d, shampoo_beta,
+                   eigenbasis=published_eigenbasis):
+    """The published SOAP step (per tensor, m projected back and forth every step) in float64 NumPy; `eigenbasis`
+    takes the first bases from the first factors."""
     b1, b2 = betas
     bs = b2 if shampoo_beta is None else shampoo_beta
     states = [{} for _ in params]
@@ -95,7 +102,7 @@ def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, m
                     others = [k for k in range(g.ndim) if k != d]
                     st["GG"][d] = bs * f + (1 - bs) * np.tensordot(g, g, axes=(others, others))
             if st["Q"] is None:
-                st["Q"] = [np.flip(np.linalg.eigh(f)[1], 1) if f is not None else None for f in st["GG"]]
+                st["Q"] = [eigenbasis(f) if f is not None else None for f in st["GG"]]
             elif st["step"] % freq == 0:
                 for d, (f, q) in enumerate(zip(st["GG"], st["Q"])):
                     if f is not None:
@@ -137,6 +144,68 @@ def test_matches_numpy_transcription(merge):
         np.testing.assert_allclose(g, r, rtol=0, atol=1e-9 * moved)
 
 
+class Square(nn.Module):
+    """One 8×8 matrix fed `rows` samples per step: its first gradient, and so its first Kronecker factors, have rank
+    min(rows, 8); fewer than 8 rows leave null spaces whose eigenbasis is arbitrary. (A non-square matrix always
+    has one: G Gᵀ and Gᵀ G of a 6×10 gradient have rank 6.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.w = nn.Parameter(0.3 * torch.randn(8, 8, dtype=torch.float64))
+
+
+def square_soap_runs(rows: int, steps: int, eigenbases) -> tuple[list[np.ndarray], list[list[np.ndarray]], float]:
+    """Ours and the published transcription (once per first-basis rule in `eigenbases`) on Square for `steps`
+    steps of a least-squares loss; returns ours, the transcriptions and the distance the transcription moved."""
+    settings = dict(lr=0.01, beta1=0.9, beta2=0.95, eps=1e-8, soap_precondition_frequency=5, soap_max_precond_dim=100)
+
+    def grad(w: np.ndarray, step: int) -> np.ndarray:
+        gen = np.random.default_rng(1000 + step)
+        x, y = gen.standard_normal((rows, 8)), gen.standard_normal((rows, 8))
+        return 2 * (x @ w.T - y).T @ x / rows
+
+    model = Square()
+    start = model.w.detach().numpy().copy()
+    opt = SOAP([model.w], weight_decay=0.0, **settings)
+    for step in range(steps):
+        opt.zero_grad()
+        model.w.grad.copy_(torch.from_numpy(grad(model.w.detach().numpy(), step)))
+        opt.step()
+    refs = [reference_soap([start.copy()], lambda arrays, step: [grad(arrays[0], step)], steps, settings["lr"],
+                           (0.9, 0.95), settings["eps"], [0.0], 5, 100, False, False, None, basis)[0]
+            for basis in eigenbases]
+    return model.w.detach().numpy(), refs, float(np.linalg.norm(refs[0] - start))
+
+
+def null_space_rotated(factor):
+    """Another exact eigenbasis of `factor`: the eigenvectors of its (numerically) zero eigenvalues turned by a
+    random rotation within that null space."""
+    values, vectors = np.linalg.eigh(factor)
+    null = values < 1e-12 * values.max()
+    turn = np.linalg.qr(np.random.default_rng(7).standard_normal((null.sum(), null.sum())))[0]
+    vectors[:, null] = vectors[:, null] @ turn
+    return np.flip(vectors, 1)
+
+
+def test_matches_the_published_soap_over_60_steps_with_full_rank_factors():
+    ours, (ref,), moved = square_soap_runs(rows=32, steps=60, eigenbases=[published_eigenbasis])
+    assert moved > 0.1
+    assert np.linalg.norm(ours - ref) < 1e-9 * moved
+
+
+def test_rank_deficient_factors_leave_the_trajectory_to_the_choice_of_null_space_basis():
+    """With 3 rows per step the first factors have rank 3: ours departs from the published transcription, and so
+    does the transcription itself when only its first bases' null-space vectors are turned (another exact
+    eigendecomposition of the same factors): the difference is which null-space basis eigh returns, not the update
+    (docs/optimizers.md#soap)."""
+    ours, (ref, turned), moved = square_soap_runs(rows=3, steps=60,
+                                                eigenbases=[published_eigenbasis, null_space_rotated])
+    ours_off, turned_off = np.linalg.norm(ours - ref) / moved, np.linalg.norm(turned - ref) / moved
+    assert ours_off > 1e-3 and turned_off > 1e-3
+    assert turned_off > 0.1 * ours_off
+
+
 def adam_reference(model: nn.Module, steps: int, lr: float, betas, eps: float) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=lr, betas=betas, eps=eps)
     train(model, opt, steps)
@@ -157,7 +226,7 @@ def test_without_rotation_equals_adam():
 
 
 def test_basis_frozen_at_identity_equals_adam(monkeypatch):
-    monkeypatch.setattr(optim.soap, "eigenbasis", lambda f: torch.eye(f.shape[0], dtype=f.dtype))
+    monkeypatch.setattr(optim.soap, "eigenbasis", lambda f: torch.eye(f.shape[-1], dtype=f.dtype).expand_as(f).clone())
     model, ref = Net(2), Net(2)
     opt = SOAP(model.parameters(), lr=0.01, beta1=0.9, beta2=0.99, eps=1e-16, weight_decay=0.0,
                soap_precondition_frequency=10**9, soap_max_precond_dim=100, soap_precondition_1d=True)
