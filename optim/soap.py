@@ -207,7 +207,7 @@ class SOAP(ShardedOptimizer):
         interpreter = os.environ.get("TRITON_INTERPRET") == "1"
         fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
         self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
-        from kernels import soap as soap_kernels  # Triton: imported when a SOAP optimizer is built, not with this module
+        from kernels import soap as soap_kernels  # Triton: imported when a SOAP optimizer is built, not on import
 
         self.moments = soap_kernels.moments if self.fused else soap_kernels.moments_reference
         first = list(itertools.accumulate([0] + [p.numel() for p in self.params_in_order]))  # element keys
