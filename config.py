@@ -20,18 +20,17 @@ import torch
 from cli import ArgumentParser, add_flags, field_problem, option
 from optim import OPTIMIZERS, OptimizerConfig
 from optim.registry import upgrade_saved_config
-from runs import (
+from run.checkpoint import (
     CheckpointError,
-    batch_layout,
-    existing_run_problem,
     load_checkpoint,
-    module_available,
     newer_checkpoints,
     resolve_checkpoint_path,
     resolve_resume,
     run_dir_of,
-    world_size_from_env,
 )
+from run.directory import existing_run_problem
+from run.log import module_available
+from run.process import batch_layout, world_size_from_env
 from timing import parse_window
 from variants import ModelVariants, ResearchConfig, variant_problem
 
@@ -94,7 +93,7 @@ class RunConfig:
     optim: OptimizerConfig
     preset: str | None = None
     continue_in: Path | None = None  # a resumed run's own directory, when the run goes on there (see resume_home)
-    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see runs.resolve_resume)
+    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see run.checkpoint.resolve_resume)
     notes: list[str] = field(default_factory=list)  # what resolving --resume passed over, for the log
 
     def sections(self) -> dict[str, object]:
@@ -163,7 +162,7 @@ def preset_report(cfg: RunConfig, dtype: str | None = None) -> dict:
     """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
     start of log.txt; docs/optimizers.md#paper-parity): every flag that affects results and differs from the paper
     preset. A run without --preset is compared with gpt2-124m, whose values are the defaults. dtype: the precision
-    the run computes in (runs.Runtime.dtype_name; default: --dtype's)."""
+    the run computes in (run.process.Runtime.dtype_name; default: --dtype's)."""
     name = cfg.preset
     if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
         return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}

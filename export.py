@@ -33,12 +33,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import runs
+from run.checkpoint import CheckpointError, load_checkpoint, model_checkpoint, resolve_checkpoint_path, save_checkpoint
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from config import config_from_dict
-from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write
+from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import ENDOFTEXT, gpt2_bpe_files
+from fileio import atomic_write
 from optim import OPTIMIZERS
 
 WEIGHTS_FILE = "model.safetensors"
@@ -309,10 +310,10 @@ def model_file(source: str | os.PathLike, flag: str = "--checkpoint") -> Path:
     if path.is_dir() and (path / WEIGHTS_FILE).is_file():
         return path / WEIGHTS_FILE
     try:
-        return runs.resolve_checkpoint_path(path, flag=flag)
-    except runs.CheckpointError as exc:
-        raise runs.CheckpointError(f"{exc}. {flag} takes a run directory, a checkpoint file, or a directory written "
-                                   "by `python -m export to-hf` (model.safetensors + config.json)") from None
+        return resolve_checkpoint_path(path, flag=flag)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}. {flag} takes a run directory, a checkpoint file, or a directory written "
+                              "by `python -m export to-hf` (model.safetensors + config.json)") from None
 
 
 def is_exported(file: Path) -> bool:
@@ -332,7 +333,7 @@ def load_as_checkpoint(file: Path) -> dict:
     """A model_file as our checkpoint dict: the checkpoint itself (mapped, its checksum verified: a damaged file is
     a CheckpointError, not a wrong number), or an exported model at step 0."""
     return checkpoint_of(load_exported(file.parent), str(file.parent)) if is_exported(file) else (
-        runs.load_checkpoint(file, mmap=True, verify=True))
+        load_checkpoint(file, mmap=True, verify=True))
 
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
@@ -340,8 +341,8 @@ def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
     optimizer = train_gpt.TrainConfig.optimizer
     config = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.TrainConfig()),
               "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config())}
-    return runs.model_checkpoint(model, config, 0, imported_from=source,
-                                 metrics={"step": 0, "tokens": 0, "train_time_s": 0.0})
+    return model_checkpoint(model, config, 0, imported_from=source,
+                            metrics={"step": 0, "tokens": 0, "train_time_s": 0.0})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,9 +371,9 @@ def main(argv: list[str] | None = None) -> None:
                 raise ExportError(f"--out {args.out} exists; choose a new file")
             model = load_exported(args.source)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            runs.save_checkpoint(args.out, checkpoint_of(model, args.source))
+            save_checkpoint(args.out, checkpoint_of(model, args.source))
             print(f"wrote {args.out}: {model.get_num_params():,} parameters from {args.source}")
-    except (ExportError, runs.CheckpointError) as exc:
+    except (ExportError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import export
-import runs
+from run.checkpoint import CheckpointError
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
@@ -27,7 +27,7 @@ def load_model(source: str) -> train_gpt.GPT:
     """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
     try:
         return export.load_model(source)
-    except (export.ExportError, runs.CheckpointError) as exc:
+    except (export.ExportError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

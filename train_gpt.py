@@ -5,8 +5,9 @@
 
 Reads top to bottom: flags → model (GPT-2 with per-batch sampled b_Q, b_V) → bias sampler → learning-rate schedule
 → evaluation → the trainer (build, restore, open the run, the step, validate, checkpoint, log, the loop, finish) →
-main. The machinery lives in modules of its own: config.py (presets, parsing, checks), runs.py (run directories,
-checkpoints, logs, stop requests), variants.py (research variants and hooks), data/, optim/, kernels/, gauge/.
+main. The machinery lives in modules of its own: config.py (presets, parsing, checks), run/ (process setup,
+checkpoints, the run directory, logs, stop requests), variants.py (research variants and hooks), data/, optim/,
+kernels/, gauge/.
 Importing this module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer
 shape), arXiv 2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
 """
@@ -30,7 +31,18 @@ import torch.nn.functional as F
 
 import config
 import kv_cache
-import runs
+from run.checkpoint import (
+    CheckpointError,
+    link_tied,
+    load_checkpoint,
+    load_initial_weights,
+    model_checkpoint,
+    save_run_checkpoint,
+)
+from run.directory import RunDirectory, RunInUseError, open_run_directory
+from run.log import RunLog, format_duration, next_steps
+from run.process import Runtime, peak_flops, setup_process
+from run.stop import StopRequest, non_finite_stop_message
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
 from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
@@ -348,9 +360,9 @@ class GPT(nn.Module):
 
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
     """The checkpoint's model on the CPU in eval mode (evaluation uses the mean biases)."""
-    ckpt = checkpoint if isinstance(checkpoint, dict) else runs.load_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     model = GPT(config.config_from_dict(ckpt["config"]["model"], GPTConfig))
-    model.load_state_dict(runs.link_tied(ckpt)["model"])
+    model.load_state_dict(link_tied(ckpt)["model"])
     return model.eval()
 
 
@@ -472,7 +484,7 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Training: runs.setup → Trainer (build, restore, open the run, loop, finish).
+# Training: setup_process → Trainer (build, restore, open the run, loop, finish).
 
 
 @dataclass
@@ -497,7 +509,7 @@ class Trainer:
     `restore` (for --resume), `open_run`, `train`, `finish`. `progress` is what changes and what a checkpoint saves
     besides the model, optimizers and loader."""
 
-    def __init__(self, cfg: config.RunConfig, rt: runs.Runtime, log: runs.RunLog) -> None:
+    def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
         """Data (the validation data is checked here, before any step), model, optimizers, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
@@ -513,7 +525,7 @@ class Trainer:
         torch.manual_seed(hp.seed)
         self.model = GPT(cfg.model).to(rt.device)
         if hp.init_from and not hp.resume:
-            log.line(runs.load_initial_weights(self.model, hp.init_from))
+            log.line(load_initial_weights(self.model, hp.init_from))
         self.spec = OPTIMIZERS[hp.optimizer]
         self.optimizers = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
         self.peak_settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -530,7 +542,7 @@ class Trainer:
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
         self.step_model: nn.Module = self.model  # what the loop calls: compiled on CUDA, in DDP where needed
         self.progress = Progress()
-        self.run_dir: runs.RunDirectory | None = None
+        self.run_dir: RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
@@ -546,7 +558,7 @@ class Trainer:
         optimizer_states = [opt.state_dict() for opt in self.optimizers]
         if not self.rt.is_master:
             return None
-        return runs.model_checkpoint(
+        return model_checkpoint(
             self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
             self.progress.step, optimizers=optimizer_states, loader=self.loader.state_dict(),
             rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
@@ -558,7 +570,7 @@ class Trainer:
         path = self.cfg.resume_from
         for note in self.cfg.notes:
             self.log.line(note)
-        ckpt = runs.load_checkpoint(path, map_location=self.rt.device)
+        ckpt = load_checkpoint(path, map_location=self.rt.device)
         problem = None
         if self.rt.is_master:
             problem, warnings = data_changes(ckpt["config"].get("data"), self.data_record)
@@ -566,7 +578,7 @@ class Trainer:
                 self.log.line(warning)
         if all_reduce_sum(torch.tensor(float(problem is not None), device=self.rt.device)).item():
             raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
-        self.model.load_state_dict(runs.link_tied(ckpt)["model"])
+        self.model.load_state_dict(link_tied(ckpt)["model"])
         for opt, saved, settings in zip(self.optimizers, ckpt["optimizers"], self.peak_settings, strict=True):
             opt.load_state_dict(saved)
             for group, values in zip(opt.param_groups, settings, strict=True):
@@ -580,7 +592,7 @@ class Trainer:
         self.progress = Progress(**{k: v for k, v in ckpt["metrics"].items() if k in Progress.__dataclass_fields__})
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
-            raise runs.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
+            raise CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
                                   "earlier checkpoint (--keep-checkpoints K keeps checkpoints/step_XXXXXX.pt)")
         changed = config.changed_settings(self.cfg, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
@@ -606,30 +618,30 @@ class Trainer:
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
         ckpt = self.checkpoint()
         if ckpt is not None:
-            runs.save_run_checkpoint(self.run_dir.path, ckpt, self.cfg.train.keep_checkpoints)
+            save_run_checkpoint(self.run_dir.path, ckpt, self.cfg.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
 
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop every rank (exit 2), saying what exists and what to do."""
-        self.log.line(runs.non_finite_stop_message(what, self.progress.step if step is None else step,
-                                                   self.cfg.optim.lr, self.checkpoint_step, self.resumed,
-                                                   self.run_dir.path))
+        self.log.line(non_finite_stop_message(what, self.progress.step if step is None else step,
+                                              self.cfg.optim.lr, self.checkpoint_step, self.resumed,
+                                              self.run_dir.path))
         raise TrainingStopped(2)
 
     # -- the run directory --------------------------------------------------------------------------------------
 
     def open_run(self) -> None:
-        """The run directory (runs.open_run_directory), its config.json and the log's header."""
+        """The run directory (open_run_directory), its config.json and the log's header."""
         cfg, rt = self.cfg, self.rt
         layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum,
                   "device": rt.device.type, "dtype": rt.dtype_name}  # what runs, whatever --device/--dtype said
         record = {**cfg.to_dict(), "layout": layout, "data": self.data_record,
                   "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
-        self.run_dir = runs.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
-                                               cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
-                                               self.progress.step)
+        self.run_dir = open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
+                                          cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
+                                          self.progress.step)
         self.log.line(config.preset_lines(record["preset"]))
         if self.resumed:
             self.log.record(self.resumed)
@@ -758,7 +770,7 @@ class Trainer:
         self.log.line(" | ".join([f"step {record['step']}/{hp.steps}", f"loss {loss:.4f}", f"lr {record['lr']:.2e}",
                                   *texts, f"{record['step_ms']:.2f} ms/step", f"{record['tokens_per_s']:,.0f} tok/s"]
                                  + ([f"mfu {100 * record['mfu']:.1f}%"] if record["mfu"] else [])
-                                 + [f"{record['train_time_s']:.1f}s", f"eta {runs.format_duration(eta)}"]))
+                                 + [f"{record['train_time_s']:.1f}s", f"eta {format_duration(eta)}"]))
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -771,13 +783,13 @@ class Trainer:
         yield
         self.clock.resume()
 
-    def train(self, stop: runs.StopRequest) -> None:
+    def train(self, stop: StopRequest) -> None:
         """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
         (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal). Between
         log steps nothing waits for the device: a log step's line is written after the next step is issued."""
         hp, progress = self.cfg.train, self.progress
         first = progress.step
-        peak = runs.peak_flops(self.rt.device)
+        peak = peak_flops(self.rt.device)
         self.mfu_per_token_s = (self.model.estimate_flops_per_token(hp.seq_len) / (peak * self.rt.world) if peak
                                 else None)
         self.clock.start(progress.train_time_s, progress.step, progress.tokens)
@@ -838,7 +850,7 @@ class Trainer:
                       + (f", target reached at step {progress.reached_target['step']}"
                          if progress.reached_target else ""))
         self.log.record({"summary": True, **summary})
-        self.log.line(runs.next_steps(self.run_dir.path))
+        self.log.line(next_steps(self.run_dir.path))
         return summary
 
     def close(self) -> None:
@@ -851,8 +863,8 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl).
     final=False ends without the final checkpoint and validation (bench.e2e)."""
     cfg = parse_config(argv)
-    rt = runs.setup(cfg.train)
-    log = runs.RunLog(rt.is_master)
+    rt = setup_process(cfg.train)
+    log = RunLog(rt.is_master)
     trainer = None
     try:
         trainer = Trainer(cfg, rt, log)
@@ -860,10 +872,10 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
             trainer.restore()
         trainer.open_run()
         trainer.compile()
-        with runs.StopRequest(rt.world) as stop:
+        with StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish(final)
-    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, ShardError,
+    except (RunInUseError, CheckpointError, DataChangedError, ShardError,
             attention_paths.AttentionChoiceError) as exc:
         log.error(exc)  # bad input, refused before the first step (or a shard read later): the traceback in log.txt,
         print(f"error: {exc}", file=sys.stderr)  # the reason and the fix in one line here

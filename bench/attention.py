@@ -44,9 +44,9 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from cli import ArgumentParser  # noqa: E402
+from fileio import atomic_write  # noqa: E402
 import kernels.attention as attn  # noqa: E402
 import kernels.attention_paths as paths  # noqa: E402
-from data.shards import atomic_write  # noqa: E402
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 import export
-import runs
+from run.checkpoint import CheckpointError, run_dir_of
 import train_gpt
 from cli import MODEL_HELP, add_model_flag
 from config import config_from_dict
 from data.lookup import resolve_data_files
-from data.shards import atomic_write, atomic_writer, sha256_file
+from fileio import atomic_write, atomic_writer, sha256_file
 
 EVAL_DIRNAME = "eval"
 MANIFEST = "manifest.json"
@@ -45,13 +45,13 @@ def resolve_target(source: str | Path) -> tuple[Path, Path, bool]:
     folder); an exported directory as its own run, with its model.safetensors."""
     try:
         file = export.model_file(source)
-    except runs.CheckpointError as exc:
+    except CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
     if export.is_exported(file):
         return file.parent, file, False
     if Path(source).is_dir():
         return Path(source), file, True
-    return runs.run_dir_of(file) or file.parent, file, False
+    return run_dir_of(file) or file.parent, file, False
 
 
 def load_target_checkpoint(file: Path) -> dict:
@@ -59,7 +59,7 @@ def load_target_checkpoint(file: Path) -> dict:
     naming the file when it cannot be read."""
     try:
         return export.load_as_checkpoint(file)
-    except (runs.CheckpointError, export.ExportError) as exc:
+    except (CheckpointError, export.ExportError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

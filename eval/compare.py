@@ -27,7 +27,8 @@ from cli import ArgumentParser
 from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, save_figure, write_json, write_text
 from eval.curves import runs_loss_figure, validation_losses
 from optim import OPTIMIZERS
-from runs import read_log, run_dir_of
+from run.checkpoint import run_dir_of
+from run.log import read_log
 from variants import ResearchConfig
 
 BIAS_WORDS = {"none": "symmetric (none)", "bq": "b_Q (bq)", "bv": "b_V (bv)", "bqbv": "b_Q + b_V (bqbv)",

@@ -19,7 +19,8 @@ import torch
 
 from cli import ArgumentParser
 import export
-import runs
+from run.checkpoint import run_checkpoints
+from run.log import read_log
 from eval.common import (
     add_target_args,
     checkpoint_identity,
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: --checkpoint {args.checkpoint} is an exported model, which keeps no optimizer "
                          "state: eval.dynamics needs a run directory or a checkpoint written by the trainer")
     out = output_dir(args, run_dir)
-    paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
+    paths = run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
         ckpt = load_target_checkpoint(path)  # verified, mapped
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         if previous is not None:
             drifts.append({"from_step": previous.get("step"), "to_step": ckpt.get("step"), **drift(previous, ckpt)})
         previous = ckpt
-    log = runs.read_log(run_dir)
+    log = read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
     identity = checkpoint_identity(ckpt_path, results[-1]["step"])
     summary = {"checkpoint": identity, "step": identity["step"], "checkpoints": results, "weight_drift": drifts,

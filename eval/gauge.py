@@ -32,7 +32,7 @@ from cli import ArgumentParser
 import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
-from data.shards import atomic_write
+from fileio import atomic_write
 from eval.common import (
     add_target_args,
     markdown_table,

@@ -45,7 +45,7 @@ from eval.common import (
     write_text,
 )
 from eval.curves import plot_loss_curves, validation_losses
-from runs import read_log
+from run.log import read_log
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
                "dynamics": dynamics.main}

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from cli import ArgumentParser
-import runs
-from data.shards import atomic_write
+from run.checkpoint import run_checkpoints
 from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, pyplot, resolve_device,
                          resolve_target, save_figure, step_axis, write_json)
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
+from fileio import atomic_write
 
 CONVENTIONS = ("figures", "paper", "published")  # docs/structure.md#conventions; the first is the default
 GAMMA = 2.0  # threshold = mean + GAMMA · std of the norms
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     run_dir, ckpt_path, whole_run = resolve_target(args.checkpoint)
     out, device = output_dir(args, run_dir), resolve_device(args.device)
-    paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
+    paths = run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results = []
     for i, path in enumerate(paths):
         ckpt = load_target_checkpoint(path)

@@ -17,7 +17,7 @@ import time
 import torch
 
 from cli import ArgumentParser
-import runs
+from run.log import read_log
 import train_gpt
 from data.shards import ShardError
 from eval.common import (
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     result.update(checkpoint=target.identity, step=target.identity["step"], val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
-    log = runs.read_log(run_dir)
+    log = read_log(run_dir)
     tokens = ckpt.get("metrics", {}).get("tokens")
     x = tokens if loss_series(log).x == "tokens" and tokens is not None else result["step"] or 0
     plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]),

@@ -13,7 +13,7 @@ import torch
 
 from config import RunConfig
 from variants import ResearchConfig
-from runs import CHECKPOINT_FORMAT, save_checkpoint
+from run.checkpoint import CHECKPOINT_FORMAT, save_checkpoint
 import train_gpt
 from data.shards import write_shard
 from eval import alignment, compare, dynamics, logic_puzzles, report, val_loss

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import runs
+from run.log import read_log
 import train_gpt
 from eval import gauge
 from gauge import sensitivity
@@ -111,7 +111,7 @@ def tiny_run(tmp_path_factory):
 
 
 def test_training_logs_the_diagnostic_every_n_steps(tiny_run):
-    records = [r for r in runs.read_log(tiny_run) if "train_loss" in r]
+    records = [r for r in read_log(tiny_run) if "train_loss" in r]
     assert [r["step"] for r in records if "gauge_dM_QK" in r] == [2, 4]
     for r in records:
         if "gauge_dM_QK" in r:

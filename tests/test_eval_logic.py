@@ -24,7 +24,7 @@ from eval.logic_puzzles import (
     score_items,
     summarize,
 )
-from runs import CHECKPOINT_FORMAT, save_checkpoint
+from run.checkpoint import CHECKPOINT_FORMAT, save_checkpoint
 from train_gpt import GPT, GPTConfig
 
 

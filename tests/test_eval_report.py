@@ -14,7 +14,7 @@ import torch
 
 from config import RunConfig
 from variants import ResearchConfig
-import runs
+from run.checkpoint import CHECKPOINT_FORMAT, load_checkpoint, save_checkpoint
 import train_gpt
 from data.shards import sha256_file, write_shard
 from eval import common, compare, logic_puzzles, report, val_loss
@@ -57,10 +57,10 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
 
 def save_step(run: Path, model: train_gpt.GPT, opts: list, config: dict, step: int) -> None:
     """checkpoints/step_<step>.pt and latest.pt of `model` at `step`."""
-    ckpt = {"format": runs.CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
+    ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
             "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 64 * step}}
-    runs.save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
-    runs.save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
+    save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
+    save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_pat
     report.main(["--run", str(run)])
     assert calls == []  # everything is current
 
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     model = train_gpt.model_from_checkpoint(ckpt)
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight.mul_(1.5)

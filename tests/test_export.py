@@ -17,7 +17,7 @@ pytest.importorskip("safetensors", reason="the export writes safetensors (pip in
 
 import export  # noqa: E402
 import sample  # noqa: E402
-import runs
+from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
 from tests.test_train import ROOT  # noqa: E402
@@ -175,7 +175,7 @@ def test_the_exported_tokenizer_is_gpt2s(tmp_path, gpt2_ranks):
 
 STANDALONE = """
 import json, sys
-for name in ("train_gpt", "export", "runs", "sample", "config", "cli", "variants", "kv_cache", "kernels", "data",
+for name in ("train_gpt", "export", "run", "fileio", "sample", "config", "cli", "variants", "kv_cache", "kernels", "data",
              "modeling_symgpt"):
     sys.modules[name] = None  # nothing of the repository can be imported here
 import torch
@@ -222,7 +222,7 @@ def test_export_from_hf_export_is_bit_identical(tmp_path, activation, gpt2_ranks
     """to-hf, from-hf into a checkpoint, to-hf again: every file of the two directories is byte for byte the same."""
     model = random_model(activation=activation, **BIAS_CASES["learned-per-head"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "first")])
     export.main(["from-hf", "--source", str(tmp_path / "first"), "--out", str(tmp_path / "back.pt")])
     export.main(["to-hf", "--run", str(tmp_path / "back.pt"), "--out", str(tmp_path / "second")])
@@ -264,7 +264,7 @@ def test_without_local_ranks_the_export_notes_the_missing_tokenizer(tmp_path, mo
     monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "empty_cache"))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_tiktoken"))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt",
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt",
                          export.checkpoint_of(random_model(activation="gelu"), "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
     assert "no tokenizer written: the GPT-2 BPE ranks are not in the local cache" in capsys.readouterr().err
@@ -311,7 +311,7 @@ def test_round_trip_keeps_every_tensor(tmp_path):
 def test_cli_exports_a_run_and_imports_it_back_as_a_checkpoint(tmp_path, capsys):
     model = random_model(activation="gelu", **BIAS_CASES["bqbv-shared"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     export.main(["from-hf", "--source", str(tmp_path / "hf"), "--out", str(tmp_path / "imported.pt")])
     assert 'GPT2LMHeadModel.from_pretrained("' in capsys.readouterr().out
@@ -362,7 +362,7 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
     target = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, **{**TINY, "block_size": 16}, activation="gelu",
                                                bias_mode="learned"))
     fresh_rows = target.transformer.wte.weight[GPT2_VOCAB:].detach().clone()
-    note = runs.load_initial_weights(target, path)
+    note = load_initial_weights(target, path)
     assert "vocabulary 50257 -> 50304" in note and "positions 64 -> 16" in note and "bias mode none -> learned" in note
     wte = target.transformer.wte.weight.detach()
     assert torch.equal(wte[:GPT2_VOCAB], source.transformer.wte.weight.detach())
@@ -373,11 +373,11 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
         if "wte" not in name and "wpe" not in name and "lm_head" not in name:
             assert torch.equal(target.state_dict()[name], tensor), name
     wider = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "n_embd": 64}, activation="gelu"))
-    with pytest.raises(runs.CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
-        runs.load_initial_weights(wider, path)
+    with pytest.raises(CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
+        load_initial_weights(wider, path)
     longer = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "block_size": 128}, activation="gelu"))
-    with pytest.raises(runs.CheckpointError, match="--block-size 64, this run 128"):
-        runs.load_initial_weights(longer, path)
+    with pytest.raises(CheckpointError, match="--block-size 64, this run 128"):
+        load_initial_weights(longer, path)
 
 
 def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):

@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import runs
+from run.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    model_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    tensor_checksum,
+)
+from run.directory import RunDirectory, run_holds_checkpoint
+from run.log import read_log
 import train_gpt
 from cli import option
 from config import preset_report, section_classes
@@ -62,21 +71,21 @@ def test_a_second_trainer_on_a_running_run_is_refused_naming_the_owner(corpus, t
     owner.communicate(timeout=120)
     assert second.returncode == 2 and owner.returncode == 128 + signal.SIGTERM
     assert f"is in use by pid {owner.pid} on host" in refused and "choose another --run-name" in refused, refused
-    steps = [r["step"] for r in runs.read_log(tmp_path / "busy") if "train_loss" in r]
+    steps = [r["step"] for r in read_log(tmp_path / "busy") if "train_loss" in r]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # one writer
 
 
 def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_no_lock(corpus, tmp_path, capsys):
     train_gpt.main(tiny_args(corpus, tmp_path, "owned", steps=2, **{"val-every": 0}))
-    owner = runs.RunDirectory(tmp_path / "owned")
+    owner = RunDirectory(tmp_path / "owned")
     owner.claim(new_run=False)
     with pytest.raises(SystemExit) as excinfo:
         train_gpt.main(["--resume", str(tmp_path / "owned"), "--steps", "3"])
     assert excinfo.value.code == 2
     assert f"is in use by pid {os.getpid()} on host" in capsys.readouterr().err
     owner.release()
-    holder = subprocess.Popen([sys.executable, "-c", "import runs, sys, time; from pathlib import Path; "
-                               f"runs.RunDirectory(Path({str(tmp_path / 'owned')!r})).claim(new_run=False); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from run.directory import RunDirectory; "
+                               f"RunDirectory(Path({str(tmp_path / 'owned')!r})).claim(new_run=False); "
                                "print('held', flush=True); time.sleep(600)"], env=ENV, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     holder.kill()  # SIGKILL: no clean-up code runs
@@ -97,7 +106,7 @@ def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_int
     output = proc.stdout.read()
     proc.wait(timeout=120)
     assert time.monotonic() - signalled < 25, output[-3000:]  # inside torchrun's 30 s grace period
-    ckpt = runs.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
     assert 1 <= ckpt["step"] < 50 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
 
 
@@ -210,7 +219,7 @@ def test_a_name_whose_earlier_run_wrote_no_checkpoint_is_reused_and_its_files_ke
     args = tiny_args(corpus, tmp_path, "retry", steps=2, **{"val-every": 0})
     with pytest.raises(SystemExit):
         train_gpt.main([*args, "--lr", "1e6"])  # diverges before any checkpoint
-    assert not runs.run_holds_checkpoint(tmp_path / "retry")
+    assert not run_holds_checkpoint(tmp_path / "retry")
     summary = train_gpt.main(args)
     assert summary["step"] == 2
     aside = [p for p in (tmp_path / "retry").iterdir() if p.name.startswith("failed-")]
@@ -221,7 +230,7 @@ def test_a_name_whose_earlier_run_wrote_no_checkpoint_is_reused_and_its_files_ke
 def test_failed_attempts_are_kept_side_by_side_and_a_directory_of_other_files_is_refused(corpus, tmp_path, capsys,
                                                                                          monkeypatch):
     args = tiny_args(corpus, tmp_path, "again", steps=2, **{"val-every": 0})
-    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")  # both set aside in one second
+    monkeypatch.setattr("run.directory.time.strftime", lambda fmt: "20260101-000000")  # both set aside in one second
     for _ in range(2):
         with pytest.raises(SystemExit):
             train_gpt.main([*args, "--lr", "1e6"])  # the second sets the first's files aside
@@ -247,7 +256,7 @@ def test_a_torn_log_line_is_skipped_by_readers_and_removed_by_the_next_writer(co
     with open(path, "a") as f:
         f.write('{"step": 3, "train_lo')  # a crash in the middle of a write
     with pytest.warns(UserWarning, match=f"{path}: skipping its last line {whole + 1}"):
-        assert len(runs.read_log(tmp_path / "torn")) == whole
+        assert len(read_log(tmp_path / "torn")) == whole
     with pytest.warns(UserWarning):
         report.main(["--run", str(tmp_path / "torn"), "--skip-missing"])
     with pytest.warns(UserWarning):
@@ -257,12 +266,12 @@ def test_a_torn_log_line_is_skipped_by_readers_and_removed_by_the_next_writer(co
     assert [json.loads(line)["step"] for line in lines[whole:whole + 2]] == [2, 3]  # the resume record, step 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the log reads whole again: the torn line is gone, not left inside
-        assert [r["step"] for r in runs.read_log(tmp_path / "torn") if "train_loss" in r] == [1, 2, 3]
+        assert [r["step"] for r in read_log(tmp_path / "torn") if "train_loss" in r] == [1, 2, 3]
     assert f'{path}: removed its incomplete last line, a record the previous run was cut off while writing: ' \
            '{"step": 3, "train_lo' in (tmp_path / "torn" / "log.txt").read_text()
     path.write_text("\n".join(lines[:whole] + ['{"step": 3, '] + lines[whole:]) + "\n")
     with pytest.raises(ValueError, match=f"{path}: line {whole + 1} is not a JSON record"):
-        runs.read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
+        read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
 
 
 # ----- checksummed checkpoints -----
@@ -280,8 +289,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus
     checkpoints = tmp_path / "rot" / "checkpoints"
     damage_a_tensor(checkpoints / "latest.pt")
     damage_a_tensor(checkpoints / "step_000004.pt")
-    with pytest.raises(runs.CheckpointError, match="do not match the checksum"):
-        runs.load_checkpoint(checkpoints / "latest.pt", verify=True)
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        load_checkpoint(checkpoints / "latest.pt", verify=True)
     summary = train_gpt.main(["--resume", str(tmp_path / "rot"), "--steps", "5"])
     assert summary["step"] == 5
     text = (tmp_path / "rot" / "log.txt").read_text()
@@ -300,11 +309,11 @@ def test_a_cut_or_missing_latest_checkpoint_falls_back_and_nothing_intact_is_an_
     latest, newest, oldest = (run / "checkpoints" / name for name in ("latest.pt", "step_000004.pt", "step_000002.pt"))
     latest.write_bytes(latest.read_bytes()[:latest.stat().st_size // 2])  # what a copy or a full disk cut short
     resumed_note = f"resuming from {newest} instead, the newest intact checkpoint of {run}"
-    assert runs.resolve_resume(run) == (newest, [
+    assert resolve_resume(run) == (newest, [
         f"passed over {latest} (unreadable: not a complete torch.save archive: empty, truncated or another kind of "
         "file)", resumed_note])
     latest.unlink()
-    assert runs.resolve_resume(run) == (newest, [f"passed over {latest} (missing)", resumed_note])
+    assert resolve_resume(run) == (newest, [f"passed over {latest} (missing)", resumed_note])
     newest.write_bytes(b"")
     damage_a_tensor(oldest)
     with pytest.raises(SystemExit):
@@ -333,19 +342,19 @@ def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
     opt.step()
-    runs.save_checkpoint(tmp_path / "a.pt", runs.model_checkpoint(model, {}, 1, optimizers=[opt.state_dict()]))
+    save_checkpoint(tmp_path / "a.pt", model_checkpoint(model, {}, 1, optimizers=[opt.state_dict()]))
     raw = torch.load(tmp_path / "a.pt", weights_only=False)
     assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
-    assert runs.tensor_checksum(raw) == raw["checksum"]
-    loaded = runs.load_checkpoint(tmp_path / "a.pt", verify=True)
+    assert tensor_checksum(raw) == raw["checksum"]
+    loaded = load_checkpoint(tmp_path / "a.pt", verify=True)
     assert loaded["model"]["lm_head.weight"] is loaded["model"]["transformer.wte.weight"]  # filled in on load
-    runs.save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
+    save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
     assert torch.load(tmp_path / "b.pt", weights_only=False)["checksum"] == raw["checksum"]
     raw["optimizers"][0]["state"][0]["exp_avg"].view(-1)[0] += 1e-3  # optimizer state counts too
-    assert runs.tensor_checksum(raw) != raw["checksum"]
+    assert tensor_checksum(raw) != raw["checksum"]
     del raw["checksum"]  # a checkpoint written before checksums loads (there is nothing to verify)
     torch.save(raw, tmp_path / "old.pt")
-    assert runs.load_checkpoint(tmp_path / "old.pt", verify=True)["step"] == 1
+    assert load_checkpoint(tmp_path / "old.pt", verify=True)["step"] == 1
 
 
 # ----- exact resume: the same number of processes and split continue bit for bit -----
@@ -360,7 +369,7 @@ def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
     assert (result := torchrun(["--resume", str(resumed.parent)])).returncode == 0, result.stderr[-3000:]
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed.parent)
     assert sorted(again) == [3, 4] and all(again[step] == straight[step] for step in again)
-    ends = [runs.load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "straight", resumed.parent)]
+    ends = [load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "straight", resumed.parent)]
     for name, tensor in ends[0]["model"].items():
         assert torch.equal(tensor, ends[1]["model"][name]), name
     moments = [[t for state in end["optimizers"][0]["state"].values() for t in state.values()] for end in ends]
@@ -406,7 +415,7 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_by_resume_with_a_clear_
     path = tmp_path / "nan" / "checkpoints" / "latest.pt"
     raw = torch.load(path, weights_only=False)
     raw["model"]["transformer.h.0.attn.c_attn.weight"][0, 0] = float("nan")
-    runs.save_checkpoint(path, raw)  # a consistent checksum: only the finiteness check can tell
+    save_checkpoint(path, raw)  # a consistent checksum: only the finiteness check can tell
     capsys.readouterr()
     with pytest.raises(SystemExit) as excinfo:
         train_gpt.main(["--resume", str(tmp_path / "nan"), "--steps", "3"])

@@ -12,7 +12,7 @@ import torch
 from tests.test_train import (  # noqa: F401 (corpus is a fixture)
     ENV, ROOT, corpus, resume_in_new_directory, tiny_args, torchrun, train_losses)
 
-import runs
+from run.checkpoint import load_checkpoint, save_checkpoint
 import train_gpt
 from optim import OPTIMIZERS
 from gauge.updates import (
@@ -453,7 +453,7 @@ def test_every_gauge_mode_trains_with_the_registry_optimizers(corpus, tmp_path, 
                              **{"val-every": 0, "checkpoint-every": 0}, **extra))
     losses = train_losses(tmp_path / name)
     assert sorted(losses) == [1, 2, 3, 4] and all(loss < 6.0 for loss in losses.values()), losses
-    ckpt = runs.load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
     assert ckpt["hooks"]["gauge"]["mode"] == mode
     if mode == "hyperball":  # every head factor stays on its sphere
         model = train_gpt.model_from_checkpoint(ckpt)
@@ -477,7 +477,7 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
     assert sorted(again) == [4, 5, 6]
     assert all(again[step] == straight[step] for step in again), (again, straight)
-    final = [runs.load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
+    final = [load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
                                                                                               resumed)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
@@ -510,7 +510,7 @@ def test_a_run_from_before_the_velocity_projection_resumes_projecting_the_step_o
     train_gpt.main(tiny_args(corpus, tmp_path, "old", steps=2, gauge="project", **{"val-every": 0}))
     path = tmp_path / "old" / "checkpoints" / "latest.pt"
     assert train_gpt.parse_config(["--resume", str(path)]).research.gauge_project_velocity  # today's default
-    ckpt = runs.load_checkpoint(path)
+    ckpt = load_checkpoint(path)
     del ckpt["config"]["research"]["gauge_project_velocity"]  # as written before the flag existed
-    runs.save_checkpoint(path, ckpt)
+    save_checkpoint(path, ckpt)
     assert not train_gpt.parse_config(["--resume", str(path)]).research.gauge_project_velocity

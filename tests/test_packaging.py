@@ -15,7 +15,7 @@ pytest.importorskip("setuptools", reason="building the package needs setuptools 
 pytestmark = pytest.mark.slow  # two offline pip builds and two fresh interpreters importing torch: ~20 s on 2 cores
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = ["train_gpt", "cli", "config", "runs", "timing", "variants", "sample", "export", "kernels.attention",
+MODULES = ["train_gpt", "cli", "config", "fileio", "run.checkpoint", "timing", "variants", "sample", "export", "kernels.attention",
            "kernels.attention_paths", "kernels.ecd", "optim", "gauge.dynamics", "gauge.updates", "data.tokenizer",
            "data.loader", "data.lookup", "eval.common", "eval.logic_puzzles", "bench"]
 IMPORT_CHECK = (

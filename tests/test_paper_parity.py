@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import config
-import runs
+from run.checkpoint import load_checkpoint
+from run.log import read_log
+from run.process import batch_layout
 import train_gpt
 from optim import OPTIMIZERS
 from tests.test_optim_soap import reference_soap
@@ -67,7 +69,7 @@ def test_paper_presets_build_the_published_run(preset, optimizer):
                                                                                             0, 0.0)
     assert hp.steps * hp.batch_tokens == pytest.approx(500e6, rel=1e-4)  # 500M tokens
     for world in (1, 2, 4, 8):
-        assert runs.batch_layout(hp, world)[1] == 1  # no gradient accumulation
+        assert batch_layout(hp, world)[1] == 1  # no gradient accumulation
     model = cfg.model
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 512, 50304)
     assert model.activation == ("gelu" if preset.endswith("gelu") else "prelu")
@@ -294,10 +296,10 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
 
     summary = train_gpt.main(tiny_args(corpus, tmp_path, "parity", steps=8, **{"val-every": 4}))
     run = tmp_path / "parity"
-    records = [r for r in runs.read_log(run) if "val_loss_batch" in r]
+    records = [r for r in read_log(run) if "val_loss_batch" in r]
     estimates = {r["step"]: r["val_loss_batch"] for r in records if r["val_loss_batch"] is not None}
     assert set(estimates) == {4, 8}  # the multiples of --val-every; not step 0
-    model = train_gpt.model_from_checkpoint(runs.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    model = train_gpt.model_from_checkpoint(load_checkpoint(run / "checkpoints" / "latest.pt"))
     config = json.loads((run / "config.json").read_text())
     hp = config["train"]
     # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens validation tokens
@@ -318,7 +320,7 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run), "--decay-groups", "matrices"])
     assert "--decay-groups cannot change when resuming" in capsys.readouterr().err
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     ckpt["config"]["optim"] = {k: v for k, v in ckpt["config"]["optim"].items() if k != "decay_groups"}
     ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
     old = tmp_path / "old" / "checkpoints" / "latest.pt"

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-import runs
+from run.checkpoint import load_checkpoint
+from run.log import read_log
 from data import lookup
 import train_gpt
 from data import shards
@@ -90,7 +91,7 @@ def test_config_checkpoint_and_log_record_the_data(corpus, tmp_path):
         ("r_train_000001.bin", 6000, 1024 + 12000), ("r_train_000002.bin", 5000, 1024 + 10000)]
     assert [f["sha256"] for f in train["files"]] == [sha256(corpus / f"r_train_00000{i}.bin") for i in (1, 2)]
     assert train["tokens"] == 11000 and data["val"]["tokens"] == 2048
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["config"]["data"] == data
     assert (f"train data {corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
             f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens | data fingerprint {data['fingerprint']}") in \
@@ -154,7 +155,7 @@ def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(c
                                                                             capsys)
     (corpus / "r_train_000003.bin").unlink()
     train_gpt.main(["--resume", str(run), "--steps", "6"])
-    assert runs.load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
+    assert load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
 
 
 def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
@@ -165,7 +166,7 @@ def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
     model = train_gpt.model_from_checkpoint(path)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert torch.equal(model.transformer.wte.weight, raw["model"]["transformer.wte.weight"])
-    assert set(runs.load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
+    assert set(load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
     # The layout of earlier versions, with both copies and no "tied" entry, is one embedding larger and still loads.
     raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
     del raw["tied"]
@@ -191,7 +192,7 @@ def test_resume_from_a_checkpoint_of_an_earlier_version(corpus, tmp_path):
     (run / "log.jsonl").write_text("")
     train_gpt.main(["--resume", str(run)])
     assert "the checkpoint records no data" in (run / "log.txt").read_text()
-    losses = lambda r: {x["step"]: x["train_loss"] for x in runs.read_log(r) if "train_loss" in x}  # noqa: E731
+    losses = lambda r: {x["step"]: x["train_loss"] for x in read_log(r) if "train_loss" in x}  # noqa: E731
     resumed, straight = losses(run), losses(tmp_path / "straight")
     assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in resumed)
 

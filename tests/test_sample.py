@@ -8,7 +8,7 @@ import torch
 import export
 import kv_cache
 import sample
-import runs
+from run.checkpoint import save_checkpoint
 import train_gpt
 from data.shards import GPT2_VOCAB
 
@@ -32,7 +32,7 @@ def model() -> train_gpt.GPT:
 def run_dir(tmp_path_factory, model) -> str:
     run = tmp_path_factory.mktemp("run")
     (run / "checkpoints").mkdir()
-    runs.save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     return str(run)
 
 
@@ -144,7 +144,7 @@ def test_cli_samples_from_an_exported_directory(tmp_path, model):
     exported = sample.main(["--checkpoint", str(tmp_path / "hf"), *args])
     run = tmp_path / "run" / "checkpoints"
     run.mkdir(parents=True)
-    runs.save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
     assert exported == sample.main(["--checkpoint", str(tmp_path / "run"), *args])
 
 

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import config
-import runs
+from run.checkpoint import load_checkpoint, run_dir_of
+from run.log import RunLog
+from run.process import batch_layout, setup_process
 import train_gpt
 from cli import option
 from data.lookup import resolve_data_files
@@ -107,7 +109,7 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
         f"  python -m sample --run {run} --prompt \"The meaning of\"\n"
         f"  python -m export to-hf --run {run} --out {run / 'hf'}    # a Hugging Face model\n")
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizers", "loader", "rng", "config"}
     assert "sampler" not in ckpt  # the sampler holds no state: its draws follow from the seed and the step
     assert list(config["model"])[:3] == ["vocab_size", "block_size", "n_layer"]  # the architecture first
@@ -180,14 +182,14 @@ def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus,
 ])
 def test_batch_layout_picks_the_largest_micro_batch_that_splits(sequences, bound, world, layout):
     hp = train_gpt.TrainConfig(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
-    assert runs.batch_layout(hp, world) == layout
+    assert batch_layout(hp, world) == layout
 
 
 def test_default_batch_splits_over_eight_ranks_and_a_bad_split_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     hp = train_gpt.parse_config(["--device", "cpu"]).train  # the paper's 8 x 512 batch: one sequence per rank
-    assert runs.batch_layout(hp, 8) == (1, 1)
+    assert batch_layout(hp, 8) == (1, 1)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--device", "cpu"])
@@ -215,7 +217,7 @@ def test_an_evaluation_error_at_the_end_loses_no_checkpoint(corpus, tmp_path, mo
     monkeypatch.setattr(train_gpt, "evaluate", failing_evaluate)
     with pytest.raises(RuntimeError, match="validation exploded"):
         train_gpt.main(tiny_args(corpus, tmp_path, "evalfail", steps=3, **{"val-every": 0}))
-    assert runs.load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
+    assert load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
     assert "RuntimeError: validation exploded" in (tmp_path / "evalfail" / "log.txt").read_text()
 
 
@@ -225,7 +227,7 @@ def test_target_val_loss_is_reported_and_can_stop_the_run(corpus, tmp_path):
     reached = summary["reached_target"]
     assert reached is not None and reached["val_loss"] <= 4.5
     assert summary["step"] == reached["step"] < 40
-    assert runs.load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
+    assert load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
 
 
 def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, tmp_path, monkeypatch):
@@ -245,7 +247,7 @@ def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, t
     run = tmp_path / "nan"
     assert (f"is not finite; stopping: the finite checkpoint of step 6 is kept in {run / 'checkpoints'}; continue "
             f"with --resume {run} and a lower --lr (now 0.003)") in (run / "log.txt").read_text()
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 6 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
     monkeypatch.setattr(train_gpt.BiasSampler, "sample", sample)
     summary = train_gpt.main(["--resume", str(run), "--lr", "1e-3"])
@@ -262,7 +264,7 @@ def test_flags_given_on_resume_take_effect(corpus, tmp_path):
     assert [r["lr"] for r in records if "lr" in r and r["step"] <= 4] == [3e-3] * 4
     changed = next(r for r in records if "resumed_from" in r)["changed"]
     assert changed["optim.lr"] == [3e-3, 5e-4] and changed["optim.weight_decay"] == [0.0, 0.05]
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["optimizers"][0]["param_groups"][0]["weight_decay"] == 0.05
     config = json.loads((run / "config.json").read_text())
     assert config["optim"]["lr"] == 5e-4 and config["train"]["steps"] == 6
@@ -289,7 +291,7 @@ def test_an_earlier_run_is_never_overwritten(corpus, tmp_path, capsys, monkeypat
         train_gpt.main(tiny_args(corpus, tmp_path, "taken", steps=1, **{"val-every": 0}))
     assert "taken already holds a run; continue it with --resume" in capsys.readouterr().err
     assert (tmp_path / "taken" / "log.jsonl").read_text() == before
-    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")  # two runs in one second
+    monkeypatch.setattr("run.directory.time.strftime", lambda fmt: "20260101-000000")  # two runs in one second
     first = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
     second = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
     assert Path(first["run_dir"]).name == "20260101-000000-custom-adamw"
@@ -305,9 +307,9 @@ def test_resuming_a_loose_checkpoint_starts_a_new_run_directory(corpus, tmp_path
     summary = train_gpt.main(["--resume", str(loose), "--steps", "3", "--run-dir", str(tmp_path / "new")])
     assert Path(summary["run_dir"]).parent == tmp_path / "new" and summary["step"] == 3
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["deep"]  # nothing written beside it
-    assert runs.run_dir_of(loose) is None
+    assert run_dir_of(loose) is None
     origin = tmp_path / "runs" / "origin"
-    assert runs.run_dir_of(origin / "checkpoints" / "latest.pt") == origin
+    assert run_dir_of(origin / "checkpoints" / "latest.pt") == origin
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
@@ -323,7 +325,7 @@ def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
     output = proc.stdout.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, output
     run = tmp_path / "stopped"
-    stopped_at = runs.load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
+    stopped_at = load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
     assert 3 <= stopped_at < 30 and f"SIGTERM at step {stopped_at}: checkpoint written" in output
     subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--resume", str(run)], check=True, env=ENV,
                    capture_output=True)  # one thread, as the runs above: bit-exact on the CPU
@@ -348,7 +350,7 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
             break
     output = proc.stdout.read()
     proc.wait(timeout=120)
-    ckpt = runs.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
     assert 4 <= ckpt["step"] < 400 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
 
 
@@ -400,11 +402,12 @@ def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
 def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_path):
     """A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC)."""
     script = (
-        "import resource, signal, sys, torch, runs\n"
+        "import resource, signal, sys, torch\n"
+        "from run.checkpoint import save_checkpoint\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
         "try:\n"
-        f"    runs.save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'w': torch.zeros(1 << 16)}})\n"
+        f"    save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'w': torch.zeros(1 << 16)}})\n"
         "except OSError as exc:\n"
         "    print(exc)\n"
         "    sys.exit(3)\n")
@@ -439,11 +442,11 @@ def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(co
 def test_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings", optimizer="soap",
                                            **{"grad-clip": 0.5, "overlap-reduce": False}))
-    trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
+    trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
     assert [(opt.grad_clip, opt.overlap_reduce) for opt in trainer.optimizers] == [(0.5, False)]
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings2", **{"grad-clip": 0.25}))
-    trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
+    trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
     assert [opt.grad_clip for opt in trainer.optimizers] == [0.25]  # torch's AdamW clips inside step() too
 
@@ -499,7 +502,7 @@ def test_online_dynamics_are_logged(corpus, tmp_path, optimizer):
 
 def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_path):
     train_gpt.main(tiny_args(corpus, tmp_path, "ecd", steps=2, optimizer="ecd", lr=0.5, **{"val-every": 0}))
-    ckpt = runs.load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
     for name, tensor in ckpt["model"].items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
     assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
@@ -525,5 +528,5 @@ def test_sigint_stops_a_single_process_promptly(corpus, tmp_path):
             break
     output = proc.stdout.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGINT, output  # long before the next log step at 1000
-    step = runs.load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
+    step = load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
     assert 1 <= step < 1000 and f"SIGINT at step {step}" in output

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import runs
+from run.checkpoint import load_checkpoint
+from run.log import read_log
 import variants
 import train_gpt
 from data.loader import DistributedTokenLoader, validation_batches
@@ -158,7 +159,7 @@ def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
 
 
 def logged(run_dir: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in runs.read_log(run_dir) if r.get(key) is not None and "summary" not in r}
+    return {r["step"]: r[key] for r in read_log(run_dir) if r.get(key) is not None and "summary" not in r}
 
 
 def test_mlm_resume_reproduces_the_trajectory(corpus, tmp_path):
@@ -240,7 +241,7 @@ def test_mlm_single_batch_estimate_is_the_masked_loss(corpus, tmp_path):
     run = tmp_path / "estimate"
     estimates = logged(run, "val_loss_batch")
     assert sorted(estimates) == [4, 8]
-    model = train_gpt.model_from_checkpoint(runs.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    model = train_gpt.model_from_checkpoint(load_checkpoint(run / "checkpoints" / "latest.pt"))
     # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens (8 rows of 32) validation tokens
     (_, (x, y, first)) = validation_batches(str(corpus / "syn_val_*.bin"), 8, 32, 2 * 256)
     assert first == 8
