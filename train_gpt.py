@@ -884,7 +884,7 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
         if not isinstance(exc, TrainingStopped):
             log.error(exc)
         elif rt.world > 1:
-            dist.destroy_process_group()  # every rank stops here alike; see optim.distributed.init_process_group
+            dist.destroy_process_group()  # every rank stops here alike; see run.process.init_process_group
         raise
     finally:
         if trainer is not None:

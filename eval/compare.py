@@ -24,7 +24,8 @@ from pathlib import Path
 
 import train_gpt
 from cli import ArgumentParser
-from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, save_figure, write_json, write_text
+from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json, write_text
+from eval.figures import pyplot, save_figure
 from eval.curves import runs_loss_figure, validation_losses
 from optim import OPTIMIZERS
 from run.checkpoint import run_dir_of

@@ -24,18 +24,15 @@ from run.log import read_log
 from eval.common import (
     add_target_args,
     checkpoint_identity,
-    markdown_table,
     load_target_checkpoint,
+    markdown_table,
     output_dir,
-    plot_head_maps,
-    pyplot,
     record_outputs,
     resolve_target,
-    save_figure,
-    step_axis,
     write_json,
     write_text,
 )
+from eval.figures import plot_head_maps, pyplot, save_figure, step_axis
 from eval.curves import MARKERS_BELOW
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 

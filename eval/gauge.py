@@ -33,15 +33,8 @@ import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
 from fileio import atomic_write
-from eval.common import (
-    add_target_args,
-    markdown_table,
-    open_target,
-    plot_head_maps,
-    run_hyperparameters,
-    validation_files,
-    write_json,
-)
+from eval.common import add_target_args, markdown_table, open_target, run_hyperparameters, validation_files, write_json
+from eval.figures import plot_head_maps
 from optim import OPTIMIZERS
 from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 

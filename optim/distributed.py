@@ -20,26 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-
-def init_process_group(backend: str, **kwargs) -> None:
-    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first.
-
-    torch.optim.Optimizer and torch.compile import torch._dynamo lazily. Imported after the group exists, it keeps
-    references to the group that `destroy_process_group` does not drop (seen with torch 2.13): gloo's worker threads
-    then outlive the group, and one that frees the last reference to a tensor while the interpreter shuts down
-    aborts the process (SIGABRT, "terminate called without an active exception"). Imported first, nothing else
-    holds the group and `destroy_process_group` joins its threads.
-    """
-    importlib.import_module("torch._dynamo")
-    dist.init_process_group(backend, **kwargs)
 
 
 def rank_and_world_size() -> tuple[int, int]:
