@@ -505,12 +505,12 @@ class TrainingStopped(SystemExit):
 
 
 class Trainer:
-    """The run: built once from the config (data, model, optimizers, loader, bias sampler, objective, hooks), then
+    """The run: built once from the config (data, model, optimizer, loader, bias sampler, objective, hooks), then
     `restore` (for --resume), `open_run`, `train`, `finish`. `progress` is what changes and what a checkpoint saves
-    besides the model, optimizers and loader."""
+    besides the model, optimizer and loader."""
 
     def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
-        """Data (the validation data is checked here, before any step), model, optimizers, loader, bias sampler."""
+        """Data (the validation data is checked here, before any step), model, optimizer, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
         train_files, self.val_files, note = resolve_data_files(hp.train_files, hp.val_files, rt.is_master)
@@ -527,9 +527,9 @@ class Trainer:
         if hp.init_from and not hp.resume:
             log.line(load_initial_weights(self.model, hp.init_from))
         self.spec = OPTIMIZERS[hp.optimizer]
-        self.optimizers = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
-        self.peak_settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                              for opt in self.optimizers]  # each group's settings as built (lr: the peak)
+        self.optimizer = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
+        self.peak_settings = [{k: v for k, v in group.items() if k != "params"}  # each group's as built (lr: the peak)
+                              for group in self.optimizer.param_groups]
         self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank,
                                              world_size=rt.world, grad_accum_steps=rt.grad_accum,
                                              vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
@@ -555,12 +555,12 @@ class Trainer:
 
     def checkpoint(self) -> dict | None:
         """The checkpoint of this state on the master rank (None elsewhere); a collective for sharded optimizers."""
-        optimizer_states = [opt.state_dict() for opt in self.optimizers]
+        optimizer_state = self.optimizer.state_dict()
         if not self.rt.is_master:
             return None
         return model_checkpoint(
             self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
-            self.progress.step, optimizers=optimizer_states, loader=self.loader.state_dict(),
+            self.progress.step, optimizers=[optimizer_state], loader=self.loader.state_dict(),
             rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
             hooks={hook.name: state for hook in self.hooks if (state := hook.state_dict()) is not None})
 
@@ -579,10 +579,10 @@ class Trainer:
         if all_reduce_sum(torch.tensor(float(problem is not None), device=self.rt.device)).item():
             raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
         self.model.load_state_dict(link_tied(ckpt)["model"])
-        for opt, saved, settings in zip(self.optimizers, ckpt["optimizers"], self.peak_settings, strict=True):
-            opt.load_state_dict(saved)
-            for group, values in zip(opt.param_groups, settings, strict=True):
-                group.update(values)
+        (saved,) = ckpt["optimizers"]
+        self.optimizer.load_state_dict(saved)
+        for group, values in zip(self.optimizer.param_groups, self.peak_settings, strict=True):
+            group.update(values)
         self.loader.load_state_dict(ckpt["loader"])
         saved_hooks = ckpt.get("hooks") or {"gauge": ckpt.get("gauge")}  # older checkpoints: one "gauge" entry
         for hook in self.hooks:
@@ -603,7 +603,7 @@ class Trainer:
     def state_is_finite(self) -> bool:
         """Whether parameters, optimizer state and the loss the parameters give on the last micro-batch are all
         finite on every rank (a collective): the condition for writing a checkpoint."""
-        tensors = [t for t in chain(self.model.parameters(), optimizer_state_tensors(self.optimizers))
+        tensors = [t for t in chain(self.model.parameters(), optimizer_state_tensors(self.optimizer))
                    if t.is_floating_point()]
         flags = [torch.isfinite(t).all() for t in tensors]
         if self.last_batch is not None:
@@ -665,21 +665,18 @@ class Trainer:
 
     def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
         """No gradient averaging across ranks in this backward pass (DDP's no_sync) when `accumulate`."""
-        stack = contextlib.ExitStack()
         if accumulate and self.spec.reduces_gradients:
-            for opt in self.optimizers:
-                stack.enter_context(opt.no_sync())
-        elif accumulate and isinstance(self.step_model, nn.parallel.DistributedDataParallel):
-            stack.enter_context(self.step_model.no_sync())
-        return stack
+            return self.optimizer.no_sync()
+        if accumulate and isinstance(self.step_model, nn.parallel.DistributedDataParallel):
+            return self.step_model.no_sync()
+        return contextlib.nullcontext()
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor."""
         hp, rt, progress = self.cfg.train, self.rt, self.progress
         factor = lr_factor(progress.step, hp)
-        for opt, settings in zip(self.optimizers, self.peak_settings):
-            for group, values in zip(opt.param_groups, settings):
-                group["lr"] = values["lr"] * factor
+        for group, values in zip(self.optimizer.param_groups, self.peak_settings):
+            group["lr"] = values["lr"] * factor
         biases = self.sampler.sample(progress.step, rt.device)
         loss_sum = torch.zeros((), device=rt.device)
         for micro in range(rt.grad_accum):
@@ -695,12 +692,11 @@ class Trainer:
         loss = loss_sum / rt.grad_accum
         for hook in self.hooks:
             hook.before_step(self.model)
-        for opt in self.optimizers:  # each clips the gradient norm to --grad-clip itself (after averaging it)
-            opt.step(loss) if self.spec.needs_loss else opt.step()
+        # the optimizer clips the gradient norm to --grad-clip itself (after averaging it)
+        self.optimizer.step(loss) if self.spec.needs_loss else self.optimizer.step()
         for hook in self.hooks:
-            hook.after_step(self.model, self.optimizers, progress.step + 1, factor)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+            hook.after_step(self.model, self.optimizer, progress.step + 1, factor)
+        self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
         return loss
@@ -743,12 +739,12 @@ class Trainer:
         event (no host sync) and the hooks' fields are computed now; `write_log` finishes it a step later."""
         progress = self.progress
         scalars = [all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
-        if self.optimizers[0].grad_norm is not None:  # with --grad-clip: the norm before clipping
-            scalars.append(self.optimizers[0].grad_norm)
-        record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizers[0].param_groups[0]["lr"],
+        if self.optimizer.grad_norm is not None:  # with --grad-clip: the norm before clipping
+            scalars.append(self.optimizer.grad_norm)
+        record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizer.param_groups[0]["lr"],
                   "texts": []}  # no val_loss: not measured; texts: the hooks', popped by write_log
         for hook in self.hooks:
-            fields, text = hook.log(self.model, self.optimizers, self.last_batch, progress.step)
+            fields, text = hook.log(self.model, self.optimizer, self.last_batch, progress.step)
             record.update(fields)
             record["texts"] += [text] if text else []
         self.clock.later(record, scalars)
@@ -808,7 +804,7 @@ class Trainer:
             if progress.step % hp.log_every == 0 or progress.step == hp.steps or signum:
                 self.log_later(loss)
             if progress.step == first + 1:
-                per_parameter = optimizer_state_bytes(self.optimizers) / self.model.get_num_params()
+                per_parameter = optimizer_state_bytes(self.optimizer) / self.model.get_num_params()
                 self.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {self.rt.rank}")
             if self.profile.closes_at(progress.step):
                 self.end_profile()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from cli import flag
 from gauge.dynamics import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
@@ -211,12 +212,12 @@ class TrainingHook:
     name = ""
 
     def before_step(self, model: nn.Module) -> None:
-        """Before the optimizers step (the gradients are ready)."""
+        """Before the optimizer steps (the gradients are ready)."""
 
-    def after_step(self, model: nn.Module, optimizers: list, step: int, lr_factor: float) -> None:
-        """After the optimizers stepped to `step` (counted from 1); lr_factor: the schedule's factor."""
+    def after_step(self, model: nn.Module, optimizer: Optimizer, step: int, lr_factor: float) -> None:
+        """After the optimizer stepped to `step` (counted from 1); lr_factor: the schedule's factor."""
 
-    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         """(fields for the log record, text for the log line) at a log step; batch: the last micro-batch."""
         return {}, ""
 
@@ -240,8 +241,8 @@ class GaugeStep(TrainingHook):
     def before_step(self, model: nn.Module) -> None:
         self.before = self.updates.snapshot(model)
 
-    def after_step(self, model: nn.Module, optimizers: list, step: int, lr_factor: float) -> None:
-        self.updates.after_step(model, optimizers, self.before, step, lr_factor)
+    def after_step(self, model: nn.Module, optimizer: Optimizer, step: int, lr_factor: float) -> None:
+        self.updates.after_step(model, [optimizer], self.before, step, lr_factor)
         self.before = None
 
     def state_dict(self) -> dict:
@@ -257,10 +258,10 @@ class DynamicsLog(TrainingHook):
     def __init__(self, every: int, n_head: int) -> None:
         self.every, self.n_head = every, n_head
 
-    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         if step % self.every:
             return {}, ""
-        return dynamics_summary(model, velocity_from_optimizers(optimizers), self.n_head), ""
+        return dynamics_summary(model, velocity_from_optimizers([optimizer]), self.n_head), ""
 
 
 class GaugeDiagnosticLog(TrainingHook):
@@ -269,7 +270,7 @@ class GaugeDiagnosticLog(TrainingHook):
     def __init__(self, every: int, optimizer: str, optim_cfg) -> None:
         self.every, self.optimizer, self.optim_cfg = every, optimizer, optim_cfg
 
-    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         if step % self.every:
             return {}, ""
         x, y, _ = batch

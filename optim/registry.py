@@ -119,21 +119,21 @@ class OptimizerSpec:
     description: str = ""
 
     def build(self, model: nn.Module, cfg: OptimizerConfig, grad_clip: float = 0.0,
-              overlap_reduce: bool = True) -> list[torch.optim.Optimizer]:
-        """The optimizers that together own every trainable parameter of `model` exactly once (checked).
+              overlap_reduce: bool = True) -> torch.optim.Optimizer:
+        """The optimizer that owns every trainable parameter of `model` exactly once (checked).
         grad_clip: clip the global gradient norm to this value inside step() (0: off); overlap_reduce: sharded
         optimizers average gradients while the backward pass runs (the trainer's flags of the same names)."""
         settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "decay_groups"}
         if self.reduces_gradients:
             settings["overlap_reduce"] = overlap_reduce
-        optimizers = [self.optimizer(self.groups(model, cfg), grad_clip=grad_clip, **settings)]
-        check_ownership(model, optimizers)
-        return optimizers
+        optimizer = self.optimizer(self.groups(model, cfg), grad_clip=grad_clip, **settings)
+        check_ownership(model, optimizer)
+        return optimizer
 
 
-def check_ownership(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+def check_ownership(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every trainable parameter of `model` is owned by exactly one optimizer group (train_gpt_simple's check)."""
-    owned = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    owned = [id(p) for group in optimizer.param_groups for p in group["params"]]
     names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
     missing = [name for key, name in names.items() if key not in owned]
     repeated = sorted({names.get(key, "?") for key in owned if owned.count(key) > 1})
@@ -156,13 +156,12 @@ class ClipsGradients:
         return super().step(closure)
 
 
-def optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterator[Tensor]:
-    """Every tensor held in the optimizers' state on this rank."""
-    for opt in optimizers:
-        for state in opt.state.values():
-            yield from (value for value in state.values() if torch.is_tensor(value))
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """Every tensor held in the optimizer's state on this rank."""
+    for state in optimizer.state.values():
+        yield from (value for value in state.values() if torch.is_tensor(value))
 
 
-def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held in optimizer state tensors on this rank (for the log's bytes-per-parameter figure)."""
-    return sum(t.numel() * t.element_size() for t in optimizer_state_tensors(optimizers))
+    return sum(t.numel() * t.element_size() for t in optimizer_state_tensors(optimizer))

@@ -35,23 +35,21 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
     cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     saved = cfg.to_dict()
     model = train_gpt.GPT(model_cfg)
-    opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
+    opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(saved))
     tokens = torch.from_numpy(np.fromfile(val_file, dtype="<u2", offset=1024)[:33 * 4].astype(np.int64)).view(4, 33)
     log = []
     for step in (1, 2):
-        for opt in opts:
-            opt.zero_grad()
+        opt.zero_grad()
         loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1]
         loss.backward()
-        for opt in opts:
-            opt.step()
+        opt.step()
         log.append({"step": step, "train_loss": loss.item(), "val_loss": loss.item() + 0.1, "tokens": 128 * step,
                     "lr": 1e-3, "J_QK": 0.01 * step, "J_VO": 0.02 * step, "f_rot_QK": 0.1, "f_rot_VO": 0.2})
         ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "config": saved, "model": model.state_dict(),
-                "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 128 * step}}
+                "optimizers": [opt.state_dict()], "metrics": {"tokens": 128 * step}}
         save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
     save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))

@@ -37,7 +37,7 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
                                    val_tokens=128, seed=7)
     cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     model = train_gpt.GPT(model_cfg)
-    opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
+    opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
@@ -46,19 +46,18 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
     for step in steps:
         loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1]
         loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         log.append({"step": step, "train_loss": loss.item(), "tokens": 64 * step})
-        save_step(run, model, opts if optimizer_state else [], cfg.to_dict(), step)
+        save_step(run, model, opt if optimizer_state else None, cfg.to_dict(), step)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     return run
 
 
-def save_step(run: Path, model: train_gpt.GPT, opts: list, config: dict, step: int) -> None:
+def save_step(run: Path, model: train_gpt.GPT, opt: torch.optim.Optimizer | None, config: dict, step: int) -> None:
     """checkpoints/step_<step>.pt and latest.pt of `model` at `step`."""
     ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
-            "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 64 * step}}
+            "optimizers": [opt.state_dict()] if opt else [], "metrics": {"tokens": 64 * step}}
     save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
     save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
 

@@ -234,7 +234,7 @@ def first_moment_motion(model: train_gpt.GPT, optimizer: torch.optim.Optimizer, 
 def test_dressing_keeps_the_forward_pass_balances_the_grams_and_transports_the_first_moment(optimizer, key):
     model = tiny_model("learned")
     spec = OPTIMIZERS[optimizer]
-    opt = spec.build(model, spec.config())[0]
+    opt = spec.build(model, spec.config())
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(2):
         loss = model(idx, idx)[1]
@@ -375,7 +375,7 @@ def projected_steps(optimizer: str, steps: int, lr: float | None = None, **gauge
     model = tiny_model("bqbv", bias_per_head=False)
     sampler = train_gpt.BiasSampler(model.config, seed=0)
     spec = OPTIMIZERS[optimizer]
-    opt = spec.build(model, spec.config(**({"lr": lr} if lr else {})))[0]
+    opt = spec.build(model, spec.config(**({"lr": lr} if lr else {})))
     updates = GaugeUpdates("project", n_head=2, **gauge)
     largest = 0.0
     for step in range(steps):
@@ -422,7 +422,7 @@ def test_weight_decay_changes_a_hyperball_step():
     for weight_decay in (0.0, 0.1):
         model = tiny_model("bqbv", bias_per_head=False)
         spec = OPTIMIZERS["adamw"]
-        opt = spec.build(model, spec.config(lr=1e-2, weight_decay=weight_decay))[0]
+        opt = spec.build(model, spec.config(lr=1e-2, weight_decay=weight_decay))
         updates = GaugeUpdates("hyperball", n_head=2)
         before = updates.snapshot(model)
         model(TOKENS, TOKENS)[1].backward()

@@ -60,7 +60,7 @@ def test_configs_saved_before_decay_groups_keep_their_meaning(embeddings, rest, 
 def test_build_owns_every_parameter_once_and_refuses_a_build_that_does_not(name):
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=8))
     spec = OPTIMIZERS[name]
-    (opt,) = spec.build(model, spec.config())
+    opt = spec.build(model, spec.config())
     owned = [p for group in opt.param_groups for p in group["params"]]
     assert len(owned) == len({id(p) for p in owned}) == len(list(model.parameters()))
 

@@ -139,7 +139,7 @@ def loss_of(model: train_gpt.GPT, step: int) -> torch.Tensor:
 def paper_optimizer(model: train_gpt.GPT, optimizer: str, *flags: str) -> torch.optim.Optimizer:
     """The optimizer that --preset gpt2-124m --optimizer NAME (plus flags) builds for `model`."""
     cfg = train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", optimizer, *flags])
-    (opt,) = OPTIMIZERS[optimizer].build(model, cfg.optim)
+    opt = OPTIMIZERS[optimizer].build(model, cfg.optim)
     return opt
 
 

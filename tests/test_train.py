@@ -444,11 +444,11 @@ def test_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
                                            **{"grad-clip": 0.5, "overlap-reduce": False}))
     trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
-    assert [(opt.grad_clip, opt.overlap_reduce) for opt in trainer.optimizers] == [(0.5, False)]
+    assert (trainer.optimizer.grad_clip, trainer.optimizer.overlap_reduce) == (0.5, False)
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings2", **{"grad-clip": 0.25}))
     trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
-    assert [opt.grad_clip for opt in trainer.optimizers] == [0.25]  # torch's AdamW clips inside step() too
+    assert trainer.optimizer.grad_clip == 0.25  # torch's AdamW clips inside step() too
 
 
 def test_help_shows_real_defaults_and_every_optimizer(capsys):
