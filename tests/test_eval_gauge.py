@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from run.log import read_log
 import train_gpt
 from eval import gauge
 from gauge import sensitivity
 from optim.torch_optimizers import AdamWConfig, SGDMConfig
-from tests.conftest import train_tiny_run
+from run.log import read_log
+from tests.helpers import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLAIN_GD = SGDMConfig(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, fused=False)

@@ -24,7 +24,7 @@ from data.shards import write_shard
 from grid import plan
 from grid.__main__ import main
 from grid.execute import Journal
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import train_gpt
-from tests.test_train import corpus, read_log, tiny_args  # noqa: F401 (corpus is a fixture)
+from run.log import read_log
+from tests.helpers import tiny_args
 
 
 def test_a_log_line_is_written_after_the_next_step_is_issued(corpus, tmp_path, monkeypatch):
@@ -118,7 +119,7 @@ def test_a_run_that_ends_inside_the_profile_window_still_writes_it(corpus, tmp_p
 def test_no_host_sync_inside_a_training_step_on_cuda(tmp_path, monkeypatch):
     """The step (bias draw, forward, backward, optimizer, the loss read back) runs under torch's sync debug mode,
     which raises on any operation that waits for the device."""
-    from tests.conftest import train_tiny_run
+    from tests.helpers import train_tiny_run
 
     def strict(method):
         def wrapped(self, *args):

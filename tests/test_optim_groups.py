@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from optim import OPTIMIZERS, OptimizerConfig, parameter_groups
-from optim.registry import DECAY_GROUPS, upgrade_saved_config
+from optim.registry import DECAY_GROUPS
 from optim.torch_optimizers import AdamWConfig
 from train_gpt import GPT, GPTConfig
 
@@ -45,15 +45,6 @@ def test_paper_optimizers_decay_every_parameter_by_default_and_muon_matrices():
 def test_unknown_choice_is_an_error():
     with pytest.raises(ValueError, match="--decay-groups"):
         grouped_names(AdamWConfig(weight_decay=0.1, decay_groups="biases"))
-
-
-@pytest.mark.parametrize("embeddings, rest, meant", [(False, False, "matrices"), (True, False, "matrices+embeddings"),
-                                                     (False, True, "all-but-embeddings"), (True, True, "all")])
-def test_configs_saved_before_decay_groups_keep_their_meaning(embeddings, rest, meant):
-    old = {"lr": 1.0, "weight_decay": 0.1, "decay_embeddings": embeddings, "decay_norms_and_biases": rest}
-    assert upgrade_saved_config(old)["decay_groups"] == meant
-    assert upgrade_saved_config({"lr": 1.0})["decay_groups"] == "matrices"  # the old default
-    assert upgrade_saved_config({"decay_groups": "all"}) == {"decay_groups": "all"}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

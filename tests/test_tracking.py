@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from run.log import RunLog, read_log
 import train_gpt
 from data.shards import write_shard
+from run.log import RunLog, read_log
 
 VOCAB = 64
 
