@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 import export
-from run.checkpoint import CheckpointError
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
+from run.checkpoint import CheckpointError
 
 
 def load_model(source: str) -> train_gpt.GPT:

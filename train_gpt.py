@@ -31,6 +31,14 @@ import torch.nn.functional as F
 
 import config
 import kv_cache
+from cli import flag
+from data.loader import DistributedTokenLoader, validation_batches
+from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from data.shards import ShardError
+from kernels import attention_paths
+from kernels.attention_paths import attention
+from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
+from optim.distributed import all_reduce_sum
 from run.checkpoint import (
     CheckpointError,
     link_tied,
@@ -43,14 +51,6 @@ from run.directory import RunDirectory, RunInUseError, open_run_directory
 from run.log import RunLog, format_duration, next_steps
 from run.process import Runtime, peak_flops, setup_process
 from run.stop import StopRequest, non_finite_stop_message
-from cli import flag
-from data.loader import DistributedTokenLoader, validation_batches
-from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
-from data.shards import ShardError
-from kernels import attention_paths
-from kernels.attention_paths import attention
-from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
-from optim.distributed import all_reduce_sum
 from timing import ProfileWindow, TrainingClock, summary_lines
 from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
 
@@ -560,8 +560,8 @@ class Trainer:
             return None
         return model_checkpoint(
             self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
-            self.progress.step, optimizers=[optimizer_state], loader=self.loader.state_dict(),
-            rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
+            self.progress.step, asdict(self.progress), optimizer=optimizer_state, loader=self.loader.state_dict(),
+            rng={"torch": torch.get_rng_state()},
             hooks={hook.name: state for hook in self.hooks if (state := hook.state_dict()) is not None})
 
     def restore(self) -> None:
@@ -573,21 +573,19 @@ class Trainer:
         ckpt = load_checkpoint(path, map_location=self.rt.device)
         problem = None
         if self.rt.is_master:
-            problem, warnings = data_changes(ckpt["config"].get("data"), self.data_record)
+            problem, warnings = data_changes(ckpt["config"]["data"], self.data_record)
             for warning in warnings:
                 self.log.line(warning)
         if all_reduce_sum(torch.tensor(float(problem is not None), device=self.rt.device)).item():
             raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
         self.model.load_state_dict(link_tied(ckpt)["model"])
-        (saved,) = ckpt["optimizers"]
-        self.optimizer.load_state_dict(saved)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
         for group, values in zip(self.optimizer.param_groups, self.peak_settings, strict=True):
             group.update(values)
         self.loader.load_state_dict(ckpt["loader"])
-        saved_hooks = ckpt.get("hooks") or {"gauge": ckpt.get("gauge")}  # older checkpoints: one "gauge" entry
         for hook in self.hooks:
-            if saved_hooks.get(hook.name):
-                hook.load_state_dict(saved_hooks[hook.name], self.rt.device)
+            if hook.name in ckpt["hooks"]:
+                hook.load_state_dict(ckpt["hooks"][hook.name], self.rt.device)
         torch.set_rng_state(ckpt["rng"]["torch"])
         self.progress = Progress(**{k: v for k, v in ckpt["metrics"].items() if k in Progress.__dataclass_fields__})
         self.checkpoint_step = self.progress.step

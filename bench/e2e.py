@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cli import ArgumentParser
-from run.log import read_log
-from run.process import world_size_from_env
 import train_gpt
+from cli import ArgumentParser
 from config import PRESETS
 from data.shards import write_shard
+from run.log import read_log
+from run.process import world_size_from_env
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,8 +69,8 @@ def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
     counts and sha256 of the files in order), not paths. Other training data is a problem: the loader's position
     and the data order would mean nothing. Other validation data is a warning: losses before and after the resume
     are not comparable. Moved files with the same contents are fine."""
-    if not saved:
-        return None, ["the checkpoint records no data (written by an older version): the data is not checked"]
+    if saved is None:
+        return None, ["the checkpoint records no data (config.data is None): the data is not checked"]
     problem, warnings = None, []
     for split in ("train", "val"):
         old, new = saved[split]["files"], now[split]["files"]

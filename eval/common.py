@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 import export
-from run.checkpoint import CheckpointError, run_dir_of
 import train_gpt
 from cli import MODEL_HELP, add_model_flag
 from config import config_from_dict
 from data.lookup import resolve_data_files
 from fileio import atomic_write, sha256_file
+from run.checkpoint import CheckpointError, run_dir_of
 
 EVAL_DIRNAME = "eval"
 MANIFEST = "manifest.json"
@@ -92,7 +92,7 @@ def open_target(args: argparse.Namespace) -> Target:
     run_dir, checkpoint_path, _ = resolve_target(args.checkpoint)
     checkpoint = load_target_checkpoint(checkpoint_path)
     return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device),
-                  checkpoint_identity(checkpoint_path, checkpoint.get("step")))
+                  checkpoint_identity(checkpoint_path, checkpoint["step"]))
 
 
 def checkpoint_identity(path: Path, step: int | None) -> dict:

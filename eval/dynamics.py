@@ -49,13 +49,13 @@ def _params(ckpt: dict) -> dict[str, torch.Tensor]:
 
 def checkpoint_dynamics(ckpt: dict) -> dict:
     """Per-head (L×H lists) and summary (mean over heads; J also as the total √Σ J²) diagnostics of a checkpoint."""
-    if not ckpt.get("optimizers"):
-        raise ValueError(f"checkpoint at step {ckpt.get('step')} holds no optimizer state: the velocity is unknown")
+    if "optimizer" not in ckpt:
+        raise ValueError(f"checkpoint at step {ckpt['step']} holds no optimizer state: the velocity is unknown")
     n_head = ckpt["config"]["model"]["n_head"]
-    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(ckpt["optimizers"]), n_head)
+    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts([ckpt["optimizer"]]), n_head)
     summary = {key: float(value.mean()) for key, value in per_head.items()}
     summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
-    return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), "summary": summary,
+    return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], "summary": summary,
             "per_head": {key: value.tolist() for key, value in per_head.items()}}
 
 
@@ -120,13 +120,13 @@ def main(argv: list[str] | None = None) -> dict:
     results, drifts, previous = [], [], None
     for path in paths:
         ckpt = load_target_checkpoint(path)  # verified, mapped
-        if previous is not None and previous.get("step") == ckpt.get("step"):
+        if previous is not None and previous["step"] == ckpt["step"]:
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_dynamics(ckpt)
         result["checkpoint"] = str(path)
         results.append(result)
         if previous is not None:
-            drifts.append({"from_step": previous.get("step"), "to_step": ckpt.get("step"), **drift(previous, ckpt)})
+            drifts.append({"from_step": previous["step"], "to_step": ckpt["step"], **drift(previous, ckpt)})
         previous = ckpt
     log = read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = train_gpt.model_from_checkpoint(ckpt).to(device)
     result = gauge_diagnostic(model, name, optim_cfg, x, y, args.gauge, args.condition, args.samples, args.seed,
                               DTYPES[args.dtype], args.tolerance, progress=True)
-    result.update(step=ckpt.get("step"), checkpoint=str(target.checkpoint_path), lr=optim_cfg.lr,
+    result.update(step=ckpt["step"], checkpoint=str(target.checkpoint_path), lr=optim_cfg.lr,
                   batch=args.batch_size, seq_len=seq_len, val_files=files)
     write_json(target.out / "gauge.json", result)
     plot(result, target.out / "gauge.png", target.run_dir.name)

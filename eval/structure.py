@@ -118,7 +118,7 @@ def structure_scores(tensors: dict[str, Tensor], n_head: int, convention: str = 
 def checkpoint_structure(ckpt: dict, convention: str, gamma: float, device: torch.device) -> dict:
     tensors = {plain_name(n): t.to(device) for n, t in ckpt["model"].items() if ".attn." in n}
     scores = structure_scores(tensors, ckpt["config"]["model"]["n_head"], convention, gamma)
-    return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), **scores}
+    return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], **scores}
 
 
 ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for i, path in enumerate(paths):
         ckpt = load_target_checkpoint(path)
-        if results and results[-1]["step"] == ckpt.get("step"):
+        if results and results[-1]["step"] == ckpt["step"]:
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_structure(ckpt, args.convention, args.gamma, device)
         result["checkpoint"] = str(path)

@@ -32,18 +32,6 @@ class OptimizerConfig:
                              "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS, fixed_on_resume=True)
 
 
-def upgrade_saved_config(optim: dict) -> dict:
-    """A saved optimizer config section in today's fields: configs written before --decay-groups existed carry the
-    two switches decay_embeddings / decay_norms_and_biases (both off by default: matrices only), which map onto
-    the decay group they meant."""
-    if "decay_groups" in optim:
-        return optim
-    embeddings, rest = bool(optim.get("decay_embeddings", False)), bool(optim.get("decay_norms_and_biases", False))
-    groups = {(False, False): "matrices", (True, False): "matrices+embeddings",
-              (False, True): "all-but-embeddings", (True, True): "all"}
-    return {**optim, "decay_groups": groups[embeddings, rest]}
-
-
 @dataclass
 class ShardedOptimizerConfig(OptimizerConfig):
     """Optimizers with owner-computes sharding over flat buffers (`optim.distributed`)."""

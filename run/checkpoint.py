@@ -1,12 +1,14 @@
 """The checkpoint format (docs/runs.md#checkpoints): writing it atomically with a checksum, reading and verifying it,
 the checkpoints of a run and the one --resume continues from, and --init-from's weights.
 
-A checkpoint is a torch.save'd dict in format CHECKPOINT_FORMAT with a sha256 of its tensors; writes are atomic
-(fileio.atomic_writer). Importing this module has no side effects.
+A checkpoint is a torch.save'd dict in format CHECKPOINT_FORMAT (v2) with a sha256 of its tensors; writes are atomic
+(fileio.atomic_writer). Files of the first format (v1) are read through `upgrade_v1`, the one place that knows their
+layouts, so every reader sees v2. Importing this module has no side effects.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,7 +21,9 @@ from torch import nn
 from cli import option
 from fileio import atomic_writer
 
-CHECKPOINT_FORMAT = "symgpt-checkpoint-v1"
+CHECKPOINT_FORMAT = "symgpt-checkpoint-v2"
+V1_FORMAT = "symgpt-checkpoint-v1"  # read through upgrade_v1
+CONFIG_ENTRIES = ("model", "train", "research", "optim", "data", "preset")  # a v2 checkpoint's config
 
 
 class CheckpointError(ValueError):
@@ -53,7 +57,7 @@ def tensor_checksum(checkpoint: dict) -> str:
     shape and bytes), so a flipped bit anywhere in weights or optimizer state changes it. The names a tied weight is
     filled in under on load (see link_tied) do not count, so a loaded checkpoint saved again keeps its checksum."""
     digest = hashlib.sha256()
-    aliases = {f"/model/{alias}" for alias in checkpoint.get("tied", {})}
+    aliases = {f"/model/{alias}" for alias in checkpoint["tied"]}
 
     def walk(node: object, where: str) -> None:
         if where in aliases:
@@ -87,12 +91,30 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         raise CheckpointError(f"{path}: not a readable checkpoint ({reason}); give a file written by train_gpt.py "
                               "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory",
                               reason=f"unreadable: {reason}") from exc
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: not a {CHECKPOINT_FORMAT} checkpoint", reason=f"not {CHECKPOINT_FORMAT}")
-    if verify and "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:
+    form = ckpt.get("format") if isinstance(ckpt, dict) else None
+    if form == V1_FORMAT:
+        return link_tied(upgrade_v1(ckpt, Path(path), verify))
+    if form != CHECKPOINT_FORMAT:
+        newer = isinstance(form, str) and form.startswith("symgpt-checkpoint-")
+        raise CheckpointError(f"{path}: " + (f"format {form}, which this version does not read (it reads "
+                                             f"{CHECKPOINT_FORMAT} and v1): update the code" if newer else
+                                             f"not a {CHECKPOINT_FORMAT} checkpoint"),
+                              reason=f"format {form}" if newer else f"not {CHECKPOINT_FORMAT}")
+    missing = [key for key in ("step", "config", "model", "tied", "metrics") if key not in ckpt]
+    missing += [f"config.{key}" for key in CONFIG_ENTRIES if key not in ckpt.get("config", {})]
+    if missing:
+        raise CheckpointError(f"{path}: a {CHECKPOINT_FORMAT} checkpoint without {', '.join(missing)}; it was not "
+                              "written by train_gpt.py", reason=f"incomplete: no {', '.join(missing)}")
+    if verify:
+        verify_checksum(ckpt, Path(path))
+    return link_tied(ckpt)
+
+
+def verify_checksum(ckpt: dict, path: Path) -> None:
+    """CheckpointError unless the tensors of `ckpt`, as read from `path`, match the checksum written with them."""
+    if tensor_checksum(ckpt) != ckpt.get("checksum"):
         raise CheckpointError(f"{path}: its tensors do not match the checksum written with them (the file was "
                               "damaged after it was written)", reason="its tensors do not match its checksum")
-    return link_tied(ckpt)
 
 
 def step_of(path: Path) -> int:
@@ -171,8 +193,8 @@ def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
 
 def link_tied(ckpt: dict) -> dict:
     """The checkpoint with each tied name of its model (ckpt["tied"], see checkpoint_model_state) pointing at the
-    stored tensor; checkpoints that stored every name have no "tied" entry."""
-    for alias, name in ckpt.get("tied", {}).items():
+    stored tensor."""
+    for alias, name in ckpt["tied"].items():
         ckpt["model"].setdefault(alias, ckpt["model"][name])
     return ckpt
 
@@ -192,13 +214,17 @@ def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], d
     return state, tied
 
 
-def model_checkpoint(model: nn.Module, config: dict, step: int, **training_state) -> dict:
-    """A checkpoint of `model` at `step` with its run config (sections of config.RunConfig.to_dict); the trainer adds
-    its training state (optimizers, loader, rng, metrics, hooks); a checkpoint without "optimizers" holds
-    model weights only (--init-from takes it, --resume does not)."""
+def model_checkpoint(model: nn.Module, config: dict, step: int, metrics: dict, **training_state) -> dict:
+    """A checkpoint of `model` at `step` (docs/runs.md#checkpoints): `config` holds CONFIG_ENTRIES (the sections of
+    config.RunConfig.to_dict, the data record, the preset), `metrics` what the run measured; the trainer adds its
+    training state (optimizer, loader, rng, hooks). A checkpoint without "optimizer" holds model weights only
+    (--init-from takes it, --resume does not)."""
+    missing = [key for key in CONFIG_ENTRIES if key not in config]
+    if missing:
+        raise ValueError(f"model_checkpoint: the config has no {', '.join(missing)}")
     state, tied = checkpoint_model_state(model)
     return {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": state, "tied": tied,
-            **training_state}
+            "metrics": metrics, **training_state}
 
 
 def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:
@@ -255,3 +281,65 @@ def load_initial_weights(model: nn.Module, source: str | os.PathLike) -> str:
     if skipped:
         notes.append(f"not used: {', '.join(skipped)}")
     return " | ".join(notes)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading v1 (docs/runs.md#reading-v1-checkpoints): the layouts the first format took, in the order they changed.
+
+# Fields of the research section that v1 checkpoints written before it existed kept in the train section.
+RESEARCH_FIELDS_ONCE_IN_TRAIN = ("dynamics_every", "gauge", "gauge_correction", "gauge_every", "gauge_damping",
+                                 "gauge_group", "hyperball_lr", "gauge_diagnostic_every")
+# --decay-groups from the two switches that came before it (decay_embeddings, decay_norms_and_biases).
+DECAY_GROUPS_OF_SWITCHES = {(False, False): "matrices", (True, False): "matrices+embeddings",
+                            (False, True): "all-but-embeddings", (True, True): "all"}
+
+
+def upgrade_v1(ckpt: dict, path: Path, verify: bool) -> dict:
+    """A v1 checkpoint read from `path` in the v2 layout, so that no reader knows v1; verify: its checksum first,
+    where it has one (v1 files written before checksums have none). What changes, nothing that a resumed run
+    computes with: the optimizer's state from a one-element "optimizers" list; the hooks' state under "hooks" (v1
+    once wrote the gauge's alone as "gauge"); "tied" always present (v1 once stored the tied embedding under both
+    names); the sampler entry, which nothing read, dropped; and a config with every entry: research fields out of
+    the train section, --gauge-project-velocity off (the step alone was projected before the flag), a
+    --keep-checkpoints switch as a count (on: every step file, -1), --decay-groups from its switches, the preset
+    from the run's config.json where the checkpoint did not record it, and data None where no record was written."""
+    ckpt.setdefault("tied", {})
+    if verify and "checksum" in ckpt:
+        verify_checksum(ckpt, path)
+    ckpt.pop("checksum", None)  # it covers the v1 layout; save_checkpoint writes a new one
+    config = ckpt.get("config", {})
+    train = dict(config.get("train", {}))
+    research = {name: train.pop(name) for name in RESEARCH_FIELDS_ONCE_IN_TRAIN if name in train}
+    research = {"gauge_project_velocity": False, **research, **config.get("research", {})}
+    if isinstance(train.get("keep_checkpoints"), bool):
+        train["keep_checkpoints"] = -int(train["keep_checkpoints"])
+    optim = dict(config.get("optim", {}))
+    if "decay_groups" not in optim:
+        switches = bool(optim.pop("decay_embeddings", False)), bool(optim.pop("decay_norms_and_biases", False))
+        optim["decay_groups"] = DECAY_GROUPS_OF_SWITCHES[switches]
+    preset = config["preset"] if "preset" in config else recorded_preset(path)
+    ckpt["config"] = {**config, "train": train, "research": research, "optim": optim,
+                      "data": config.get("data"), "preset": preset}
+    if "optimizers" in ckpt:
+        optimizers = ckpt.pop("optimizers")
+        if len(optimizers) != 1:
+            raise CheckpointError(f"{path}: a v1 checkpoint with {len(optimizers)} optimizer states; the trainer "
+                                  "always wrote one", reason="v1 with several optimizer states")
+        ckpt["optimizer"] = optimizers[0]
+        gauge = ckpt.pop("gauge", None)
+        ckpt["hooks"] = ckpt.get("hooks") or ({"gauge": gauge} if gauge else {})
+    ckpt.pop("sampler", None)
+    ckpt["format"] = CHECKPOINT_FORMAT
+    return ckpt
+
+
+def recorded_preset(checkpoint: Path) -> str | None:
+    """The preset config.json of the checkpoint's run directory records (None: none, or no readable record)."""
+    home = run_dir_of(checkpoint)
+    if home is None:
+        return None
+    try:
+        return json.loads((home / "config.json").read_text())["preset"]["name"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None

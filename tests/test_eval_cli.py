@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from config import RunConfig
-from variants import ResearchConfig
-from run.checkpoint import CHECKPOINT_FORMAT, save_checkpoint
 import train_gpt
+from config import RunConfig
 from data.shards import write_shard
 from eval import alignment, compare, dynamics, logic_puzzles, report, val_loss
 from eval.alignment import residual_keys
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
-from tests.conftest import ROOT
+from run.checkpoint import model_checkpoint, save_checkpoint
+from tests.helpers import ROOT
+from variants import ResearchConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -48,8 +48,8 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
         opt.step()
         log.append({"step": step, "train_loss": loss.item(), "val_loss": loss.item() + 0.1, "tokens": 128 * step,
                     "lr": 1e-3, "J_QK": 0.01 * step, "J_VO": 0.02 * step, "f_rot_QK": 0.1, "f_rot_VO": 0.2})
-        ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "config": saved, "model": model.state_dict(),
-                "optimizers": [opt.state_dict()], "metrics": {"tokens": 128 * step}}
+        ckpt = model_checkpoint(model, {**saved, "data": None, "preset": None}, step, {"tokens": 128 * step},
+                                optimizer=opt.state_dict())
         save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
     save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))

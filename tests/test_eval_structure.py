@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from run.checkpoint import load_checkpoint
 import train_gpt
 from eval import structure
 from eval.structure import directionality_score, query_key_matrices, symmetry_score
 from gauge.dynamics import plain_name
-from tests.conftest import train_tiny_run
+from run.checkpoint import load_checkpoint
+from tests.helpers import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -17,10 +17,10 @@ pytest.importorskip("safetensors", reason="the export writes safetensors (pip in
 
 import export  # noqa: E402
 import sample  # noqa: E402
-from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
-from tests.test_train import ROOT  # noqa: E402
+from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint  # noqa: E402
+from tests.helpers import ROOT, repository_modules  # noqa: E402
 
 TINY = dict(block_size=32, n_layer=2, n_head=2, n_embd=32)
 BIAS_CASES = {
@@ -175,8 +175,7 @@ def test_the_exported_tokenizer_is_gpt2s(tmp_path, gpt2_ranks):
 
 STANDALONE = """
 import json, sys
-for name in ("train_gpt", "export", "run", "fileio", "sample", "config", "cli", "variants", "kv_cache", "kernels", "data",
-             "modeling_symgpt"):
+for name in %r:
     sys.modules[name] = None  # nothing of the repository can be imported here
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -190,7 +189,7 @@ for directory in sys.argv[1:]:
     text = generator("The cat", max_new_tokens=6, min_new_tokens=6, do_sample=False, return_full_text=False)
     results[directory] = {"greedy": greedy, "pipeline": text[0]["generated_text"]}
 print(json.dumps(results))
-"""
+""" % sorted({module.split(".")[0] for module in repository_modules()})
 
 
 def test_exports_load_offline_without_this_repository_and_generate_as_sample_does(tmp_path, gpt2_ranks):
@@ -233,19 +232,6 @@ def test_export_from_hf_export_is_bit_identical(tmp_path, activation, gpt2_ranks
     export.main(["to-hf", "--checkpoint", str(tmp_path / "second"), "--out", str(tmp_path / "third")])  # a directory
     assert (tmp_path / "third" / "model.safetensors").read_bytes() == (tmp_path / "first" / "model.safetensors"
                                                                          ).read_bytes()
-
-
-def test_directories_of_the_earlier_prelu_format_still_load(tmp_path):
-    from safetensors.torch import save_file
-
-    model = random_model(activation="prelu", **BIAS_CASES["bqbv-shared"])
-    (tmp_path / "old").mkdir()
-    save_file(export.hf_state_dict(model), str(tmp_path / "old" / "model.safetensors"))
-    meta = {"format": export.PRELU_FORMAT, "model": {**vars(export.exported_model_config(model.config))}}
-    (tmp_path / "old" / "config.json").write_text(json.dumps(meta))
-    idx = tokens()
-    torch.testing.assert_close(our_logits(export.load_exported(tmp_path / "old"), idx), our_logits(model, idx),
-                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -18,23 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from run.checkpoint import (
-    CheckpointError,
-    load_checkpoint,
-    model_checkpoint,
-    resolve_resume,
-    save_checkpoint,
-    tensor_checksum,
-)
-from run.directory import RunDirectory, run_holds_checkpoint
-from run.log import read_log
 import train_gpt
 from cli import option
 from config import preset_report, section_classes
 from eval import compare, report
 from optim import OPTIMIZERS
-from tests.test_train import (  # noqa: F401 (corpus is a fixture)
-    ENV, ROOT, VOCAB, corpus, tiny_args, torchrun, torchrun_in_background, train_losses)
+from run.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
+from run.directory import RunDirectory, run_holds_checkpoint
+from run.log import read_log
+from tests.helpers import ENV, ROOT, VOCAB, tiny_args, torchrun, torchrun_in_background, train_losses
 
 
 def run_in_background(args: list[str]) -> subprocess.Popen:
@@ -337,26 +329,6 @@ def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_
     assert f"--init-from {latest}: its tensors do not match the checksum" in capsys.readouterr().err
 
 
-def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_path):
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
-    opt.step()
-    save_checkpoint(tmp_path / "a.pt", model_checkpoint(model, {}, 1, optimizers=[opt.state_dict()]))
-    raw = torch.load(tmp_path / "a.pt", weights_only=False)
-    assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
-    assert tensor_checksum(raw) == raw["checksum"]
-    loaded = load_checkpoint(tmp_path / "a.pt", verify=True)
-    assert loaded["model"]["lm_head.weight"] is loaded["model"]["transformer.wte.weight"]  # filled in on load
-    save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
-    assert torch.load(tmp_path / "b.pt", weights_only=False)["checksum"] == raw["checksum"]
-    raw["optimizers"][0]["state"][0]["exp_avg"].view(-1)[0] += 1e-3  # optimizer state counts too
-    assert tensor_checksum(raw) != raw["checksum"]
-    del raw["checksum"]  # a checkpoint written before checksums loads (there is nothing to verify)
-    torch.save(raw, tmp_path / "old.pt")
-    assert load_checkpoint(tmp_path / "old.pt", verify=True)["step"] == 1
-
-
 # ----- exact resume: the same number of processes and split continue bit for bit -----
 
 def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
@@ -372,7 +344,7 @@ def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
     ends = [load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "straight", resumed.parent)]
     for name, tensor in ends[0]["model"].items():
         assert torch.equal(tensor, ends[1]["model"][name]), name
-    moments = [[t for state in end["optimizers"][0]["state"].values() for t in state.values()] for end in ends]
+    moments = [[t for state in end["optimizer"]["state"].values() for t in state.values()] for end in ends]
     assert len(moments[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*moments, strict=True))
 
 

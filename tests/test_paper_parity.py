@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import config
+import train_gpt
+from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
 from run.log import read_log
 from run.process import batch_layout
-import train_gpt
-from optim import OPTIMIZERS
 from tests.test_optim_soap import reference_soap
-from tests.test_train import corpus, tiny_args  # noqa: F401 (corpus is a fixture)
+from tests.helpers import tiny_args, write_v1_checkpoint
 
 ECD_STEPS, SOAP_STEPS = 20, 25
 VOCAB, SEQ, BATCH = 64, 32, 4
@@ -320,10 +320,11 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run), "--decay-groups", "matrices"])
     assert "--decay-groups cannot change when resuming" in capsys.readouterr().err
-    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
-    ckpt["config"]["optim"] = {k: v for k, v in ckpt["config"]["optim"].items() if k != "decay_groups"}
-    ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
     old = tmp_path / "old" / "checkpoints" / "latest.pt"
     old.parent.mkdir(parents=True)
+    write_v1_checkpoint(run / "checkpoints" / "latest.pt", old)
+    ckpt = torch.load(old, weights_only=False)
+    del ckpt["config"]["optim"]["decay_groups"], ckpt["checksum"]  # a v1 file from before --decay-groups
+    ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
     torch.save(ckpt, old)
     assert train_gpt.parse_config(["--resume", str(old)]).optim.decay_groups == "matrices+embeddings"

@@ -5,7 +5,6 @@ the advice of a non-finite stop after a resume, and a refusal reaches every rank
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,13 +14,12 @@ import pytest
 import torch
 
 import export
-from run.checkpoint import load_checkpoint, save_checkpoint
-from run.log import read_log
-from run.stop import non_finite_stop_message
 import sample
 import train_gpt
 from eval import dynamics, val_loss
-from tests.test_train import ENV, ROOT, corpus, tiny_args, train_losses  # noqa: F401 (corpus is a fixture)
+from run.log import read_log
+from run.stop import non_finite_stop_message
+from tests.helpers import ENV, ROOT, tiny_args, train_losses, write_v1_checkpoint
 
 
 def checkpoint_names(run: Path) -> list[str]:
@@ -64,9 +62,11 @@ def test_keep_checkpoints_keeps_the_last_k_step_files(corpus, tmp_path):
     train_gpt.main(["--resume", str(run), "--steps", "9", "--keep-checkpoints", "0"])
     assert checkpoint_names(run) == ["latest.pt"]
     latest = run / "checkpoints" / "latest.pt"
-    ckpt = load_checkpoint(latest)
-    ckpt["config"]["train"]["keep_checkpoints"] = True  # written when the flag was a switch: on kept every file
-    save_checkpoint(latest, ckpt)
+    write_v1_checkpoint(latest, latest)
+    ckpt = torch.load(latest, weights_only=False)
+    ckpt["config"]["train"]["keep_checkpoints"] = True  # a v1 file from when the flag was a switch: on kept every file
+    del ckpt["checksum"]
+    torch.save(ckpt, latest)
     assert train_gpt.parse_config(["--resume", str(run)]).train.keep_checkpoints == -1
 
 
@@ -135,9 +135,10 @@ def test_records_say_what_was_measured_and_a_resumed_run_keeps_its_preset(corpus
     assert ("--preset gpt2-124m: the resumed run was started with --preset smoke, which it keeps"
             in capsys.readouterr().err)
     latest = run / "checkpoints" / "latest.pt"
-    ckpt = load_checkpoint(latest)
-    del ckpt["config"]["preset"]  # written before checkpoints recorded it: config.json says
-    save_checkpoint(latest, ckpt)
+    write_v1_checkpoint(latest, latest)
+    ckpt = torch.load(latest, weights_only=False)
+    del ckpt["config"]["preset"], ckpt["checksum"]  # a v1 file from before checkpoints recorded it: config.json says
+    torch.save(ckpt, latest)
     assert train_gpt.parse_config(["--resume", str(run)]).preset == "smoke"
 
 

@@ -1,24 +1,22 @@
 """What a run records about its data (config.json, checkpoints, log.txt), the shard digest cache, the data check on
---resume, and checkpoints that store the tied embedding once (and still load the older ones that stored it twice)."""
+--resume, and optimizer state that holds the tied embedding once."""
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from run.checkpoint import load_checkpoint
-from run.log import read_log
-from data import lookup
 import train_gpt
+from data import lookup
 from data import shards
 from data.shards import describe_shards, sha256_shards, write_shard
 from optim import OPTIMIZERS
+from run.checkpoint import load_checkpoint
 
 VOCAB = 80  # no other weight of the tiny model has 80 rows
 
@@ -156,45 +154,6 @@ def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(c
     (corpus / "r_train_000003.bin").unlink()
     train_gpt.main(["--resume", str(run), "--steps", "6"])
     assert load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
-
-
-def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
-    train_gpt.main(tiny_args(corpus, tmp_path, "tied"))
-    path = tmp_path / "tied" / "checkpoints" / "latest.pt"
-    raw = torch.load(path, weights_only=False)
-    assert "lm_head.weight" not in raw["model"] and raw["tied"] == {"lm_head.weight": "transformer.wte.weight"}
-    model = train_gpt.model_from_checkpoint(path)
-    assert model.lm_head.weight is model.transformer.wte.weight
-    assert torch.equal(model.transformer.wte.weight, raw["model"]["transformer.wte.weight"])
-    assert set(load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
-    # The layout of earlier versions, with both copies and no "tied" entry, is one embedding larger and still loads.
-    raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
-    del raw["tied"]
-    old = tmp_path / "old.pt"
-    torch.save(raw, old)
-    stored = lambda f: sum(i.file_size for i in zipfile.ZipFile(f).infolist())  # noqa: E731 (torch.save's zip)
-    assert stored(old) - stored(path) >= VOCAB * 32 * 4
-    again = train_gpt.model_from_checkpoint(old)
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(again.state_dict()[name], tensor), name
-
-
-def test_resume_from_a_checkpoint_of_an_earlier_version(corpus, tmp_path):
-    """Both embedding copies and no data record: the run resumes, says the data is not checked, and continues the
-    trajectory of an uninterrupted run exactly."""
-    train_gpt.main(tiny_args(corpus, tmp_path, "straight", steps=4))
-    train_gpt.main(tiny_args(corpus, tmp_path, "old", steps=4, **{"checkpoint-every": 2, "keep-checkpoints": -1}))
-    run = tmp_path / "old"
-    raw = torch.load(run / "checkpoints" / "step_000002.pt", weights_only=False)
-    raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
-    del raw["tied"], raw["config"]["data"], raw["checksum"]
-    torch.save(raw, run / "checkpoints" / "latest.pt")
-    (run / "log.jsonl").write_text("")
-    train_gpt.main(["--resume", str(run)])
-    assert "the checkpoint records no data" in (run / "log.txt").read_text()
-    losses = lambda r: {x["step"]: x["train_loss"] for x in read_log(r) if "train_loss" in x}  # noqa: E731
-    resumed, straight = losses(run), losses(tmp_path / "straight")
-    assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in resumed)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

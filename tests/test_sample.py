@@ -8,9 +8,9 @@ import torch
 import export
 import kv_cache
 import sample
-from run.checkpoint import save_checkpoint
 import train_gpt
 from data.shards import GPT2_VOCAB
+from run.checkpoint import save_checkpoint
 
 
 def tiny_model(**overrides) -> train_gpt.GPT:

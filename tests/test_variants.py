@@ -3,7 +3,6 @@ both directions, exact resume, split invariance) and relational attention (O(C) 
 refused combinations). Tiny models on the CPU."""
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -12,16 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from run.checkpoint import load_checkpoint
-from run.log import read_log
-import variants
 import train_gpt
+import variants
 from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import write_shard
 from eval import alignment
 from kernels.attention_paths import attention_reference
 from optim import OPTIMIZERS
-from tests.test_train import synthetic_tokens
+from run.checkpoint import load_checkpoint
+from run.log import read_log
+from tests.helpers import synthetic_tokens
 
 VOCAB, MASK = 136, 128  # the synthetic corpus uses ids 1..127, so 128 is free for [MASK]
 TINY = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32, mask_token=MASK)
@@ -216,7 +215,7 @@ def test_training_masks_follow_the_rows_whatever_the_ranks(corpus):
 
 def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
     """Fixed validation masks: the same loss on every call and whatever the micro-batch."""
-    val, cpu = str(corpus / "syn_val_*.bin"), torch.device("cpu")
+    val = str(corpus / "syn_val_*.bin")
 
     def loss(model: train_gpt.GPT, micro_batch: int, rank: int = 0, world: int = 1) -> float:
         return train_gpt.evaluate(model, val, 1024, 32, micro_batch, rank=rank, world=world)
