@@ -101,7 +101,9 @@ class GPTConfig(ModelVariants, GPTArchitecture):
     """The model: GPTArchitecture's fields, then variants.ModelVariants' (their order in config.json and --help)."""
 
 
-logs = functools.partial(flag, affects_results=False)  # where, how often or how fast: not what the run computes
+# Flags that the presets' parity report and eval.compare's conditions leave out (cli.flag's affects_results): where,
+# how often or how fast, and the seed, precision and data, which the report and the run's record state on their own.
+uncompared = functools.partial(flag, affects_results=False)
 
 
 @dataclass
@@ -110,9 +112,10 @@ class TrainConfig:
 
     optimizer: str = flag("adamw", "optimizer (listed below); its hyperparameters are the optimizer flags",
                           choices=tuple(sorted(OPTIMIZERS)), fixed_on_resume=True)
-    train_files: str = logs("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded corpus",
-                            fixed_on_resume=True)
-    val_files: str = logs("", "glob of validation shards; empty: --train-files, else the default data's validation")
+    train_files: str = uncompared("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded "
+                                      "corpus", fixed_on_resume=True)
+    val_files: str = uncompared("", "glob of validation shards; empty: --train-files, else the default data's "
+                                    "validation")
     seq_len: int = flag(512, "tokens per training sequence (<= block_size)", bounds="> 0", fixed_on_resume=True)
     batch_tokens: int = flag(4096, "global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)",
                              bounds="> 0", fixed_on_resume=True)
@@ -129,52 +132,54 @@ class TrainConfig:
     min_lr_frac: float = flag(0.0, "final learning rate as a fraction of the peak (cosine, linear)", bounds="[0, 1]")
     grad_clip: float = flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm",
                             bounds=">= 0")
-    val_every: int = logs(1000, "validate every N steps (and at the start and end); 0: only at the end",
-                          bounds=">= 0")
-    val_tokens: int = logs(1048576, "fixed validation budget in tokens (the same sequences every time, on any "
-                                    "number of processes; whole sequences of --seq-len)", bounds="> 0")
-    val_batch_estimate: bool = logs(True, "also log the published runs' validation: at each multiple of "
-                                          "--val-every the loss on the next batch of --batch-tokens validation "
-                                          "tokens, and the minimum of these single-batch estimates "
-                                          "(docs/optimizers.md#paper-parity)")
-    log_every: int = logs(10, "print and log a line every N steps", bounds="> 0")
-    checkpoint_every: int = logs(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
-                                       "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
-    keep_checkpoints: int = logs(0, "also keep checkpoints/step_XXXXXX.pt of the last K checkpoints, removing older "
-                                    "ones (0: latest.pt only; -1: every one)", bounds=">= -1")
-    target_val_loss: float = logs(0.0, "report the first step and training time reaching this validation loss "
-                                       "(0: off)", bounds=">= 0")
-    stop_at_target: bool = logs(False, "stop the run once target_val_loss is reached")
-    run_dir: str = logs("runs", "parent directory of run directories")
-    run_name: str = logs("", "run directory name (default: timestamp-preset-optimizer); an existing run is "
-                             "never overwritten")
-    resume: str = logs("", "checkpoint file or run directory to resume from (a damaged latest.pt falls back to the "
-                           "newest intact step_XXXXXX.pt): its config is the base and flags override it; the run "
-                           "continues in the checkpoint's run directory unless --run-name or --run-dir name another")
+    val_every: int = uncompared(1000, "validate every N steps (and at the start and end); 0: only at the end",
+                                bounds=">= 0")
+    val_tokens: int = uncompared(1048576, "fixed validation budget in tokens (the same sequences every time, on any "
+                                          "number of processes; whole sequences of --seq-len)", bounds="> 0")
+    val_batch_estimate: bool = uncompared(True, "also log the published runs' validation: at each multiple of "
+                                                "--val-every the loss on the next batch of --batch-tokens validation "
+                                                "tokens, and the minimum of these single-batch estimates "
+                                                "(docs/optimizers.md#paper-parity)")
+    log_every: int = uncompared(10, "print and log a line every N steps", bounds="> 0")
+    checkpoint_every: int = uncompared(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
+                                             "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
+    keep_checkpoints: int = uncompared(0, "also keep checkpoints/step_XXXXXX.pt of the last K checkpoints, removing "
+                                          "older ones (0: latest.pt only; -1: every one)", bounds=">= -1")
+    target_val_loss: float = uncompared(0.0, "report the first step and training time reaching this validation loss "
+                                             "(0: off)", bounds=">= 0")
+    stop_at_target: bool = uncompared(False, "stop the run once target_val_loss is reached")
+    run_dir: str = uncompared("runs", "parent directory of run directories")
+    run_name: str = uncompared("", "run directory name (default: timestamp-preset-optimizer); an existing run is never "
+                                   "overwritten")
+    resume: str = uncompared("", "checkpoint file or run directory to resume from (a damaged latest.pt falls back to "
+                                 "the newest intact step_XXXXXX.pt): its config is the base and flags override it; the "
+                                 "run continues in the checkpoint's run directory unless --run-name or --run-dir name "
+                                 "another")
     init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
                               "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
                               "data and step start fresh; ignored by --resume")
-    seed: int = logs(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
-                     fixed_on_resume=True)
-    device: str = logs("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
-    dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
-                              "states the precision separately)", choices=("bf16", "fp32"))
-    compile: bool = logs(True, "torch.compile the model on CUDA")
-    compile_mode: str = logs("default", "torch.compile mode: default, reduce-overhead (CUDA graphs: one launch per "
-                                        "graph, for small steps) or max-autotune (also tunes its kernels)",
-                             choices=("default", "reduce-overhead", "max-autotune"))
-    profile_steps: str = logs("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace in "
-                                  "the run directory, host and device time per step in log.txt (empty: off)")
-    attention_impl: str = logs("auto", "attention implementation, all exact: auto (this GPU's row of "
-                                       "kernels/attention_table.json, else sdpa), triton, sdpa or flex "
-                                       "(docs/model.md#choosing-the-implementation)", choices=attention_paths.CHOICES)
-    overlap_reduce: bool = logs(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
-                                      "backward pass computes the others (as DDP does)")
-    wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
-                                  "(needs `pip install wandb`; empty: off)")
-    wandb_run_name: str = logs("", "Weights & Biases run name (default: the run directory's name)")
-    tensorboard: str = logs("", "also write log.jsonl's numbers as TensorBoard scalars to DIR/<run name> (needs `pip "
-                                "install tensorboard`; empty: off)")
+    seed: int = uncompared(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
+                           fixed_on_resume=True)
+    device: str = uncompared("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+    dtype: str = uncompared("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset "
+                                    "report states the precision separately)", choices=("bf16", "fp32"))
+    compile: bool = uncompared(True, "torch.compile the model on CUDA")
+    compile_mode: str = uncompared("default", "torch.compile mode: default, reduce-overhead (CUDA graphs: one launch "
+                                              "per graph, for small steps) or max-autotune (also tunes its kernels)",
+                                   choices=("default", "reduce-overhead", "max-autotune"))
+    profile_steps: str = uncompared("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace "
+                                        "in the run directory, host and device time per step in log.txt (empty: off)")
+    attention_impl: str = uncompared("auto", "attention implementation, all exact: auto (this GPU's row of "
+                                             "kernels/attention_table.json, else sdpa), triton, sdpa or flex "
+                                             "(docs/model.md#choosing-the-implementation)",
+                                     choices=attention_paths.CHOICES)
+    overlap_reduce: bool = uncompared(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
+                                            "backward pass computes the others (as DDP does)")
+    wandb_project: str = uncompared("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
+                                        "(needs `pip install wandb`; empty: off)")
+    wandb_run_name: str = uncompared("", "Weights & Biases run name (default: the run directory's name)")
+    tensorboard: str = uncompared("", "also write log.jsonl's numbers as TensorBoard scalars to DIR/<run name> (needs "
+                                      "`pip install tensorboard`; empty: off)")
 
 
 def parse_config(argv: list[str] | None = None) -> config.RunConfig:
@@ -435,7 +440,7 @@ class BiasSampler:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Learning-rate schedule and throughput
+# Learning-rate schedule
 
 
 def lr_factor(step: int, hp: TrainConfig) -> float:
@@ -540,7 +545,7 @@ class Trainer:
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.step_model: nn.Module = self.model  # what the loop calls: compiled on CUDA, in DDP where needed
+        self.step_model: nn.Module = self.model  # what the loop calls (build_step_model)
         self.progress = Progress()
         self.run_dir: RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
@@ -647,7 +652,7 @@ class Trainer:
                       f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
                       f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
 
-    def compile(self) -> None:
+    def build_step_model(self) -> None:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
         acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
         rt, hp = self.rt, self.cfg.train
@@ -865,7 +870,7 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
         if cfg.resume_from is not None:
             trainer.restore()
         trainer.open_run()
-        trainer.compile()
+        trainer.build_step_model()
         with StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish(final)

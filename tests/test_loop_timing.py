@@ -76,8 +76,8 @@ def test_compile_mode_is_recorded_and_passed_to_torch_compile(corpus, tmp_path, 
     try:
         calls = []
         monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
-        trainer.rt = dataclasses.replace(rt, device=torch.device("cuda"))  # compile() acts on CUDA only
-        trainer.compile()
+        trainer.rt = dataclasses.replace(rt, device=torch.device("cuda"))  # it compiles on CUDA only
+        trainer.build_step_model()
         assert calls == [{"mode": "max-autotune"}] and trainer.cudagraphs
     finally:
         trainer.close()
