@@ -269,7 +269,8 @@ class GPT(nn.Module):
     forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 2, d) or
     (n_layer, 2, H, d) holding b_Q, b_V per layer; None means evaluation, which uses the means (docs/model.md).
     Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Without targets,
-    only the last position's logits (generation's; nanoGPT's way) unless all_logits. Variants: docs/variants.md."""
+    only the last position's logits (generation's, sample.generate; nanoGPT's way) unless all_logits. Variants:
+    docs/variants.md."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -327,35 +328,6 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 vocab_limit: int | None = None, generator: torch.Generator | None = None, use_cache: bool = True
-                 ) -> torch.Tensor:
-        """Continue each row of idx (B, T) by max_new_tokens sampled tokens, with the mean biases, as nanoGPT does:
-        the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the `top_k`
-        most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the vocabulary
-        is padded. A KV cache reads each token once while the context fits block_size (standard attention,
-        use_cache); past it, and without the cache, every token reruns the window (docs/export.md#sampling)."""
-        if self.config.objective != "clm":
-            raise ValueError(f"this model was trained with --objective {self.config.objective}: it predicts masked "
-                             "tokens from both sides, not the next token, so it cannot generate text")
-        cache = kv_cache.for_model(self.config) if use_cache else None
-        for _ in range(max_new_tokens):
-            if idx.size(1) > self.config.block_size:
-                cache = None  # positions are absolute: once the context outgrows them, each token reruns the window
-            context = idx[:, -self.config.block_size:] if cache is None else idx[:, cache.length:]
-            logits = self(context, cache=cache)[0][:, -1, :vocab_limit].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat((idx, next_token), dim=1)
-        return idx
 
     def estimate_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·d·T for attention (PaLM App. B, nanoGPT)."""

@@ -213,7 +213,8 @@ def test_exports_load_offline_without_this_repository_and_generate_as_sample_doe
         result = results[str(tmp_path / act)]
         assert result["pipeline"] == texts[0] and gpt2_tokenizer().decode(result["greedy"]) == texts[0], act
         prompt = torch.tensor([gpt2_tokenizer().encode("The cat")])
-        assert result["greedy"] == model.generate(prompt, 6, temperature=0, vocab_limit=GPT2_VOCAB)[0, 2:].tolist()
+        assert result["greedy"] == sample.generate(model, prompt, 6, temperature=0,
+                                                   vocab_limit=GPT2_VOCAB)[0, 2:].tolist()
 
 
 @pytest.mark.parametrize("activation", ["prelu", "gelu"])
