@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 from dataclasses import asdict, dataclass
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -33,24 +32,18 @@ import config
 import kv_cache
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
-from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from data.lookup import DataChangedError, check_resumed_data, training_data
 from data.shards import ShardError
 from kernels import attention_paths
 from kernels.attention_paths import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
-from run.checkpoint import (
-    CheckpointError,
-    link_tied,
-    load_checkpoint,
-    load_initial_weights,
-    model_checkpoint,
-    save_run_checkpoint,
-)
+from run.checkpoint import CheckpointError, Progress, link_tied, load_checkpoint, load_initial_weights
+from run.checkpoint import restore_training_state, save_run_checkpoint, training_checkpoint
 from run.directory import RunDirectory, RunInUseError, open_run_directory
-from run.log import RunLog, format_duration, next_steps
-from run.process import Runtime, peak_flops, setup_process
-from run.stop import StopRequest, non_finite_stop_message
+from run.log import RunLog, done_line, next_steps, step_line
+from run.process import Runtime, setup_process
+from run.stop import StopRequest, TrainingStopped, all_finite, non_finite_stop_message
 from timing import ProfileWindow, TrainingClock, summary_lines
 from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
 
@@ -460,25 +453,18 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
     return (total[0] / total[1]).item()
 
 
+def single_batch_start(step: int, hp: TrainConfig) -> int | None:
+    """The first validation sequence of the published runs' single-batch estimate at `step` (--val-batch-estimate,
+    docs/optimizers.md#paper-parity): the k-th global batch of the validation stream at the k-th multiple of
+    --val-every, cycling within the --val-tokens budget; None when no estimate is due."""
+    batches = hp.val_tokens // hp.batch_tokens  # whole --batch-tokens batches in the budget
+    if not (hp.val_batch_estimate and hp.val_every and batches and step and step % hp.val_every == 0):
+        return None
+    return (step // hp.val_every - 1) % batches * (hp.batch_tokens // hp.seq_len)
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # Training: setup_process → Trainer (build, restore, open the run, loop, finish).
-
-
-@dataclass
-class Progress:
-    """What a checkpoint records of where the run is and what it has measured (also each validation record)."""
-
-    step: int = 0
-    tokens: int = 0
-    train_time_s: float = 0.0
-    val_loss: float | None = None
-    val_step: int | None = None
-    best_val_loss_batch: float | None = None  # the least single-batch validation estimate (--val-batch-estimate)
-    reached_target: dict | None = None
-
-
-class TrainingStopped(SystemExit):
-    """A deliberate stop on every rank alike (non-finite state, a signal): the process group can be torn down."""
 
 
 class Trainer:
@@ -490,15 +476,9 @@ class Trainer:
         """Data (the validation data is checked here, before any step), model, optimizer, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
-        train_files, self.val_files, note = resolve_data_files(hp.train_files, hp.val_files, rt.is_master)
-        if note:
-            log.line(note)
-        validation_batches(self.val_files, hp.micro_batch, hp.seq_len, hp.val_tokens, vocab_size=cfg.model.vocab_size)
-        self.data_record = None
-        if rt.is_master:
-            self.data_record = describe_data({"train": hp.train_files, "val": hp.val_files},
-                                             {"train": train_files, "val": self.val_files})
-            log.line(data_summary(self.data_record))
+        train_files, self.val_files, self.data_record, lines = training_data(hp, cfg.model.vocab_size, rt.is_master)
+        for line in lines:
+            log.line(line)
         torch.manual_seed(hp.seed)
         self.model = GPT(cfg.model).to(rt.device)
         if hp.init_from and not hp.resume:
@@ -507,10 +487,9 @@ class Trainer:
         self.optimizer = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
         self.peak_settings = [{k: v for k, v in group.items() if k != "params"}  # each group's as built (lr: the peak)
                               for group in self.optimizer.param_groups]
-        self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank,
-                                             world_size=rt.world, grad_accum_steps=rt.grad_accum,
-                                             vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
-                                             device=rt.device)
+        self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank, world_size=rt.world,
+                                             grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
+                                             align_to_eot=hp.align_to_eot, device=rt.device)
         self.attention = attention_paths.configure(  # before torch.compile, which then sees one implementation
             self.model, hp.attention_impl, device=rt.device, dtype=rt.autocast_dtype,
             compiled=hp.compile and rt.device.type == "cuda", log=log.line)
@@ -524,47 +503,24 @@ class Trainer:
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
-        self.clock = TrainingClock(rt.device)  # also holds the last log step's record until its numbers arrive
+        # the training clock (MFU needs the device's peak) also holds the last log step's record until it is written
+        self.clock = TrainingClock(rt.device, rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = ProfileWindow(hp.profile_steps, rt.device)
         self.cudagraphs = False  # whether the compiled model replays CUDA graphs (--compile-mode)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
-    def checkpoint(self) -> dict | None:
-        """The checkpoint of this state on the master rank (None elsewhere); a collective for sharded optimizers."""
-        optimizer_state = self.optimizer.state_dict()
-        if not self.rt.is_master:
-            return None
-        return model_checkpoint(
-            self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
-            self.progress.step, asdict(self.progress), optimizer=optimizer_state, loader=self.loader.state_dict(),
-            rng={"torch": torch.get_rng_state()},
-            hooks={hook.name: state for hook in self.hooks if (state := hook.state_dict()) is not None})
-
     def restore(self) -> None:
-        """Continue from --resume: the inverse of `checkpoint`, except that the optimizer settings of the current
+        """Continue from --resume: the inverse of `save`, except that the optimizer settings of the current
         config (lr, weight decay, betas, ...) replace the saved ones, so flags given on --resume take effect."""
         path = self.cfg.resume_from
         for note in self.cfg.notes:
             self.log.line(note)
         ckpt = load_checkpoint(path, map_location=self.rt.device)
-        problem = None
-        if self.rt.is_master:
-            problem, warnings = data_changes(ckpt["config"]["data"], self.data_record)
-            for warning in warnings:
-                self.log.line(warning)
-        if all_reduce_sum(torch.tensor(float(problem is not None), device=self.rt.device)).item():
-            raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
-        self.model.load_state_dict(link_tied(ckpt)["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        for group, values in zip(self.optimizer.param_groups, self.peak_settings, strict=True):
-            group.update(values)
-        self.loader.load_state_dict(ckpt["loader"])
-        for hook in self.hooks:
-            if hook.name in ckpt["hooks"]:
-                hook.load_state_dict(ckpt["hooks"][hook.name], self.rt.device)
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        self.progress = Progress(**{k: v for k, v in ckpt["metrics"].items() if k in Progress.__dataclass_fields__})
+        for warning in check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device):
+            self.log.line(warning)
+        self.progress = restore_training_state(ckpt, self.model, self.optimizer, self.peak_settings, self.loader,
+                                               self.hooks, self.rt.device)
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
             raise CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
@@ -578,22 +534,20 @@ class Trainer:
     def state_is_finite(self) -> bool:
         """Whether parameters, optimizer state and the loss the parameters give on the last micro-batch are all
         finite on every rank (a collective): the condition for writing a checkpoint."""
-        tensors = [t for t in chain(self.model.parameters(), optimizer_state_tensors(self.optimizer))
-                   if t.is_floating_point()]
-        flags = [torch.isfinite(t).all() for t in tensors]
-        if self.last_batch is not None:
-            with torch.no_grad(), self.rt.autocast():
-                flags.append(torch.isfinite(self.model(*self.last_batch)[1]))
-        bad = (~torch.stack(flags).all()).to(torch.float64).reshape(1)
-        return all_reduce_sum(bad).item() == 0
+        with torch.no_grad(), self.rt.autocast():
+            loss = [] if self.last_batch is None else [self.model(*self.last_batch)[1]]
+        return all_finite([*self.model.parameters(), *optimizer_state_tensors(self.optimizer), *loss])
 
     def save(self) -> None:
         """checkpoints/latest.pt (and the last --keep-checkpoints step_XXXXXX.pt), only from a finite state."""
         if not self.state_is_finite():
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
-        ckpt = self.checkpoint()
-        if ckpt is not None:
-            save_run_checkpoint(self.run_dir.path, ckpt, self.cfg.train.keep_checkpoints)
+        optimizer_state = self.optimizer.state_dict()  # a collective for sharded optimizers
+        if self.rt.is_master:
+            saved_config = {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset}
+            save_run_checkpoint(self.run_dir.path, training_checkpoint(
+                self.model, saved_config, asdict(self.progress), optimizer_state, self.loader, self.hooks),
+                self.cfg.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
@@ -610,9 +564,7 @@ class Trainer:
     def open_run(self) -> None:
         """The run directory (open_run_directory), its config.json and the log's header."""
         cfg, rt = self.cfg, self.rt
-        layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum,
-                  "device": rt.device.type, "dtype": rt.dtype_name}  # what runs, whatever --device/--dtype said
-        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record,
+        record = {**cfg.to_dict(), "layout": rt.layout(), "data": self.data_record,
                   "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
         self.run_dir = open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
                                           cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
@@ -635,16 +587,11 @@ class Trainer:
         if rt.world > 1 and not self.spec.reduces_gradients:
             self.step_model = nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+        # an accumulating micro-step's backward pass averages nothing across ranks (DDP's no_sync, or the optimizer's)
+        self.no_sync = (self.optimizer.no_sync if self.spec.reduces_gradients
+                        else getattr(self.step_model, "no_sync", contextlib.nullcontext))
 
     # -- one step -------------------------------------------------------------------------------------------------
-
-    def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
-        """No gradient averaging across ranks in this backward pass (DDP's no_sync) when `accumulate`."""
-        if accumulate and self.spec.reduces_gradients:
-            return self.optimizer.no_sync()
-        if accumulate and isinstance(self.step_model, nn.parallel.DistributedDataParallel):
-            return self.step_model.no_sync()
-        return contextlib.nullcontext()
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor."""
@@ -659,7 +606,7 @@ class Trainer:
             x, y = self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step))
             if self.cudagraphs:  # the last replay's outputs (the loss, added below) are no longer read
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.accumulating(micro < rt.grad_accum - 1), rt.autocast():
+            with self.no_sync() if micro < rt.grad_accum - 1 else contextlib.nullcontext(), rt.autocast():
                 loss = self.step_model(x, y, biases)[1]
                 (loss / rt.grad_accum).backward()
             loss_sum += loss.detach()
@@ -688,12 +635,8 @@ class Trainer:
         progress.val_loss, progress.val_step = run_eval(hp.val_tokens), progress.step
         self.first_val = self.first_val or (progress.step, progress.val_loss)
         estimate = None
-        batches = hp.val_tokens // hp.batch_tokens  # whole --batch-tokens batches in the budget
-        if hp.val_batch_estimate and hp.val_every and batches and progress.step and not progress.step % hp.val_every:
-            # docs/optimizers.md#paper-parity: the k-th global batch of the validation stream at the k-th multiple
-            # of --val-every, cycling within the budget
-            index = (progress.step // hp.val_every - 1) % batches
-            estimate = run_eval(hp.batch_tokens, first_sequence=index * (hp.batch_tokens // hp.seq_len))
+        if (first_sequence := single_batch_start(progress.step, hp)) is not None:
+            estimate = run_eval(hp.batch_tokens, first_sequence=first_sequence)
             progress.best_val_loss_batch = min(estimate, progress.best_val_loss_batch or math.inf)
         self.log.line(f"step {progress.step}/{hp.steps} | val loss {progress.val_loss:.4f} | train time "
                       f"{progress.train_time_s:.1f}s" + (f" | single-batch val loss {estimate:.4f} (least "
@@ -701,10 +644,8 @@ class Trainer:
         self.log.record({**asdict(progress), "elapsed_s": progress.train_time_s, "val_loss_batch": estimate})
         if not math.isfinite(progress.val_loss):
             self.stop_non_finite("the validation loss")
-        if not hp.target_val_loss or progress.reached_target is not None or progress.val_loss > hp.target_val_loss:
+        if not progress.reaches(hp.target_val_loss):
             return False
-        progress.reached_target = {"step": progress.step, "train_time_s": progress.train_time_s,
-                                   "tokens": progress.tokens, "val_loss": progress.val_loss}
         self.log.line(f"target val loss {hp.target_val_loss} reached at step {progress.step} after "
                       f"{progress.train_time_s:.1f}s of training ({progress.tokens:,} tokens)")
         return True
@@ -727,21 +668,15 @@ class Trainer:
     def write_log(self) -> None:
         """The held log line and record, once its numbers are on the host: loss, lr, ms per step, tokens/s and MFU
         since the last one, by the training clock (which excludes validation, logs and checkpoints)."""
-        ready = self.clock.ready()
-        if ready is None:
+        if (ready := self.clock.ready()) is None:
             return
-        (record, (loss, *grad_norm)), hp = ready, self.cfg.train
-        texts = [f"grad norm {grad_norm[0]:.3f}" for _ in grad_norm] + record.pop("texts")
+        record, (loss, *grad_norm) = ready
+        texts = record.pop("texts")
         record.update(train_loss=loss, **dict(zip(["grad_norm"], grad_norm)))
         if not math.isfinite(loss):
             self.stop_non_finite(f"the training loss ({loss})", record["step"])
-        record["mfu"] = self.mfu_per_token_s * record["tokens_per_s"] if self.mfu_per_token_s else None
         self.log.record(record)
-        eta = (hp.steps - record["step"]) * record["step_ms"] / 1e3
-        self.log.line(" | ".join([f"step {record['step']}/{hp.steps}", f"loss {loss:.4f}", f"lr {record['lr']:.2e}",
-                                  *texts, f"{record['step_ms']:.2f} ms/step", f"{record['tokens_per_s']:,.0f} tok/s"]
-                                 + ([f"mfu {100 * record['mfu']:.1f}%"] if record["mfu"] else [])
-                                 + [f"{record['train_time_s']:.1f}s", f"eta {format_duration(eta)}"]))
+        self.log.line(step_line(record, texts, self.cfg.train.steps))
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -760,9 +695,6 @@ class Trainer:
         log steps nothing waits for the device: a log step's line is written after the next step is issued."""
         hp, progress = self.cfg.train, self.progress
         first = progress.step
-        peak = peak_flops(self.rt.device)
-        self.mfu_per_token_s = (self.model.estimate_flops_per_token(hp.seq_len) / (peak * self.rt.world) if peak
-                                else None)
         self.clock.start(progress.train_time_s, progress.step, progress.tokens)
         while progress.step < hp.steps:
             if hp.val_every and progress.step % hp.val_every == 0 and progress.val_step != progress.step:
@@ -814,12 +746,7 @@ class Trainer:
             self.validate()
         summary = {**asdict(progress), "run_dir": str(self.run_dir.path),
                    "tokens_per_s": progress.tokens / progress.train_time_s if progress.train_time_s else None}
-        first = self.first_val
-        start = f"{first[1]:.4f} at step {first[0]} -> " if first and first[0] != progress.step else ""
-        val = f"val loss {start}{progress.val_loss:.4f} at step {progress.val_step}, " if final else ""
-        self.log.line(f"done: {progress.step} steps, {val}{progress.train_time_s:.1f}s of training"
-                      + (f", target reached at step {progress.reached_target['step']}"
-                         if progress.reached_target else ""))
+        self.log.line(done_line(summary, self.first_val, final))
         self.log.record({"summary": True, **summary})
         self.log.line(next_steps(self.run_dir.path))
         return summary

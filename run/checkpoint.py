@@ -7,6 +7,7 @@ layouts, so every reader sees v2. Importing this module has no side effects.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -225,6 +226,54 @@ def model_checkpoint(model: nn.Module, config: dict, step: int, metrics: dict, *
     state, tied = checkpoint_model_state(model)
     return {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": state, "tied": tied,
             "metrics": metrics, **training_state}
+
+
+@dataclasses.dataclass
+class Progress:
+    """A checkpoint's "metrics": where the run is and what it has measured (also each validation record)."""
+
+    step: int = 0
+    tokens: int = 0
+    train_time_s: float = 0.0
+    val_loss: float | None = None
+    val_step: int | None = None
+    best_val_loss_batch: float | None = None  # the least single-batch validation estimate (--val-batch-estimate)
+    reached_target: dict | None = None
+
+    def reaches(self, target: float) -> bool:
+        """Whether the last validation loss reaches --target-val-loss `target` (0: off) for the first time; then
+        `reached_target` records when."""
+        if not target or self.reached_target is not None or self.val_loss > target:
+            return False
+        self.reached_target = {"step": self.step, "train_time_s": self.train_time_s, "tokens": self.tokens,
+                               "val_loss": self.val_loss}
+        return True
+
+
+def training_checkpoint(model: nn.Module, config: dict, metrics: dict, optimizer_state: dict, loader, hooks: list
+                        ) -> dict:
+    """A checkpoint to resume from at metrics["step"]: model_checkpoint with the training state, the optimizer's
+    (`optimizer_state`, gathered by the caller), the loader's position, the torch RNG and each hook's state by name."""
+    return model_checkpoint(model, config, metrics["step"], metrics, optimizer=optimizer_state,
+                            loader=loader.state_dict(), rng={"torch": torch.get_rng_state()},
+                            hooks={hook.name: state for hook in hooks if (state := hook.state_dict()) is not None})
+
+
+def restore_training_state(ckpt: dict, model: nn.Module, optimizer, settings: list[dict], loader, hooks: list,
+                           device: torch.device) -> Progress:
+    """The inverse of training_checkpoint, except that `settings` (each parameter group's hyperparameters as this
+    run built them: the flags given on --resume) replace the saved groups' settings; returns the run's Progress."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for group, values in zip(optimizer.param_groups, settings, strict=True):
+        group.update(values)
+    loader.load_state_dict(ckpt["loader"])
+    for hook in hooks:
+        if hook.name in ckpt["hooks"]:
+            hook.load_state_dict(ckpt["hooks"][hook.name], device)
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    fields = {f.name for f in dataclasses.fields(Progress)}
+    return Progress(**{k: v for k, v in ckpt["metrics"].items() if k in fields})
 
 
 def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:

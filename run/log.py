@@ -186,6 +186,27 @@ class RunLog:
         self.trackers = []
 
 
+def step_line(record: dict, texts: list[str], steps: int) -> str:
+    """The printed line of a log step's record (timing.TrainingClock.ready's): step, loss, lr, the gradient norm
+    and the hooks' `texts`, speed, MFU, training time and the time left for `steps` at this speed."""
+    grad_norm = [f"grad norm {record['grad_norm']:.3f}"] if "grad_norm" in record else []
+    eta = (steps - record["step"]) * record["step_ms"] / 1e3
+    return " | ".join([f"step {record['step']}/{steps}", f"loss {record['train_loss']:.4f}", f"lr {record['lr']:.2e}",
+                       *grad_norm, *texts, f"{record['step_ms']:.2f} ms/step", f"{record['tokens_per_s']:,.0f} tok/s"]
+                      + ([f"mfu {100 * record['mfu']:.1f}%"] if record["mfu"] else [])
+                      + [f"{record['train_time_s']:.1f}s", f"eta {format_duration(eta)}"])
+
+
+def done_line(summary: dict, first_val: tuple[int, float] | None, final: bool) -> str:
+    """The line a run ends with: steps, the validation loss from the first measured to the last (final runs),
+    training time, and the step that reached --target-val-loss."""
+    start = f"{first_val[1]:.4f} at step {first_val[0]} -> " if first_val and first_val[0] != summary["step"] else ""
+    val = f"val loss {start}{summary['val_loss']:.4f} at step {summary['val_step']}, " if final else ""
+    target = summary["reached_target"]
+    return (f"done: {summary['step']} steps, {val}{summary['train_time_s']:.1f}s of training"
+            + (f", target reached at step {target['step']}" if target else ""))
+
+
 def next_steps(run_dir: Path) -> str:
     """The lines a finished run ends with: where it is and the three commands a user runs next."""
     run = shlex.quote(str(run_dir))

@@ -71,6 +71,16 @@ class Runtime:
         """The precision the model computes in: bf16 (autocast) or fp32 (a CPU run, whatever --dtype says)."""
         return "bf16" if self.autocast_dtype == torch.bfloat16 else "fp32"
 
+    def layout(self) -> dict:
+        """config.json's "layout": what runs, whatever --device and --dtype asked for."""
+        return {"world_size": self.world, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                "device": self.device.type, "dtype": self.dtype_name}
+
+    def mfu_per_token_s(self, flops_per_token: float) -> float | None:
+        """The model FLOPs utilisation of one training token per second on all ranks (None: the peak is unknown)."""
+        peak = peak_flops(self.device)
+        return flops_per_token / (peak * self.world) if peak else None
+
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -1,5 +1,6 @@
-"""How a run stops: a stop request (SIGINT/SIGTERM) every rank agrees on, and what a run that met a non-finite
-number says it leaves and what to do. Importing this module has no side effects."""
+"""How a run stops: a stop request (SIGINT/SIGTERM) every rank agrees on, the finiteness check of the state a
+checkpoint would save, and what a run that met a non-finite number says it leaves and what to do. Importing this
+module has no side effects."""
 from __future__ import annotations
 
 import contextlib
@@ -17,6 +18,19 @@ from run.checkpoint import run_checkpoints, run_dir_of, step_of
 # Flags changed on --resume in the direction the non-finite stop advises: lower, longer, clipped (or clipped harder).
 SAFER_ON_RESUME = {"optim.lr": lambda old, new: new < old, "train.warmup_steps": lambda old, new: new > old,
                    "train.grad_clip": lambda old, new: 0 < new < (old or math.inf)}
+
+
+class TrainingStopped(SystemExit):
+    """A deliberate stop on every rank alike (non-finite state, a signal): the process group can be torn down."""
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every floating-point tensor is finite on every rank (a collective under torchrun; one host sync)."""
+    finite = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
+    bad = (~torch.stack(finite).all()).to(torch.float64).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return bad.item() == 0
 
 
 def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: int | None, resumed: dict | None,

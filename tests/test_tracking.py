@@ -15,6 +15,7 @@ import torch
 
 import train_gpt
 from data.shards import write_shard
+from run.checkpoint import Progress
 from run.log import RunLog, read_log
 
 VOCAB = 64
@@ -142,9 +143,9 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     cfg = train_gpt.parse_config([*args, "--wandb-project", "p"])
     log = RunLog(is_master=False)
     rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2, device=torch.device("cpu"),
-                               dtype_name="fp32")
+                               dtype_name="fp32", layout=dict)
     trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
-                                    data_record=None, run_dir=None, resumed=None, progress=train_gpt.Progress(),
+                                    data_record=None, run_dir=None, resumed=None, progress=Progress(),
                                     attention=None)
     train_gpt.Trainer.open_run(trainer)
     log.record({"step": 1, "train_loss": 1.0})

@@ -20,6 +20,7 @@ import torch
 import config
 import train_gpt
 from cli import option
+from data import lookup
 from data.lookup import resolve_data_files
 from eval import report, val_loss
 from run.checkpoint import load_checkpoint, run_dir_of
@@ -338,12 +339,12 @@ def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_
 
 
 def test_errors_and_notes_reach_log_txt(corpus, tmp_path, monkeypatch):
-    real = train_gpt.resolve_data_files
+    real = lookup.resolve_data_files
 
     def noted(train_files, val_files, is_master):
         return (*real(train_files, val_files, is_master)[:2], "a note about the data")
 
-    monkeypatch.setattr(train_gpt, "resolve_data_files", noted)
+    monkeypatch.setattr(lookup, "resolve_data_files", noted)
     train_gpt.main(tiny_args(corpus, tmp_path, "noted", steps=1, **{"val-every": 0}))
     text = (tmp_path / "noted" / "log.txt").read_text()
     assert "a note about the data" in text.split("=" * 100)[-1]  # after the code, with the printed lines
