@@ -3,6 +3,7 @@
 request, the lock a run or grid directory holds, atomic writes."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,10 +21,13 @@ from run.checkpoint import (
     CHECKPOINT_FORMAT,
     CONFIG_ENTRIES,
     CheckpointError,
+    Progress,
     load_checkpoint,
     model_checkpoint,
+    restore_training_state,
     save_checkpoint,
     tensor_checksum,
+    training_checkpoint,
     upgrade_v1,
 )
 from run.log import format_duration, read_log, record_numbers
@@ -136,6 +140,58 @@ def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
     again = train_gpt.model_from_checkpoint(old)
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+
+
+class Stateful:
+    """A loader or a hook as the checkpoint sees them: a name, a state_dict, a load_state_dict."""
+
+    name = "probe"
+
+    def __init__(self, state: dict | None) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict | None:
+        return self.state
+
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        self.state = state
+
+
+def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings(tmp_path):
+    """What a resumed run continues from: weights, optimizer state, loader position, hook state, RNG and Progress
+    as saved; the optimizer's hyperparameters as this run built them (flags given on --resume take effect)."""
+    def build(seed: int, lr: float):
+        torch.manual_seed(seed)
+        model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    model, opt = build(0, 1e-2)
+    model(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))[1].backward()
+    opt.step()
+    progress = Progress(step=3, tokens=96, train_time_s=1.5, val_loss=4.0, val_step=2)
+    rng = torch.get_rng_state()
+    ckpt = training_checkpoint(model, {key: {} for key in CONFIG_ENTRIES}, dataclasses.asdict(progress),
+                               opt.state_dict(), Stateful({"position": 7}), [Stateful({"mode": "correct"})])
+    save_checkpoint(tmp_path / "a.pt", ckpt)
+    torch.rand(5)  # the RNG moves on; restoring puts it back
+    fresh, fresh_opt = build(1, 5e-4)
+    loader, hook = Stateful(None), Stateful(None)
+    restored = restore_training_state(load_checkpoint(tmp_path / "a.pt"), fresh, fresh_opt,
+                                      [{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups],
+                                      loader, [hook], torch.device("cpu"))
+    assert restored == progress and loader.state == {"position": 7} and hook.state == {"mode": "correct"}
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert fresh_opt.param_groups[0]["lr"] == 5e-4 and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_target_is_reached_once_at_the_first_validation_at_or_below_it():
+    progress = Progress(step=10, tokens=40, train_time_s=2.0, val_loss=3.5)
+    assert not progress.reaches(0.0) and not progress.reaches(3.4)  # off; not yet
+    assert progress.reaches(3.5) and progress.reached_target == {"step": 10, "train_time_s": 2.0, "tokens": 40,
+                                                                 "val_loss": 3.5}
+    progress.step, progress.val_loss = 20, 3.0
+    assert not progress.reaches(3.5) and progress.reached_target["step"] == 10  # the first time only
 
 
 def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_path):
