@@ -11,8 +11,8 @@ element's index among all the model's parameters, so the bits do not depend on h
 out, and a resumed run draws the same bits.
 
 `moments_reference` is the same step in torch ops and the optimizer's own path wherever the kernel does not run
-(CPU, float64, --no-fused): one implementation of the formula in Triton and one in torch ops;
-tests/test_soap_kernels.py shows they agree.
+(CPU, float64, --no-fused), and the AdamW part of Muon's: one implementation of the formula in Triton and one in
+torch ops; tests/test_soap_kernels.py shows they agree.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bf16 import as_kernel_arg, bf16_bits, load_fp32, nearest_even_bits
+from kernels.bf16 import as_kernel_arg, bf16_bits, load_fp32, nearest_even_bits, widened
 from kernels.ecd import ALIGN, BLOCK, BlockTable
 
 
@@ -80,11 +80,8 @@ def moments_reference(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torc
     the kernel does not run (docs/optimizers.md#soap)."""
     compute = torch.promote_types(g.dtype, torch.float32)
     g = g.to(compute)
-    m_c, v_c = m.to(compute), v.to(compute)
-    m_c.mul_(beta1).add_(g, alpha=1 - beta1)
-    v_c.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    torch.sqrt(v_c, out=d).add_(eps)
-    torch.div(m_c, d, out=d)
-    if m_c is not m:
-        m.copy_(m_c)
-        v.copy_(v_c)
+    with widened((m, v), compute) as (m_c, v_c):
+        m_c.mul_(beta1).add_(g, alpha=1 - beta1)
+        v_c.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        torch.sqrt(v_c, out=d).add_(eps)
+        torch.div(m_c, d, out=d)
