@@ -4,12 +4,9 @@ in Triton's CPU interpreter, which has no bf16 (docs/optimizers.md).
 Reading widens exactly; writing rounds fp32 to bf16 either stochastically (add 16 random low bits, then truncate:
 unbiased, so updates far below a bf16 ulp are not lost on average) or to nearest-even. The random bits come from
 `tl.randint(seed, offset)`, keyed by the caller so that a resumed run draws the same bits. The optimizers' torch
-paths widen such state with `widened` and round it back to nearest.
+paths compute in fp32 and round back to nearest (`copy_back`).
 """
 from __future__ import annotations
-
-import contextlib
-from typing import Iterable, Iterator
 
 import torch
 import triton
@@ -54,12 +51,8 @@ def as_kernel_arg(state: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (state.view(torch.int16), True) if state.dtype == torch.bfloat16 else (state, False)
 
 
-@contextlib.contextmanager
-def widened(states: Iterable[torch.Tensor], dtype: torch.dtype) -> Iterator[list[torch.Tensor]]:
-    """State tensors in `dtype` for an update in torch ops, copied back (rounded to nearest) where stored narrower."""
-    states = list(states)
-    wide = [state.to(dtype) for state in states]
-    yield wide
+def copy_back(states: list[torch.Tensor], wide: list[torch.Tensor]) -> None:
+    """Write state updated in torch ops in a wider dtype (`state.to(dtype)`) back where it is stored narrower."""
     for state, value in zip(states, wide):
         if value is not state:
             state.copy_(value)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bf16 import as_kernel_arg, bf16_bits, load_fp32, nearest_even_bits, widened
+from kernels.bf16 import as_kernel_arg, bf16_bits, copy_back, load_fp32, nearest_even_bits
 from kernels.ecd import ALIGN, BLOCK, BlockTable
 
 
@@ -80,8 +80,9 @@ def moments_reference(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torc
     the kernel does not run (docs/optimizers.md#soap)."""
     compute = torch.promote_types(g.dtype, torch.float32)
     g = g.to(compute)
-    with widened((m, v), compute) as (m_c, v_c):
-        m_c.mul_(beta1).add_(g, alpha=1 - beta1)
-        v_c.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        torch.sqrt(v_c, out=d).add_(eps)
-        torch.div(m_c, d, out=d)
+    m_c, v_c = m.to(compute), v.to(compute)
+    m_c.mul_(beta1).add_(g, alpha=1 - beta1)
+    v_c.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    torch.sqrt(v_c, out=d).add_(eps)
+    torch.div(m_c, d, out=d)
+    copy_back([m, v], [m_c, v_c])

@@ -7,6 +7,7 @@ import dataclasses
 import functools
 from typing import Callable, Mapping
 
+import torch
 from torch import Tensor
 
 from cli import option, value_problem
@@ -21,20 +22,39 @@ class OptimizerInterface:
     grad_clip: float = 0.0
     grad_norm: Tensor | None = None
 
+    def first_moment_of(self, index: int) -> tuple[str, bool] | None:
+        """(state key of parameter `index`'s first moment, whether the step moves along it), or None (SOAP's)."""
+        return None
+
     def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
-        """The state that moves like the parameters' increments, by parameter name (none: SOAP's live in Shampoo's
-        eigenbasis); steering_only: the part the step moves along (a momentum, not Adam's m). Read-only; a
-        collective for sharded optimizers."""
-        return {}
+        """The state that moves like the parameters' increments, by parameter name; steering_only: the part the step
+        moves along (a momentum, not Adam's m). Read-only; sharded optimizers gather it (a collective)."""
+        names, params = parameter_names(self.param_groups), [p for g in self.param_groups for p in g["params"]]
+        held = {names[i]: self.state.get(params[i], {}).get(key) for i, key in self.moment_keys(steering_only).items()}
+        return {name: value for name, value in held.items() if torch.is_tensor(value)}
 
     def set_first_moments(self, moments: Mapping[str, Tensor]) -> None:
         """Replace first moments by parameter name, with tensors shaped as `first_moments` returned them."""
-        if moments:
-            raise ValueError(f"{type(self).__name__} keeps no first moment in the parameters' coordinates")
+        params = [p for g in self.param_groups for p in g["params"]]
+        for name, value in moments.items():
+            index, key = self.moment_key(name)
+            self.state[params[index]][key].copy_(value)
+
+    def moment_keys(self, steering_only: bool = False) -> dict[int, str]:
+        """{parameter index: state key} of the first moments that `first_moments` returns."""
+        count = sum(len(group["params"]) for group in self.param_groups)
+        moments = {i: moment for i in range(count) if (moment := self.first_moment_of(i))}
+        return {i: key for i, (key, steers) in moments.items() if steers or not steering_only}
+
+    def moment_key(self, name: str) -> tuple[int, str]:
+        """(index, state key) of parameter `name`'s first moment; ValueError where it has none."""
+        index, keys = parameter_names(self.param_groups).index(name), self.moment_keys()
+        if index not in keys:
+            raise ValueError(f"{type(self).__name__} keeps no first moment of {name} in the parameters' coordinates")
+        return index, keys[index]
 
     def velocity(self) -> dict[str, Tensor] | None:
-        """The direction of motion by parameter name, at any positive scale; None where the optimizer defines none
-        (`saved_velocity` of the current state)."""
+        """The direction of motion by parameter name (any positive scale), None where none is defined."""
         return self.saved_velocity(self.state_dict())
 
     @classmethod
@@ -52,8 +72,7 @@ def parameter_names(param_groups: list[dict]) -> list[str]:
 
 
 def per_parameter(state_dict: Mapping, direction: Callable[[Mapping, Mapping], Tensor | None]) -> dict[str, Tensor]:
-    """{name: direction(state, group)} over the parameters of a state dict in torch's layout whose groups carry
-    "names" (None: left out)."""
+    """{name: direction(state, group)} over a state dict whose groups carry "names" (None: left out)."""
     out = {}
     for group in state_dict["param_groups"]:
         if "names" not in group:
@@ -66,8 +85,8 @@ def per_parameter(state_dict: Mapping, direction: Callable[[Mapping, Mapping], T
 
 
 def check_arguments(config: type, values: Mapping[str, object]) -> None:
-    """Raise ValueError for the first of `values` outside its flag's declared range or choices, in the words of the
-    command line's check (cli.value_problem): a constructor's check, from the metadata its config's fields declare."""
+    """A constructor's check: ValueError for the first of `values` outside its flag's declared range or choices, in
+    the command line's words (cli.value_problem)."""
     for field in dataclasses.fields(config):
         if field.name not in values:
             continue
@@ -87,6 +106,5 @@ def adam_scale(beta1: float, beta2: float, eps: float, step) -> tuple[object, ob
 
 
 def mixed_seed(*parts: int, bits: int = 63) -> int:
-    """One seed from (seed, step, stream, ...): ((p0·P + p1)·P + p2)… mod 2^bits with P = 1,000,003, so that
-    different parts give unrelated random streams."""
+    """One seed of a random stream from (seed, step, stream, ...): ((p0·P + p1)·P + p2)… mod 2^bits, P = 1,000,003."""
     return functools.reduce(lambda acc, part: acc * 1_000_003 + part, parts) % (1 << bits)

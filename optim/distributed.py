@@ -296,7 +296,8 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     `layout_key(index)` orders each rank's tensors in the tensor regions (`Region`): optimizers that batch
     same-shaped matrices (SOAP, Muon) key them by shape. `Region.runs` cuts a chunk into runs of equal key.
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
-    has no such state), name each parameter's first moment in it (`first_moment_of`) and may override
+    has no such state), name each parameter's first moment in it (`first_moment_of`; the base gathers and
+    scatters it) and may override
     `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's Kronecker factors) and `_global_state` /
     `_load_global_state` for optimizer-wide scalars beyond `calls` (the number of completed steps, which the base
     saves and restores). `decoupled_step` applies a direction with the group's learning rate and weight decay.
@@ -380,30 +381,31 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
             theta.mul_(decay)
         theta.add_(direction, alpha=alpha)
 
-    def first_moment_of(self, index: int) -> tuple[str, bool] | None:
-        """(flat state holding parameter `index`'s first moment, whether it steers), or None (`first_moments`)."""
-        return None
-
     @torch.no_grad()
-    def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
+    def gathered(self, name: str, indices: set[int] | None = None) -> dict[int, Tensor]:
+        """Full tensors of flat state `name` by parameter index (those in `indices`, else every one that has it),
+        views into gathered buffers: a collective."""
         out = {}
-        for j, region in enumerate(self.regions):
-            wanted = {i: moment[0] for i in region.indices
-                      if (moment := self.first_moment_of(i)) and (moment[1] or not steering_only)}
-            for name in sorted(set(wanted.values())):  # the same order on every rank: gather is a collective
-                full = region.gather(self.flat_state[name][j])
-                for i in (i for i, held in wanted.items() if held == name):
-                    out[self.names[i]] = region.full_view(full, i, self.params_in_order[i].shape)
+        for region, buf in zip(self.regions, self.flat_state[name]):
+            wanted = [i for i in region.indices if indices is None or i in indices]
+            if buf is not None and wanted:
+                full = region.gather(buf)
+                out.update({i: region.full_view(full, i, self.params_in_order[i].shape) for i in wanted})
+        return out
+
+    def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
+        keys, out = self.moment_keys(steering_only), {}
+        for key in sorted(set(keys.values())):  # the same order on every rank: gathering is a collective
+            held = self.gathered(key, {i for i, name in keys.items() if name == key})
+            out.update({self.names[i]: value for i, value in held.items()})
         return out
 
     @torch.no_grad()
     def set_first_moments(self, moments: Mapping[str, Tensor]) -> None:
-        index = {name: i for i, name in enumerate(self.names)}
         for name, value in moments.items():
-            region, moment = self.region_of[index[name]], self.first_moment_of(index[name])
-            if moment is None:
-                raise ValueError(f"{type(self).__name__} keeps no first moment of {name} in its coordinates")
-            region.scatter(self.flat_state[moment[0]][self.regions.index(region)], index[name], value)
+            index, key = self.moment_key(name)
+            region = self.region_of[index]
+            region.scatter(self.flat_state[key][self.regions.index(region)], index, value)
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -426,13 +428,9 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     @torch.no_grad()
     def state_dict(self) -> dict:
         state: dict[int, dict] = {i: {} for i in range(len(self.params_in_order))}
-        for name, buffers in self.flat_state.items():
-            for region, buf in zip(self.regions, buffers):
-                if buf is None:
-                    continue
-                full = region.gather(buf)
-                for i in region.indices:
-                    state[i][name] = region.full_view(full, i, self.params_in_order[i].shape).clone()
+        for name in self.flat_state:
+            for i, value in self.gathered(name).items():
+                state[i][name] = value.clone()
         for i in range(len(self.params_in_order)):
             state[i].update(self._tensor_state(i))
         groups, start = [], 0

@@ -287,13 +287,7 @@ class ECD(ShardedOptimizer):
         """u = Π/‖Π‖_global restricted to each parameter, full tensors keyed by parameter name (collective; §6),
         without folding the pending scale into the stored Π."""
         inv_norm = self._stored_norm2().clamp_min(1e-300).rsqrt()
-        out = {}
-        for region, buf in zip(self.regions, self.flat_state["pi"]):
-            full = region.gather(buf)
-            for i in region.indices:
-                view = region.full_view(full, i, self.params_in_order[i].shape)
-                out[self.names[i]] = (view.double() * inv_norm).to(view.dtype)
-        return out
+        return {self.names[i]: (pi.double() * inv_norm).to(pi.dtype) for i, pi in self.gathered("pi").items()}
 
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:

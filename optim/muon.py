@@ -125,7 +125,7 @@ class Muon(ShardedOptimizer):
                                     else torch.promote_types(r.params.dtype, torch.float32)) for r in self.regions]
         from kernels import bf16, soap  # Triton: imported when an optimizer is built, not with this module
 
-        self.widened, self.adam_moments = bf16.widened, soap.moments_reference
+        self.copy_back, self.adam_moments = bf16.copy_back, soap.moments_reference
 
     def blocks_of(self, index: int) -> int:
         """The fused QKV matrix (3C×C) is orthogonalised as three C×C blocks; other matrices whole."""
@@ -158,10 +158,10 @@ class Muon(ShardedOptimizer):
 
     def _muon(self, j: int, region, g: Tensor, buf_state: Tensor) -> None:
         compute = torch.promote_types(g.dtype, torch.float32)
-        g, update = g.to(compute), self.scratch[j]  # update: the Nesterov update, in bf16: Newton–Schulz's input
-        with self.widened([buf_state], compute) as (buf,):
-            buf.lerp_(g, 1 - self.momentum)
-            torch.lerp(g, buf, self.momentum, out=update) if self.nesterov else update.copy_(buf)
+        buf, g, update = buf_state.to(compute), g.to(compute), self.scratch[j]  # update: Newton–Schulz's bf16 input
+        buf.lerp_(g, 1 - self.momentum)
+        torch.lerp(g, buf, self.momentum, out=update) if self.nesterov else update.copy_(buf)
+        self.copy_back([buf_state], [buf])
         theta = region.local_params
         for run in self.runs[j]:  # adjacent matrices of one shape: views, no copies
             group, rows, cols = run.key

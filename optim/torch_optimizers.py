@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from cli import flag
-from optim.base import OptimizerInterface, adam_scale, check_arguments, mixed_seed, parameter_names, per_parameter
+from optim.base import OptimizerInterface, adam_scale, check_arguments, mixed_seed, per_parameter
 from optim.registry import OptimizerConfig, OptimizerSpec
 
 
@@ -55,11 +55,7 @@ def _implementation(params: list, fused: bool) -> dict:
 
 
 class TorchOptimizer(OptimizerInterface):
-    """For torch.optim subclasses: step() clips the gradient norm (as the sharded optimizers do after averaging);
-    the first moment is state `first_moment`, a momentum the step moves along when `steers`."""
-
-    first_moment: str
-    steers: bool
+    """For torch.optim subclasses: step() clips the gradient norm, as the sharded optimizers do after averaging."""
 
     def step(self, closure=None):
         if self.grad_clip > 0:
@@ -67,25 +63,9 @@ class TorchOptimizer(OptimizerInterface):
             self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
         return super().step(closure)
 
-    def _named_params(self) -> dict[str, Tensor]:
-        return dict(zip(parameter_names(self.param_groups), (p for g in self.param_groups for p in g["params"])))
-
-    def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
-        if steering_only and not self.steers:
-            return {}
-        states = {name: self.state.get(p, {}).get(self.first_moment) for name, p in self._named_params().items()}
-        return {name: value for name, value in states.items() if torch.is_tensor(value)}
-
-    def set_first_moments(self, moments: Mapping[str, Tensor]) -> None:
-        params = self._named_params()
-        for name, value in moments.items():
-            self.state[params[name]][self.first_moment].copy_(value)
-
 
 class AdamW(TorchOptimizer, torch.optim.AdamW):
     """torch.optim.AdamW taking AdamWConfig's fields."""
-
-    first_moment, steers = "exp_avg", False
 
     def __init__(self, params: list[dict], lr: float = AdamWConfig.lr, weight_decay: float = AdamWConfig.weight_decay,
                  beta1: float = AdamWConfig.beta1, beta2: float = AdamWConfig.beta2, eps: float = AdamWConfig.eps,
@@ -94,6 +74,9 @@ class AdamW(TorchOptimizer, torch.optim.AdamW):
         params = list(params)
         super().__init__(params, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
                          **_implementation(params, fused))
+
+    def first_moment_of(self, index: int) -> tuple[str, bool]:
+        return "exp_avg", False  # the step divides it by √v
 
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
@@ -111,8 +94,6 @@ class SGDM(TorchOptimizer, torch.optim.SGD):
     momentum buffer starts at N(0, std²), drawn on the CPU from (optim_seed, the parameter's index), so every rank
     and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers."""
 
-    first_moment, steers = "momentum_buffer", True
-
     def __init__(self, params: list[dict], lr: float = SGDMConfig.lr, weight_decay: float = SGDMConfig.weight_decay,
                  momentum: float = SGDMConfig.momentum, nesterov: bool = SGDMConfig.nesterov,
                  initial_velocity_std: float = SGDMConfig.initial_velocity_std, optim_seed: int = SGDMConfig.optim_seed,
@@ -127,6 +108,9 @@ class SGDM(TorchOptimizer, torch.optim.SGD):
                 gen = torch.Generator().manual_seed(mixed_seed(optim_seed, index))
                 velocity = torch.randn(p.shape, generator=gen, dtype=torch.float32) * initial_velocity_std
                 self.state[p]["momentum_buffer"] = velocity.to(p.device, p.dtype)
+
+    def first_moment_of(self, index: int) -> tuple[str, bool]:
+        return "momentum_buffer", True
 
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
