@@ -681,12 +681,11 @@ class Trainer:
             loss_sum += loss.detach()
         self.last_batch = (x, y, biases)
         loss = loss_sum / rt.grad_accum
-        for hook in self.hooks:
-            hook.before_step(self.model)
+        snapshots = [hook.snapshot(self.model) for hook in self.hooks]
         for opt in self.optimizers:  # each clips the gradient norm to --grad-clip itself (after averaging it)
             opt.step(loss) if self.spec.needs_loss else opt.step()
-        for hook in self.hooks:
-            hook.after_step(self.model, self.optimizers, progress.step + 1, factor)
+        for hook, before in zip(self.hooks, snapshots):
+            hook.after_step(self.model, self.optimizers, before, progress.step + 1, factor)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
         progress.step += 1
