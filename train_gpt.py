@@ -612,12 +612,11 @@ class Trainer:
             loss_sum += loss.detach()
         self.last_batch = (x, y, biases)
         loss = loss_sum / rt.grad_accum
-        for hook in self.hooks:
-            hook.before_step(self.model)
+        befores = [hook.snapshot(self.model) for hook in self.hooks]
         # the optimizer clips the gradient norm to --grad-clip itself (after averaging it)
         self.optimizer.step(loss) if self.spec.needs_loss else self.optimizer.step()
-        for hook in self.hooks:
-            hook.after_step(self.model, self.optimizer, progress.step + 1, factor)
+        for hook, before in zip(self.hooks, befores):
+            hook.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
         self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens

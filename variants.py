@@ -18,9 +18,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from cli import flag
-from gauge.dynamics import VELOCITY_OPTIMIZERS, dynamics_summary, velocity_from_optimizers
+from gauge.dynamics import defines_velocity, dynamics_summary, velocity_from_optimizers
 from gauge.sensitivity import training_summary
 from gauge.updates import GAUGE_MODES, GaugeUpdates
+from optim import OPTIMIZERS
 
 
 @dataclass
@@ -211,11 +212,14 @@ class TrainingHook:
 
     name = ""
 
-    def before_step(self, model: nn.Module) -> None:
-        """Before the optimizer steps (the gradients are ready)."""
+    def snapshot(self, model: nn.Module) -> object:
+        """Before the optimizer steps (the gradients are ready): what `after_step` needs of the model as it was."""
+        return None
 
-    def after_step(self, model: nn.Module, optimizer: Optimizer, step: int, lr_factor: float) -> None:
-        """After the optimizer stepped to `step` (counted from 1); lr_factor: the schedule's factor."""
+    def after_step(self, model: nn.Module, optimizer: Optimizer, before: object, step: int, lr_scale: float = 1.0
+                   ) -> None:
+        """After the optimizer stepped to `step` (counted from 1); before: `snapshot`'s; lr_scale: the schedule's
+        factor."""
 
     def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         """(fields for the log record, text for the log line) at a log step; batch: the last micro-batch."""
@@ -228,28 +232,15 @@ class TrainingHook:
         """Restore what `state_dict` returned."""
 
 
-class GaugeStep(TrainingHook):
-    """--gauge: rewrites every step's motion of the attention heads (docs/gauge.md)."""
+class GaugeStep(GaugeUpdates, TrainingHook):
+    """--gauge: rewrites every step's motion of the attention heads (docs/gauge.md); GaugeUpdates is the hook."""
 
     name = "gauge"
 
-    def __init__(self, cfg: ResearchConfig, n_head: int) -> None:
-        self.updates = GaugeUpdates(cfg.gauge, n_head, cfg.gauge_correction, cfg.gauge_every, cfg.gauge_damping,
-                                    cfg.gauge_group, cfg.hyperball_lr, cfg.gauge_project_velocity)
-        self.before = None
-
-    def before_step(self, model: nn.Module) -> None:
-        self.before = self.updates.snapshot(model)
-
-    def after_step(self, model: nn.Module, optimizer: Optimizer, step: int, lr_factor: float) -> None:
-        self.updates.after_step(model, [optimizer], self.before, step, lr_factor)
-        self.before = None
-
-    def state_dict(self) -> dict:
-        return self.updates.state_dict()
-
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.updates.load_state_dict(state, device)
+    def after_step(self, model: nn.Module, optimizer: Optimizer, before: object, step: int, lr_scale: float = 1.0
+                   ) -> None:
+        """GaugeUpdates.after_step for the trainer's one optimizer (gauge/ takes a list of them)."""
+        super().after_step(model, [optimizer], before, step, lr_scale)
 
 
 class DynamicsLog(TrainingHook):
@@ -282,7 +273,8 @@ def training_hooks(cfg: ResearchConfig, n_head: int, optimizer: str, optim_cfg) 
     """The hooks the flags switch on, in the order they act."""
     hooks: list[TrainingHook] = []
     if cfg.gauge != "none":
-        hooks.append(GaugeStep(cfg, n_head))
+        hooks.append(GaugeStep(cfg.gauge, n_head, cfg.gauge_correction, cfg.gauge_every, cfg.gauge_damping,
+                               cfg.gauge_group, cfg.hyperball_lr, cfg.gauge_project_velocity))
     if cfg.dynamics_every:
         hooks.append(DynamicsLog(cfg.dynamics_every, n_head))
     if cfg.gauge_diagnostic_every:
@@ -300,9 +292,10 @@ def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch
     if model.objective == "mlm" and not model.mask_token < model.vocab_size:
         return (f"--mask-token {model.mask_token} is not an id of the vocabulary (--vocab-size {model.vocab_size}): "
                 "choose an id below the vocabulary size that the data never holds")
-    if research.dynamics_every and optimizer not in VELOCITY_OPTIMIZERS:
+    if research.dynamics_every and not defines_velocity(OPTIMIZERS[optimizer].optimizer):
+        having = [name for name, spec in OPTIMIZERS.items() if defines_velocity(spec.optimizer)]
         return (f"--dynamics-every needs a velocity, which docs/evaluation.md defines for --optimizer "
-                f"{', '.join(VELOCITY_OPTIMIZERS)}; {optimizer} has none (set --dynamics-every 0)")
+                f"{', '.join(having)}; {optimizer} has none (set --dynamics-every 0)")
     if research.gauge_diagnostic_every and optimizer == "soap":
         return ("--gauge-diagnostic-every compares one step of a fresh optimizer, and SOAP's first step only builds "
                 "its preconditioner (no motion); set --gauge-diagnostic-every 0")

@@ -30,23 +30,19 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+import triton
+from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from cli import ArgumentParser  # noqa: E402
-from fileio import atomic_write  # noqa: E402
-import kernels.attention as attn  # noqa: E402
-import kernels.attention_paths as paths  # noqa: E402
+from cli import ArgumentParser
+import kernels.attention as attn
+import kernels.attention_paths as paths
+from fileio import atomic_write
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

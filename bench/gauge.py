@@ -14,19 +14,15 @@ dresses every --gauge-every steps, so its per-step overhead is that time divided
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.optim import add_step_flags  # noqa: E402
-from cli import ArgumentParser  # noqa: E402
-import train_gpt  # noqa: E402
-from optim import OPTIMIZERS  # noqa: E402
-from gauge.updates import GaugeUpdates  # noqa: E402
+from bench.optim import add_step_flags
+from cli import ArgumentParser
+import train_gpt
+from optim import OPTIMIZERS
+from gauge.updates import GaugeUpdates
 
 
 def synchronize(device: torch.device) -> None:

@@ -27,7 +27,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 import dataclasses
@@ -36,19 +35,16 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
-
-from cli import ArgumentParser  # noqa: E402
-import kernels.attention as attn  # noqa: E402
-import kernels.ecd as ecd  # noqa: E402
-import kernels.soap as soap  # noqa: E402
+from cli import ArgumentParser
+import kernels.attention as attn
+import kernels.ecd as ecd
+import kernels.soap as soap
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory one block may use (227 KiB, 163 KiB)

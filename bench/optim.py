@@ -54,13 +54,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cli import ArgumentParser  # noqa: E402
-import train_gpt  # noqa: E402
-from optim import OPTIMIZERS, optimizer_state_bytes  # noqa: E402
-from optim.muon import MuonConfig, muon_groups  # noqa: E402
-from optim.soap import SOAPConfig  # noqa: E402
+from cli import ArgumentParser
+import train_gpt
+from optim import OPTIMIZERS, optimizer_state_bytes
+from optim.muon import MuonConfig, muon_groups
+from optim.soap import SOAPConfig
 
 STATE_VECTORS = {"ecd": 1, "sgdm": 1, "adamw": 2}  # state tensors per parameter of the elementwise optimizers
 PEERS = {"soap:published": "--published-soap", "muon:modded": "--modded-nanogpt"}

@@ -18,19 +18,15 @@ import contextlib
 import dataclasses
 import hashlib
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cli import ArgumentParser  # noqa: E402
-import config  # noqa: E402
-import sample  # noqa: E402
-import train_gpt  # noqa: E402
-from data.shards import EOT_TOKEN, GPT2_VOCAB  # noqa: E402
+import config
+import sample
+import train_gpt
+from cli import ArgumentParser
+from data.shards import EOT_TOKEN, GPT2_VOCAB
 
 
 def preset_model(name: str) -> train_gpt.GPT:

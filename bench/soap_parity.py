@@ -17,18 +17,15 @@ factors ours follows the published SOAP to 1e-9 of the distance moved over 60 st
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import train_gpt  # noqa: E402
-from bench.optim import load_published_soap  # noqa: E402
-from cli import ArgumentParser  # noqa: E402
-from optim import OPTIMIZERS  # noqa: E402
-from optim.soap import SOAPConfig  # noqa: E402
+import train_gpt
+from bench.optim import load_published_soap
+from cli import ArgumentParser
+from optim import OPTIMIZERS
+from optim.soap import SOAPConfig
 
 
 def turned_null_space(published: type) -> type:

@@ -4,7 +4,7 @@
     python -m eval.dynamics --checkpoint FILE        # one checkpoint
 
 From a checkpoint's optimizer state (the velocity u: ECD Π/‖Π‖; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε), each
-scaled to global norm 1 — see gauge.dynamics) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
+scaled to global norm 1: each optimizer's `saved_velocity`) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
 paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
 `--dynamics-every N` writes the same quantities (means over heads) into log.jsonl; they are plotted over training.
 Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`,
@@ -32,9 +32,10 @@ from eval.common import (
     write_json,
     write_text,
 )
-from eval.figures import plot_head_maps, pyplot, save_figure, step_axis
 from eval.curves import MARKERS_BELOW
+from eval.figures import plot_head_maps, pyplot, save_figure, step_axis
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
+from optim import OPTIMIZERS
 
 LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
 LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
@@ -52,7 +53,8 @@ def checkpoint_dynamics(ckpt: dict) -> dict:
     if "optimizer" not in ckpt:
         raise ValueError(f"checkpoint at step {ckpt['step']} holds no optimizer state: the velocity is unknown")
     n_head = ckpt["config"]["model"]["n_head"]
-    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts([ckpt["optimizer"]]), n_head)
+    optimizer = OPTIMIZERS[ckpt["config"]["train"]["optimizer"]].optimizer
+    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(optimizer, [ckpt["optimizer"]]), n_head)
     summary = {key: float(value.mean()) for key, value in per_head.items()}
     summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
     return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], "summary": summary,

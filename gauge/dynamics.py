@@ -159,68 +159,35 @@ def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: i
     return dict(zip(per_head, means))
 
 
-VELOCITY_OPTIMIZERS = ("ecd", "sgdm", "adamw")  # the optimizers whose state defines a velocity (docs/evaluation.md)
+def defines_velocity(optimizer: type) -> bool:
+    """Whether optimizer class `optimizer` (optim.base.OptimizerInterface) defines a velocity (docs/evaluation.md):
+    its `saved_velocity` of an empty state is a dict rather than None."""
+    return optimizer.saved_velocity({"state": {}, "param_groups": []}) is not None
 
 
-def _direction_from_state(state: Mapping[str, object], group: Mapping[str, object], name: str) -> Tensor | None:
-    """The direction of motion stored in one parameter's optimizer state (None if the state is empty)."""
-    if "pi" in state:  # ECD: θ ← θ + hΠ
-        return state["pi"]
-    if "momentum_buffer" in state:  # SGDM: θ ← θ − lr·buf (Nesterov adds the gradient; not stored)
-        return None if state["momentum_buffer"] is None else -state["momentum_buffer"]
-    tensors = {k for k, v in state.items() if torch.is_tensor(v) and k != "step"}
-    if {"exp_avg", "exp_avg_sq"} <= tensors <= {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"} and "step" in state \
-            and "betas" in group:
-        # AdamW: the bias-corrected update direction m̂ / (√v̂ + ε) (without the decoupled weight decay).
-        beta1, beta2 = group["betas"]
-        step = state["step"]
-        m_hat = state["exp_avg"] / (1 - beta1 ** step)
-        v_hat = state["exp_avg_sq"] / (1 - beta2 ** step)
-        return -m_hat / (v_hat.sqrt() + group["eps"])
-    if not state:
-        return None
-    raise ValueError(f"optimizer state of {name} has keys {sorted(state)}: velocity directions are defined for "
-                     "ECD ('pi'), SGDM ('momentum_buffer') and AdamW ('exp_avg', 'exp_avg_sq') only "
-                     "(docs/evaluation.md)")
-
-
-def _unit(directions: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Scale a dict of tensors to unit global norm (u = v/‖v‖ over all parameters)."""
+def _unit(found: Iterable[tuple[type, dict[str, Tensor] | None]]) -> dict[str, Tensor]:
+    """The directions (optimizer class, velocity) pairs found, by plain name, scaled to unit global norm."""
+    directions = {}
+    for optimizer, velocity in found:
+        if velocity is None:
+            raise ValueError(f"{optimizer.__name__} defines no velocity (docs/evaluation.md#angular-momentum-and-"
+                             "rotational-fraction)")
+        directions.update({plain_name(name): v for name, v in velocity.items()})
     if not directions:
         raise ValueError("no optimizer state holds a velocity yet (take at least one optimizer step first)")
     norm = torch.stack([v.double().square().sum() for v in directions.values()]).sum().sqrt()
     return {name: v / norm.clamp_min(1e-300).to(v.dtype) for name, v in directions.items()}
 
 
-def _directions(state_dicts: Iterable[Mapping]) -> dict[str, Tensor]:
-    directions = {}
-    for sd in state_dicts:
-        for group in sd["param_groups"]:
-            if "names" not in group:
-                raise ValueError("optimizer param groups carry no 'names'; build the optimizers from "
-                                 "optim.parameter_groups")
-            for index, name in zip(group["params"], group["names"]):
-                direction = _direction_from_state(sd["state"].get(index, {}), group, name)
-                if direction is not None:
-                    directions[plain_name(name)] = direction
-    return directions
-
-
-def velocity_from_state_dicts(state_dicts: Iterable[Mapping]) -> dict[str, Tensor]:
-    """Unit velocity u (name → tensor, global norm 1) from optimizer state dicts in torch layout whose param groups
-    carry "names" (checkpoints). ECD: Π; SGDM: −momentum buffer; AdamW: −m̂/(√v̂ + ε)."""
-    return _unit(_directions(state_dicts))
+def velocity_from_state_dicts(optimizer: type, state_dicts: Iterable[Mapping]) -> dict[str, Tensor]:
+    """Unit velocity u (name → tensor, global norm 1) from state dicts of optimizer class `optimizer` (a checkpoint's,
+    whose param groups carry "names"): ECD Π; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε)."""
+    return _unit((optimizer, optimizer.saved_velocity(state_dict)) for state_dict in state_dicts)
 
 
 def velocity_from_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Tensor]:
-    """Unit velocity u of live optimizers: `ECD.unit_velocity()` where available, else their state (see above)."""
-    directions = {}
-    for opt in optimizers:
-        if hasattr(opt, "unit_velocity"):
-            directions.update({plain_name(n): v for n, v in opt.unit_velocity().items()})
-        else:
-            directions.update(_directions([opt.state_dict()]))
-    return _unit(directions)
+    """Unit velocity u of live optimizers, from their `velocity()`."""
+    return _unit((type(opt), opt.velocity()) for opt in optimizers)
 
 
 def _product_distance_sq(a0: Tensor, b0: Tensor, a1: Tensor, b1: Tensor) -> Tensor:

@@ -5,10 +5,10 @@ U = θ_after − θ_before of the attention parameters and rewrites them (docs/g
 
 - correct: opposite-Gram correction ΔA = U_A (BᵀB + λI)⁻¹, ΔB = U_B (AᵀA + λI)⁻¹ (full, diagonal or periodic);
 - project: remove the update's component along the GL(d) or O(d) gauge orbit, and the same component of the
-  optimizer's velocity (ECD's Π, a momentum buffer; not Adam's first moment), so that the motion is redirected
-  rather than dropped (docs/gauge.md#projection);
+  optimizer's velocity (its steering first moments: ECD's Π, a momentum buffer; not Adam's first moment), so that
+  the motion is redirected rather than dropped (docs/gauge.md#projection);
 - dress: every k steps move each head to its Gram-balanced representative, forward pass unchanged, and transport
-  the optimizer's first-moment state with it (docs/gauge.md#dressed-representatives);
+  the optimizer's first moments with it (docs/gauge.md#dressed-representatives);
 - hyperball: a step of fixed relative length on each factor's Frobenius sphere (docs/gauge.md#hyperball).
 
 Each head's sector is handled as one factor pair (A, B) with M = ABᵀ: QK: (Â_Q, Â_K); VO: (Â_V, B_Oᵀ), with the
@@ -35,13 +35,6 @@ from gauge.dynamics import (
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
-# Optimizer states that move like the parameters' increments: transported by dressing (docs/gauge.md). SOAP's live
-# in its eigenbasis and are left alone.
-FIRST_MOMENTS = ("pi", "momentum_buffer", "exp_avg")
-# The velocities that project also projects: those whose direction is the step's (ECD's Π, the momentum of SGDM and
-# Muon). Adam's first moment is divided by its unprojected second moment coordinate by coordinate, so projecting it
-# does not project the step and lets a step outgrow Adam's bound (docs/gauge.md#the-velocity).
-PROJECTED_VELOCITIES = ("pi", "momentum_buffer")
 
 
 def _eye(x: Tensor) -> Tensor:
@@ -201,7 +194,7 @@ class GaugeUpdates:
     Call `snapshot(model)` before the optimizer step(s) and `after_step(model, optimizers, before, step, scale)`
     after them. Parameters are rewritten in place (the sharded optimizers keep them as views into flat buffers);
     every rank holds the full parameters after a step and does the same float64 work, so no collective is needed
-    except for dressing, which moves optimizer state through state_dict()/load_state_dict() (collectives).
+    except for moving optimizer state (optim.base.OptimizerInterface.first_moments gathers the sharded state).
     """
 
     def __init__(self, mode: str, n_head: int, correction: str = "full", every: int = 10, damping: float = 1e-3,
@@ -244,9 +237,10 @@ class GaugeUpdates:
         for name, value in named_tensors(result, params, self.n_head, shift).items():
             params[name].copy_(value)
         if self.mode == "project" and self.project_velocity:
-            # The velocity at the new point loses its orbit component too (docs/gauge.md#projection).
+            # The velocity at the new point loses its orbit component too (docs/gauge.md#projection); Adam's first
+            # moment is divided by its unprojected √v, so projecting it would not project the step (#the-velocity).
             self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: orbit_projection(
-                *result[sector], u_a, u_b, self.group), PROJECTED_VELOCITIES)
+                *result[sector], u_a, u_b, self.group), steering_only=True)
 
     def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
                    lr_scale: float) -> tuple[Tensor, Tensor]:
@@ -266,53 +260,34 @@ class GaugeUpdates:
     @torch.no_grad()
     def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
               shift: Mapping[str, Tensor] | None = None) -> None:
-        """Move every head to its Gram-balanced representative and transport the optimizers' first moments
-        (FIRST_MOMENTS, except SOAP's, which live in its eigenbasis) like the factors' increments; second moments
-        and SOAP's state are kept (docs/gauge.md#dressed-representatives). shift: `mean_bias_rows` of the model,
-        without which a model with sampled bias means would change (docs/gauge.md#the-biases)."""
+        """Move every head to its Gram-balanced representative and transport the optimizers' first moments (not
+        SOAP's, which live in its eigenbasis) like the factors' increments; second moments and SOAP's state are
+        kept (docs/gauge.md#dressed-representatives). shift: `mean_bias_rows` of the model, without which a model
+        with sampled bias means would change (docs/gauge.md#the-biases)."""
         pairs, gauges = {}, {}
         for sector, (a, b) in factor_pairs(params, self.n_head, shift).items():
             a, b, s, s_inv_t = balancing_gauge(a, b)
             pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
         self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: (u_a @ gauges[sector][0],
-                                                                               u_b @ gauges[sector][1]), FIRST_MOMENTS)
+                                                                               u_b @ gauges[sector][1]))
         for name, value in named_tensors(pairs, params, self.n_head, shift).items():
             params[name].copy_(value)
 
     def _move_first_moments(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
                             move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]],
-                            keys: tuple[str, ...]) -> None:
-        """Rewrite the optimizer states named `keys` (first moments: FIRST_MOMENTS or PROJECTED_VELOCITIES) of the
-        attention parameters in every optimizer that keeps them in the parameters' coordinates
-        (`moments_in_parameter_basis`; not SOAP, whose live in its eigenbasis): move(sector, U_A, U_B) -> (U_A', U_B')
-        per sector, stacked like `factor_pairs`. Through state_dict() / load_state_dict(), which are collectives for
-        the sharded optimizers."""
+                            steering_only: bool = False) -> None:
+        """Rewrite the optimizers' first moments of the attention parameters (optim.base.OptimizerInterface;
+        steering_only: those the step moves along): move(sector, U_A, U_B) -> (U_A', U_B') per sector, stacked like
+        `factor_pairs`. Collectives for the sharded optimizers."""
         for opt in optimizers:
-            if not opt.moments_in_parameter_basis:
-                continue
-            saved = opt.state_dict()
-            if self._transport(saved, params, move, keys):
-                opt.load_state_dict(saved)
-
-    def _transport(self, saved: dict, params: Mapping[str, Tensor],
-                   move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]], keys: tuple[str, ...]) -> bool:
-        """Apply `move` to the `keys` state tensors of the attention parameters in a state dict, in place; returns
-        whether anything changed."""
-        index = {plain_name(name): i for group in saved["param_groups"]
-                 for i, name in zip(group["params"], group["names"])}
-        changed = False
-        for key in keys:
-            present = {name: saved["state"][index[name]][key] for name in params
-                       if name in index and torch.is_tensor(saved["state"].get(index[name], {}).get(key))}
+            moments = {plain_name(name): (name, value) for name, value in opt.first_moments(steering_only).items()}
+            present = {name: moments[name][1] for name in params if name in moments}
             if not present:
                 continue
             full = {name: present.get(name, torch.zeros_like(p)) for name, p in params.items()}
             moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
-            for name, value in named_tensors(moved, full, self.n_head).items():
-                if name in present:
-                    present[name].copy_(value)
-            changed = True
-        return changed
+            opt.set_first_moments({moments[name][0]: value for name, value in
+                                   named_tensors(moved, full, self.n_head).items() if name in present})
 
     def state_dict(self) -> dict:
         return {"mode": self.mode, "radii": {k: v.cpu() for k, v in self.radii.items()}}

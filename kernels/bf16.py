@@ -3,7 +3,8 @@ in Triton's CPU interpreter, which has no bf16 (docs/optimizers.md).
 
 Reading widens exactly; writing rounds fp32 to bf16 either stochastically (add 16 random low bits, then truncate:
 unbiased, so updates far below a bf16 ulp are not lost on average) or to nearest-even. The random bits come from
-`tl.randint(seed, offset)`, keyed by the caller so that a resumed run draws the same bits.
+`tl.randint(seed, offset)`, keyed by the caller so that a resumed run draws the same bits. The optimizers' torch
+paths compute in fp32 and round back to nearest (`copy_back`).
 """
 from __future__ import annotations
 
@@ -48,3 +49,10 @@ def round_to_bf16_bits(x, seed, offs, STOCHASTIC: tl.constexpr):
 def as_kernel_arg(state: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """A state tensor as the kernels take it: bf16 as its int16 bit patterns (and whether it was bf16)."""
     return (state.view(torch.int16), True) if state.dtype == torch.bfloat16 else (state, False)
+
+
+def copy_back(states: list[torch.Tensor], wide: list[torch.Tensor]) -> None:
+    """Write state updated in torch ops in a wider dtype (`state.to(dtype)`) back where it is stored narrower."""
+    for state, value in zip(states, wide):
+        if value is not state:
+            state.copy_(value)

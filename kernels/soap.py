@@ -11,8 +11,8 @@ element's index among all the model's parameters, so the bits do not depend on h
 out, and a resumed run draws the same bits.
 
 `moments_reference` is the same step in torch ops and the optimizer's own path wherever the kernel does not run
-(CPU, float64, --no-fused): one implementation of the formula in Triton and one in torch ops;
-tests/test_soap_kernels.py shows they agree.
+(CPU, float64, --no-fused), and the AdamW part of Muon's: one implementation of the formula in Triton and one in
+torch ops; tests/test_soap_kernels.py shows they agree.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.bf16 import as_kernel_arg, bf16_bits, load_fp32, nearest_even_bits
+from kernels.bf16 import as_kernel_arg, bf16_bits, copy_back, load_fp32, nearest_even_bits
 from kernels.ecd import ALIGN, BLOCK, BlockTable
 
 
@@ -85,6 +85,4 @@ def moments_reference(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torc
     v_c.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     torch.sqrt(v_c, out=d).add_(eps)
     torch.div(m_c, d, out=d)
-    if m_c is not m:
-        m.copy_(m_c)
-        v.copy_(v_c)
+    copy_back([m, v], [m_c, v_c])

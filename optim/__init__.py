@@ -1,10 +1,10 @@
 """Optimizers and the registry the trainer builds them from.
 
 Adding an optimizer: write a module in `optim/` with a config dataclass (a subclass of `OptimizerConfig` whose
-fields, declared with `cli.flag`, are its hyperparameters with their defaults), the optimizer class, whose constructor
-takes the parameter groups and those fields as keyword arguments (plus grad_clip, and overlap_reduce when it
-averages gradients itself), and an `OptimizerSpec`; list the spec in `OPTIMIZERS` below. `--optimizer NAME` then
-selects it, and its config's fields become the trainer's optimizer flags.
+fields, declared with `cli.flag`, are its hyperparameters with their defaults and ranges), the optimizer class (an
+`optim.base.OptimizerInterface`), whose constructor takes the parameter groups and those fields as keyword arguments,
+and an `OptimizerSpec`; list the spec in `OPTIMIZERS` below. `--optimizer NAME` then selects it, and its config's
+fields become the trainer's optimizer flags (README.md#adding-an-optimizer).
 """
 from __future__ import annotations
 

@@ -21,11 +21,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from optim.base import OptimizerInterface, parameter_names
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -266,9 +270,9 @@ def build_regions(params: list[Tensor], tensor_owned: list[bool], layout_key=Non
     return regions
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     """Base of the owner-computes optimizers: flat layout, gradient averaging that overlaps the backward pass,
-    gradient-norm clipping, zero_grad on the buffers, consolidated state dicts.
+    gradient-norm clipping, zero_grad on the buffers, consolidated state dicts, the decoupled step, first moments.
 
     Subclasses start step() with `grads = self.reduced_gradients()` (this rank's averaged, clipped chunk per region)
     and end it with `region.gather_params()`. `grad_clip` > 0 clips the global gradient norm to it (the norm of
@@ -278,22 +282,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
     `layout_key(index)` orders each rank's tensors in the tensor regions (`Region`): optimizers that batch
     same-shaped matrices (SOAP, Muon) key them by shape. `Region.runs` cuts a chunk into runs of equal key.
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
-    has no such state) and may override `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's
-    Kronecker factors) and `_global_state` / `_load_global_state` for optimizer-wide scalars beyond `calls` (the
-    number of completed steps, which the base saves and restores).
+    has no such state), name each parameter's first moment in it (`first_moment_of`; the base gathers and
+    scatters it) and may override
+    `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's Kronecker factors) and `_global_state` /
+    `_load_global_state` for optimizer-wide scalars beyond `calls` (the number of completed steps, which the base
+    saves and restores). `decoupled_step` applies a direction with the group's learning rate and weight decay.
     state_dict() is a collective: every rank must call it; every rank returns the full state in torch's layout
     ({"state": {index: {name: tensor}}, "param_groups": [...]}), loadable under any world size.
     """
 
-    moments_in_parameter_basis = True  # the state's moments are in the parameters' coordinates (gauge/updates.py)
+    overlap_reduce = True
 
-    def __init__(self, params, defaults: dict, tensor_owned, grad_clip: float = 0.0,
-                 overlap_reduce: bool = True, layout_key=None) -> None:
+    def __init__(self, params, defaults: dict, tensor_owned, layout_key=None) -> None:
         super().__init__(params, defaults)
         self.params_in_order = [p for group in self.param_groups for p in group["params"]]
-        self.names: list[str] = []
-        for group in self.param_groups:
-            self.names += group.get("names") or [f"param{len(self.names) + k}" for k in range(len(group["params"]))]
+        self.names = parameter_names(self.param_groups)
         self.group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         if len({id(p) for p in self.params_in_order}) != len(self.params_in_order):
             raise ValueError("a parameter appears twice in the optimizer's parameter groups")
@@ -302,8 +305,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.region_of = {i: region for region in self.regions for i in region.indices}
         self.flat_state: dict[str, list[Tensor | None]] = {}
         self.calls = 0
-        self.grad_clip, self.overlap_reduce = grad_clip, overlap_reduce
-        self.grad_norm: Tensor | None = None
         self._sync = True
         if self.regions[0].world_size > 1:
             for i, p in enumerate(self.params_in_order):
@@ -347,6 +348,51 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for piece in r.pieces:
                     self.state[self.params_in_order[piece.index]][name] = piece.of(buf)
 
+    def kernels_run(self) -> bool:
+        """Whether Triton kernels run on these parameters: fp32 on CUDA, or any device under Triton's interpreter."""
+        fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
+        return fp32 and (self.params_in_order[0].device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+    def step_coefficients(self, group: int, scale: float, decay_first: bool = True) -> tuple[float, float]:
+        """(β, α) of θ ← β·θ + α·N with the group's ℓ, λ: (1 − ℓλ)·θ − ℓ·scale·N (torch's AdamW), or with
+        decay_first=False (1 − ℓλ)·(θ − ℓ·scale·N) (the published SOAP)."""
+        lr, weight_decay = self.param_groups[group]["lr"], self.param_groups[group]["weight_decay"]
+        decay = 1 - lr * weight_decay
+        return decay, -lr * scale * (1 if decay_first else decay)
+
+    def decoupled_step(self, theta: Tensor, direction: Tensor, group: int, scale: float, decay_first=True) -> None:
+        """θ ← β·θ + α·direction in place (`step_coefficients`), the decay skipped where it is 1."""
+        decay, alpha = self.step_coefficients(group, scale, decay_first)
+        if decay != 1:
+            theta.mul_(decay)
+        theta.add_(direction, alpha=alpha)
+
+    @torch.no_grad()
+    def gathered(self, name: str, indices: set[int] | None = None) -> dict[int, Tensor]:
+        """Full tensors of flat state `name` by parameter index (those in `indices`, else every one that has it),
+        views into gathered buffers: a collective."""
+        out = {}
+        for region, buf in zip(self.regions, self.flat_state[name]):
+            wanted = [i for i in region.indices if indices is None or i in indices]
+            if buf is not None and wanted:
+                full = region.gather(buf)
+                out.update({i: region.full_view(full, i, self.params_in_order[i].shape) for i in wanted})
+        return out
+
+    def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
+        keys, out = self.moment_keys(steering_only), {}
+        for key in sorted(set(keys.values())):  # the same order on every rank: gathering is a collective
+            held = self.gathered(key, {i for i, name in keys.items() if name == key})
+            out.update({self.names[i]: value for i, value in held.items()})
+        return out
+
+    @torch.no_grad()
+    def set_first_moments(self, moments: Mapping[str, Tensor]) -> None:
+        for name, value in moments.items():
+            index, key = self.moment_key(name)
+            region = self.region_of[index]
+            region.scatter(self.flat_state[key][self.regions.index(region)], index, value)
+
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers (gradients stay views into them, whatever `set_to_none` says)."""
@@ -368,13 +414,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def state_dict(self) -> dict:
         state: dict[int, dict] = {i: {} for i in range(len(self.params_in_order))}
-        for name, buffers in self.flat_state.items():
-            for region, buf in zip(self.regions, buffers):
-                if buf is None:
-                    continue
-                full = region.gather(buf)
-                for i in region.indices:
-                    state[i][name] = region.full_view(full, i, self.params_in_order[i].shape).clone()
+        for name in self.flat_state:
+            for i, value in self.gathered(name).items():
+                state[i][name] = value.clone()
         for i in range(len(self.params_in_order)):
             state[i].update(self._tensor_state(i))
         groups, start = [], 0

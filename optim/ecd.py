@@ -7,7 +7,7 @@ from them stays on the device: the loss arrives as a device tensor and the host 
 
 Π is stored up to a positive scale that is resolved lazily: after the noise step (docs/optimizers.md step 4) the state
 is Π3 = Π2/s + ν̂z and the logical momentum is s·Π3/‖Π3‖; ‖Π3‖ comes from the next step's all-reduce, so the noise
-costs no second collective. state_dict() and unit_velocity() return the logical Π.
+costs no second collective. state_dict(), first_moments() and velocity() return the logical Π.
 
 The elementwise work is kernels/ecd.py's: its Triton kernels on CUDA with fp32 parameters (and in Triton's CPU
 interpreter), their PyTorch references everywhere else (CPU, float64, `fused=False`): one update, written once in
@@ -16,14 +16,15 @@ Triton and once in torch ops; tests/test_ecd_kernels.py shows they agree.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 from torch import Tensor
 
 from cli import flag
+from optim.base import check_arguments, mixed_seed, per_parameter
 from optim.distributed import ShardedOptimizer, all_reduce_sum, rank_and_world_size
 from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
@@ -60,7 +61,7 @@ def ecd_noise(seed: int, call: int, stream: int, start: int, stop: int, dtype: t
     out = torch.empty(stop - start, dtype=dtype, device=device)
     gen = torch.Generator(device=device)
     for block in range(start // NOISE_BLOCK, -(-stop // NOISE_BLOCK)):
-        gen.manual_seed(((((seed * 1_000_003) + call) * 1_000_003 + stream) * 1_000_003 + block) % (1 << 63))
+        gen.manual_seed(mixed_seed(seed, call, stream, block))
         z = torch.randn(NOISE_BLOCK, generator=gen, dtype=dtype, device=device)
         lo, hi = max(start, block * NOISE_BLOCK), min(stop, (block + 1) * NOISE_BLOCK)
         out[lo - start : hi - start] = z[lo - block * NOISE_BLOCK : hi - block * NOISE_BLOCK]
@@ -96,8 +97,7 @@ class ECD(ShardedOptimizer):
     (the published implementation). optim_state_dtype "bf16" stores Π in bf16 and computes in fp32 (the kernels
     round it stochastically, the PyTorch path to nearest). fused: the Triton kernels where they run (fp32 parameters
     on CUDA, or any device under Triton's interpreter, TRITON_INTERPRET=1); False: the PyTorch path everywhere.
-    The keyword arguments are ECDConfig's fields (the flags of the same names), plus grad_clip and overlap_reduce
-    (optim.distributed.ShardedOptimizer).
+    The keyword arguments are ECDConfig's fields (the flags of the same names).
     """
 
     def __init__(
@@ -113,21 +113,11 @@ class ECD(ShardedOptimizer):
         optim_seed: int = ECDConfig.optim_seed,
         optim_state_dtype: str = ECDConfig.optim_state_dtype,
         fused: bool = ECDConfig.fused,
-        grad_clip: float = 0.0,
-        overlap_reduce: bool = True,
         eps1: float = 1e-10,
         eps2: float = 1e-40,
     ) -> None:
-        if ecd_eta <= 0:
-            raise ValueError(f"ECD: --ecd-eta must be > 0, got {ecd_eta}")
-        if lr < 0:
-            raise ValueError(f"ECD: --lr must be >= 0, got {lr}")
-        if ecd_nu < 0:
-            raise ValueError(f"ECD: --ecd-nu must be >= 0, got {ecd_nu}")
-        if ecd_projection not in PROJECTIONS:
-            raise ValueError(f"ECD: --ecd-projection must be one of {PROJECTIONS}, got {ecd_projection!r}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), tensor_owned=lambda i: False,
-                         grad_clip=grad_clip, overlap_reduce=overlap_reduce)
+        check_arguments(ECDConfig, locals())
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), tensor_owned=lambda i: False)
         self.eta, self.F0, self.nu, self.seed = ecd_eta, ecd_f0, ecd_nu, optim_seed
         self.energy_conservation, self.projection = ecd_energy_conservation, ecd_projection
         self.eps1, self.eps2 = eps1, eps2
@@ -149,9 +139,7 @@ class ECD(ShardedOptimizer):
 
         ranges = [[(run.key, run.lo, run.hi) for run in region.runs(self.key_of.__getitem__)]
                   for region in self.regions]
-        interpreter = os.environ.get("TRITON_INTERPRET") == "1"
-        fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
-        self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
+        self.fused = fused and self.kernels_run()
         block = ecd_kernels.BLOCK if self.fused else max((hi - lo for rs in ranges for _, lo, hi in rs), default=1)
         table_device = device if self.fused else torch.device("cpu")  # the references read it on the host
         self.tables = [ecd_kernels.block_table(rs, table_device, block) for rs in ranges]
@@ -227,7 +215,7 @@ class ECD(ShardedOptimizer):
                 lo = region.rank * region.chunk
                 z = ecd_noise(self.seed, self.calls, j, lo, lo + region.chunk,
                               torch.promote_types(region.params.dtype, torch.float32), pi.device)
-            rounding_seed = ((self.seed * 1_000_003 + self.calls) * 1_000_003 + j) % (1 << 31)
+            rounding_seed = mixed_seed(self.seed, self.calls, j, bits=31)
             self.apply_update(region.local_params, g, pi, z, table, coef, lam, rounding_seed,
                               region.rank * region.chunk)
             region.gather_params()
@@ -286,17 +274,24 @@ class ECD(ShardedOptimizer):
             buf.mul_(c.to(buf.dtype))
         self.pending.fill_(False)
 
+    def first_moment_of(self, index: int) -> tuple[str, bool]:
+        return "pi", True
+
+    def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
+        if self.calls > 0:
+            self._materialise()  # stored Π = logical Π, which set_first_moments then writes
+        return super().first_moments(steering_only)
+
     @torch.no_grad()
-    def unit_velocity(self) -> dict[str, Tensor]:
-        """u = Π/‖Π‖_global restricted to each parameter, full tensors keyed by parameter name (collective; §6)."""
+    def velocity(self) -> dict[str, Tensor]:
+        """u = Π/‖Π‖_global restricted to each parameter, full tensors keyed by parameter name (collective; §6),
+        without folding the pending scale into the stored Π."""
         inv_norm = self._stored_norm2().clamp_min(1e-300).rsqrt()
-        out = {}
-        for region, buf in zip(self.regions, self.flat_state["pi"]):
-            full = region.gather(buf)
-            for i in region.indices:
-                view = region.full_view(full, i, self.params_in_order[i].shape)
-                out[self.names[i]] = (view.double() * inv_norm).to(view.dtype)
-        return out
+        return {self.names[i]: (pi.double() * inv_norm).to(pi.dtype) for i, pi in self.gathered("pi").items()}
+
+    @classmethod
+    def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
+        return per_parameter(state_dict, lambda state, group: state.get("pi"))
 
     def state_dict(self) -> dict:
         if self.calls > 0:

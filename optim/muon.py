@@ -4,7 +4,8 @@ Muon (github.com/KellerJordan/Muon, modded-nanogpt): Nesterov momentum, then the
 5 quintic Newton–Schulz iterations in bf16 with coefficients (3.4445, −4.7750, 2.0315) and scaled by
 sqrt(max(1, rows/cols)). The fused QKV matrix (`attn.c_attn.weight`, 3C×C) is orthogonalised as three C×C blocks,
 as the speedrun does with its separate q, k, v. Embeddings, the (tied) head, gains, biases and PReLU slopes use
-AdamW (torch's formula). Matrices are owned whole by one rank; the AdamW parameters are split by element.
+AdamW (torch's formula, its moments in kernels/soap.py's torch step). Matrices are owned whole by one rank; the
+AdamW parameters are split by element.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from cli import flag
+from optim.base import adam_scale, check_arguments
 from optim.distributed import ShardedOptimizer
 from optim.registry import (
     DECAY_GROUPS,
@@ -95,15 +97,8 @@ class Muon(ShardedOptimizer):
         muon_nesterov: bool = MuonConfig.muon_nesterov,
         muon_ns_steps: int = MuonConfig.muon_ns_steps,
         optim_state_dtype: str = MuonConfig.optim_state_dtype,
-        grad_clip: float = 0.0,
-        overlap_reduce: bool = True,
     ) -> None:
-        if not 0 <= muon_momentum < 1:
-            raise ValueError(f"Muon: --muon-momentum must lie in [0, 1), got {muon_momentum}")
-        if muon_ns_steps < 1:
-            raise ValueError(f"Muon: --muon-ns-steps must be >= 1, got {muon_ns_steps}")
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"Muon: AdamW --beta1/--beta2 must lie in [0, 1), got {beta1}, {beta2}")
+        check_arguments(MuonConfig, locals())
         self.momentum, self.nesterov, self.ns_steps = muon_momentum, muon_nesterov, muon_ns_steps
         self.betas, self.eps = (beta1, beta2), eps
         params = [dict(group, lr=group.get("lr", muon_lr if group.get("use_muon") else lr)) for group in params]
@@ -111,8 +106,6 @@ class Muon(ShardedOptimizer):
             params,
             dict(lr=lr, weight_decay=weight_decay, use_muon=False),
             tensor_owned=lambda i: self.param_groups[self.group_of[i]]["use_muon"],
-            grad_clip=grad_clip,
-            overlap_reduce=overlap_reduce,
             layout_key=self._batch_key,
         )
         for group in self.param_groups:
@@ -130,6 +123,9 @@ class Muon(ShardedOptimizer):
                      for region in self.regions]
         self.scratch = [torch.empty(r.chunk, device=r.params.device, dtype=torch.bfloat16 if r.tensor_owned
                                     else torch.promote_types(r.params.dtype, torch.float32)) for r in self.regions]
+        from kernels import bf16, soap  # Triton: imported when an optimizer is built, not with this module
+
+        self.copy_back, self.adam_moments = bf16.copy_back, soap.moments_reference
 
     def blocks_of(self, index: int) -> int:
         """The fused QKV matrix (3C×C) is orthogonalised as three C×C blocks; other matrices whole."""
@@ -156,43 +152,30 @@ class Muon(ShardedOptimizer):
             region.gather_params()
         return loss
 
+    def first_moment_of(self, index: int) -> tuple[str, bool]:
+        """The momentum of the matrices (the step moves along it), Adam's m elsewhere."""
+        return ("momentum_buffer", True) if self.param_groups[self.group_of[index]]["use_muon"] else ("exp_avg", False)
+
     def _muon(self, j: int, region, g: Tensor, buf_state: Tensor) -> None:
         compute = torch.promote_types(g.dtype, torch.float32)
-        buf, g = buf_state.to(compute), g.to(compute)
+        buf, g, update = buf_state.to(compute), g.to(compute), self.scratch[j]  # update: Newton–Schulz's bf16 input
         buf.lerp_(g, 1 - self.momentum)
-        update = self.scratch[j]  # the Nesterov update, written in bf16 in one pass: Newton–Schulz's input
         torch.lerp(g, buf, self.momentum, out=update) if self.nesterov else update.copy_(buf)
-        if buf is not buf_state:
-            buf_state.copy_(buf)
+        self.copy_back([buf_state], [buf])
         theta = region.local_params
         for run in self.runs[j]:  # adjacent matrices of one shape: views, no copies
             group, rows, cols = run.key
-            lr, weight_decay = self.param_groups[group]["lr"], self.param_groups[group]["weight_decay"]
             ortho = zeropower_via_newtonschulz5(run.of(update).view(-1, rows, cols), self.ns_steps)
-            p = run.of(theta).view(-1, rows, cols)
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay)
-            p.add_(ortho, alpha=-lr * max(1.0, rows / cols) ** 0.5)
+            self.decoupled_step(run.of(theta).view(-1, rows, cols), ortho, group, max(1.0, rows / cols) ** 0.5)
 
-    def _adamw(self, j: int, region, g: Tensor, m_state: Tensor, v_state: Tensor) -> None:
-        """torch's AdamW, in place: m/(√v/c + ε) = c·m/(√v + c·ε) with c = √(1−β2ᵗ)."""
-        compute = torch.promote_types(g.dtype, torch.float32)
-        beta1, beta2 = self.betas
-        m, v, g = m_state.to(compute), v_state.to(compute), g.to(compute)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        correction = (1 - beta2**self.calls) ** 0.5
-        denominator = torch.sqrt(v, out=self.scratch[j]).add_(self.eps * correction)
-        if m is not m_state:
-            m_state.copy_(m)
-            v_state.copy_(v)
+    def _adamw(self, j: int, region, g: Tensor, m: Tensor, v: Tensor) -> None:
+        """torch's AdamW with its bias corrections folded into the step and ε (optim.base.adam_scale)."""
+        scale, eps = adam_scale(*self.betas, self.eps, self.calls)
+        direction = self.scratch[j]
+        self.adam_moments(g, m, v, direction, None, *self.betas, eps)
         theta = region.local_params
         for run in self.runs[j]:
-            lr, weight_decay = self.param_groups[run.key]["lr"], self.param_groups[run.key]["weight_decay"]
-            p = run.of(theta)
-            if weight_decay:
-                p.mul_(1 - lr * weight_decay)
-            p.addcdiv_(run.of(m), run.of(denominator), value=-lr * correction / (1 - beta1**self.calls))
+            self.decoupled_step(run.of(theta), run.of(direction), run.key, scale)
 
 
 def muon_groups(model: nn.Module, cfg: MuonConfig) -> list[dict]:

@@ -77,8 +77,6 @@ def state_dtype(optim_state_dtype: str, params: Iterable[Tensor]) -> torch.dtype
     the state of the published optimizers has the parameters' dtype)."""
     if optim_state_dtype == "bf16":
         return torch.bfloat16
-    if optim_state_dtype != "fp32":
-        raise ValueError(f"--optim-state-dtype must be one of ['bf16', 'fp32'], got {optim_state_dtype!r}")
     dtypes = [p.dtype for p in params if p.dtype.is_floating_point]
     return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
@@ -87,11 +85,10 @@ def state_dtype(optim_state_dtype: str, params: Iterable[Tensor]) -> torch.dtype
 class OptimizerSpec:
     """How to build one registered optimizer: `build(model, cfg)` is the one build path.
 
-    optimizer: the class, whose constructor takes the parameter groups and, as keyword arguments, the fields of its
-    config (their names and defaults are the config's: no third spelling) except decay_groups, which `groups`
-    uses; it declares `moments_in_parameter_basis` (whether its first moments are in the parameters' coordinates,
-    which the gauge tools transport). groups(model, cfg): the parameter groups (parameter_groups, or a split of them
-    such as Muon's).
+    optimizer: the class, an `optim.base.OptimizerInterface` (what the gauge tools read), whose constructor takes the
+    parameter groups and, as keyword arguments, the fields of its config (their names and defaults are the config's:
+    no third spelling) except decay_groups, which `groups` uses. groups(model, cfg): the parameter groups
+    (parameter_groups, or a split of them such as Muon's).
     needs_loss: step() takes the global-batch loss as a device tensor (ECD).
     reduces_gradients: under torchrun the optimizer averages gradients across ranks itself (owner-computes
     sharding, `optim.distributed.ShardedOptimizer`), so the trainer must not wrap the model in
@@ -106,15 +103,18 @@ class OptimizerSpec:
     reduces_gradients: bool = False
     description: str = ""
 
-    def build(self, model: nn.Module, cfg: OptimizerConfig, grad_clip: float = 0.0,
-              overlap_reduce: bool = True) -> torch.optim.Optimizer:
+    def build(self, model: nn.Module, cfg: OptimizerConfig, grad_clip: float | None = None,
+              overlap_reduce: bool | None = None) -> torch.optim.Optimizer:
         """The optimizer that owns every trainable parameter of `model` exactly once (checked).
         grad_clip: clip the global gradient norm to this value inside step() (0: off); overlap_reduce: sharded
-        optimizers average gradients while the backward pass runs (the trainer's flags of the same names)."""
+        optimizers average gradients while the backward pass runs (the trainer's flags of the same names; None
+        keeps the optimizer's own default)."""
         settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "decay_groups"}
-        if self.reduces_gradients:
-            settings["overlap_reduce"] = overlap_reduce
-        optimizer = self.optimizer(self.groups(model, cfg), grad_clip=grad_clip, **settings)
+        optimizer = self.optimizer(self.groups(model, cfg), **settings)
+        if grad_clip is not None:
+            optimizer.grad_clip = grad_clip
+        if overlap_reduce is not None and self.reduces_gradients:
+            optimizer.overlap_reduce = overlap_reduce
         check_ownership(model, optimizer)
         return optimizer
 
@@ -128,20 +128,6 @@ def check_ownership(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if missing or repeated or len(owned) != len(names):
         raise RuntimeError(f"optimizer build: every trainable parameter must be owned exactly once; not owned: "
                            f"{missing}, owned twice: {repeated}")
-
-
-class ClipsGradients:
-    """For torch.optim subclasses: clip the global gradient norm to `grad_clip` at the start of step() and keep the
-    norm before clipping in `grad_norm` (a device tensor), as the sharded optimizers do after averaging."""
-
-    grad_clip: float = 0.0
-    grad_norm: Tensor | None = None
-
-    def step(self, closure=None):
-        if self.grad_clip > 0:
-            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
-        return super().step(closure)
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:

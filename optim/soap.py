@@ -16,8 +16,6 @@ kernels/soap.py's (one Triton kernel on CUDA, its PyTorch reference elsewhere).
 from __future__ import annotations
 
 import itertools
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cli import flag
+from optim.base import adam_scale, check_arguments, mixed_seed
 from optim.distributed import Run, ShardedOptimizer
 from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
@@ -151,8 +150,6 @@ class SOAP(ShardedOptimizer):
     or Triton's interpreter), m and v in bf16 (optim_state_dtype) then rounded stochastically with optim_seed's bits;
     False: its PyTorch reference everywhere (a bf16 m, v rounded to nearest)."""
 
-    moments_in_parameter_basis = False  # m and v live in the eigenbasis of each rotated tensor
-
     def __init__(
         self,
         params,
@@ -169,17 +166,8 @@ class SOAP(ShardedOptimizer):
         optim_seed: int = SOAPConfig.optim_seed,
         optim_state_dtype: str = SOAPConfig.optim_state_dtype,
         fused: bool = SOAPConfig.fused,
-        grad_clip: float = 0.0,
-        overlap_reduce: bool = True,
     ) -> None:
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"SOAP: --beta1/--beta2 must lie in [0, 1), got {beta1}, {beta2}")
-        if soap_precondition_frequency < 1:
-            raise ValueError(f"SOAP: --soap-precondition-frequency must be >= 1, got {soap_precondition_frequency}")
-        if soap_max_precond_dim < 0:
-            raise ValueError(f"SOAP: --soap-max-precond-dim must be >= 0, got {soap_max_precond_dim}")
-        if eps <= 0:
-            raise ValueError(f"SOAP: --eps must be > 0, got {eps}")
+        check_arguments(SOAPConfig, locals())
         self.betas, self.eps, self.seed = (beta1, beta2), eps, optim_seed
         self.shampoo_beta = beta2 if soap_shampoo_beta < 0 else soap_shampoo_beta
         self.precondition_frequency, self.max_precond_dim = soap_precondition_frequency, soap_max_precond_dim
@@ -188,8 +176,6 @@ class SOAP(ShardedOptimizer):
             params,
             dict(lr=lr, weight_decay=weight_decay),
             tensor_owned=lambda i: any(self._rotated(self.params_in_order[i].shape)),
-            grad_clip=grad_clip,
-            overlap_reduce=overlap_reduce,
             layout_key=self._batch_key,
         )
         dtype = state_dtype(optim_state_dtype, self.params_in_order)
@@ -204,9 +190,7 @@ class SOAP(ShardedOptimizer):
         self.work = [torch.empty(r.chunk, dtype=torch.promote_types(r.params.dtype, torch.float32),
                                  device=r.params.device) for r in self.regions]  # g′, then the direction
         device = self.params_in_order[0].device
-        interpreter = os.environ.get("TRITON_INTERPRET") == "1"
-        fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
-        self.fused = fused and fp32 and (device.type == "cuda" or interpreter)
+        self.fused = fused and self.kernels_run()
         from kernels import soap as soap_kernels  # Triton: imported when a SOAP optimizer is built, not on import
 
         self.moments = soap_kernels.moments if self.fused else soap_kernels.moments_reference
@@ -231,12 +215,6 @@ class SOAP(ShardedOptimizer):
         """Rotated tensors with equal keys are stepped as one batch: (group, rotated shape, rotated dims)."""
         shape = self.params_in_order[index].shape
         return self.group_of[index], self._shape(shape), tuple(self._rotated(shape))
-
-    def _coefficients(self, group: int, scale: float) -> tuple[float, float]:
-        """(β, α) of θ ← β·θ + α·N: the step −ℓ·scale·N then the decoupled decay θ ← (1 − ℓλ)·θ."""
-        lr, weight_decay = self.param_groups[group]["lr"], self.param_groups[group]["weight_decay"]
-        decay = 1 - lr * weight_decay
-        return decay, -lr * scale * decay
 
     def _update_factors(self, batch: Batch, g: Tensor) -> None:
         for dim, factor in enumerate(batch.factors):
@@ -297,8 +275,8 @@ class SOAP(ShardedOptimizer):
             return loss
         t = self.calls
         beta1, beta2 = self.betas
-        scale = math.sqrt(1 - beta2**t) / (1 - beta1**t)
-        seed = (self.seed * 1_000_003 + t) % (1 << 31)
+        scale = adam_scale(beta1, beta2, self.eps, t)[0]  # the published SOAP: ε not bias-corrected
+        seed = mixed_seed(self.seed, t, bits=31)
         refresh = t % self.precondition_frequency == 0
         for j, region in enumerate(self.regions):
             g, work, batches = grads[j], self.work[j], self.batches[j]
@@ -308,10 +286,10 @@ class SOAP(ShardedOptimizer):
             self.moments(work if batches else g, m, v, work, self.tables[j], beta1, beta2, self.eps, seed)
             theta = region.local_params
             for run in self.group_runs[j]:
-                decay, alpha = self._coefficients(run.key, scale)
-                run.of(theta).mul_(decay).add_(run.of(work), alpha=alpha)
+                self.decoupled_step(run.of(theta), run.of(work), run.key, scale, decay_first=False)
             for batch in batches:
-                self._apply(batch.view(theta), batch.view(work), batch.bases, *self._coefficients(batch.group, scale))
+                self._apply(batch.view(theta), batch.view(work), batch.bases,
+                            *self.step_coefficients(batch.group, scale, decay_first=False))
                 self._update_factors(batch, batch.view(g).to(work.dtype))
                 if refresh:
                     self._refresh(batch, batch.view(m), batch.view(v), work.dtype)

@@ -1,16 +1,19 @@
 """AdamW and SGD with Nesterov momentum from torch.optim, with the paper's defaults (docs/optimizers.md#adamw-and-sgdm).
 
 Each is a thin subclass whose constructor takes its config's fields (the registry's one build path) and clips the
-gradient norm inside step() like the sharded optimizers (optim.registry.ClipsGradients).
+gradient norm inside step() like the sharded optimizers (`TorchOptimizer`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
+from torch import Tensor
 
 from cli import flag
-from optim.registry import ClipsGradients, OptimizerConfig, OptimizerSpec
+from optim.base import OptimizerInterface, adam_scale, check_arguments, mixed_seed, per_parameter
+from optim.registry import OptimizerConfig, OptimizerSpec
 
 
 @dataclass
@@ -51,41 +54,69 @@ def _implementation(params: list, fused: bool) -> dict:
     return {"fused": True} if first.is_cuda else {"foreach": True}
 
 
-class AdamW(ClipsGradients, torch.optim.AdamW):
-    """torch.optim.AdamW taking AdamWConfig's fields."""
+class TorchOptimizer(OptimizerInterface):
+    """For torch.optim subclasses: step() clips the gradient norm, as the sharded optimizers do after averaging."""
 
-    moments_in_parameter_basis = True
+    def step(self, closure=None):
+        if self.grad_clip > 0:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
+        return super().step(closure)
+
+
+class AdamW(TorchOptimizer, torch.optim.AdamW):
+    """torch.optim.AdamW taking AdamWConfig's fields."""
 
     def __init__(self, params: list[dict], lr: float = AdamWConfig.lr, weight_decay: float = AdamWConfig.weight_decay,
                  beta1: float = AdamWConfig.beta1, beta2: float = AdamWConfig.beta2, eps: float = AdamWConfig.eps,
-                 fused: bool = AdamWConfig.fused, grad_clip: float = 0.0) -> None:
+                 fused: bool = AdamWConfig.fused) -> None:
+        check_arguments(AdamWConfig, locals())
         params = list(params)
         super().__init__(params, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay,
                          **_implementation(params, fused))
-        self.grad_clip = grad_clip
+
+    def first_moment_of(self, index: int) -> tuple[str, bool]:
+        return "exp_avg", False  # the step divides it by √v
+
+    @classmethod
+    def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
+        """The bias-corrected update direction −m̂/(√v̂ + ε), without the decoupled weight decay."""
+        def direction(state: Mapping, group: Mapping) -> Tensor | None:
+            if "exp_avg" not in state:
+                return None
+            scale, eps = adam_scale(*group["betas"], group["eps"], state["step"])
+            return -scale * state["exp_avg"] / (state["exp_avg_sq"].sqrt() + eps)
+        return per_parameter(state_dict, direction)
 
 
-class SGDM(ClipsGradients, torch.optim.SGD):
+class SGDM(TorchOptimizer, torch.optim.SGD):
     """torch.optim.SGD with (Nesterov) momentum taking SGDMConfig's fields. With initial_velocity_std > 0 every
     momentum buffer starts at N(0, std²), drawn on the CPU from (optim_seed, the parameter's index), so every rank
     and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers."""
 
-    moments_in_parameter_basis = True
-
     def __init__(self, params: list[dict], lr: float = SGDMConfig.lr, weight_decay: float = SGDMConfig.weight_decay,
                  momentum: float = SGDMConfig.momentum, nesterov: bool = SGDMConfig.nesterov,
                  initial_velocity_std: float = SGDMConfig.initial_velocity_std, optim_seed: int = SGDMConfig.optim_seed,
-                 fused: bool = SGDMConfig.fused, grad_clip: float = 0.0) -> None:
+                 fused: bool = SGDMConfig.fused) -> None:
+        check_arguments(SGDMConfig, locals())
         params = list(params)
         super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                          **_implementation(params, fused))
-        self.grad_clip = grad_clip
         if initial_velocity_std > 0 and momentum > 0:
             members = [p for group in self.param_groups for p in group["params"]]
             for index, p in enumerate(members):
-                gen = torch.Generator().manual_seed(optim_seed * 1_000_003 + index)
+                gen = torch.Generator().manual_seed(mixed_seed(optim_seed, index))
                 velocity = torch.randn(p.shape, generator=gen, dtype=torch.float32) * initial_velocity_std
                 self.state[p]["momentum_buffer"] = velocity.to(p.device, p.dtype)
+
+    def first_moment_of(self, index: int) -> tuple[str, bool]:
+        return "momentum_buffer", True
+
+    @classmethod
+    def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
+        """−(momentum buffer): θ ← θ − lr·buffer (Nesterov adds the gradient, which is not stored)."""
+        return per_parameter(state_dict, lambda state, group: -state["momentum_buffer"] if "momentum_buffer" in state
+                             else None)
 
 
 ADAMW_SPEC = OptimizerSpec(name="adamw", optimizer=AdamW, config=AdamWConfig,

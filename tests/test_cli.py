@@ -8,6 +8,8 @@ import importlib
 import inspect
 import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,16 @@ def test_every_command_is_found():
     modules = command_modules()
     assert {"train_gpt", "sample", "export", "data.tokenize", "eval.val_loss", "eval.report", "eval.compare",
             "bench.e2e"} <= set(modules), modules
+
+
+def test_bench_commands_run_from_the_repository_root_without_editing_sys_path():
+    """`python -m bench.NAME` from the repository root finds the repository's modules through the working directory:
+    importing a benchmark leaves sys.path as it was (import has no side effects)."""
+    bench = [name for name in command_modules() if name.startswith("bench.")]
+    check = ("import importlib, sys\nbefore = list(sys.path)\nfor name in sys.argv[1:]:\n"
+             "    importlib.import_module(name)\n    assert sys.path == before, f'{name} edits sys.path'\n")
+    proc = subprocess.run([sys.executable, "-c", check, *bench], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert len(bench) >= 8 and proc.returncode == 0, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("module_name", command_modules())

@@ -18,6 +18,10 @@ from gauge.dynamics import (
     velocity_from_state_dicts,
     weight_drift_ratio,
 )
+from optim.ecd import ECD
+from optim.muon import Muon
+from optim.soap import SOAP
+from optim.torch_optimizers import SGDM, AdamW
 from train_gpt import GPT, GPTConfig
 
 N_HEAD = 2
@@ -192,8 +196,8 @@ def test_learned_biases_rotate_with_their_heads():
 def _trained_optimizer(kind: str) -> tuple[GPT, torch.optim.Optimizer]:
     model = tiny_model(10)
     groups = [{"params": list(model.parameters()), "names": [n for n, _ in model.named_parameters()]}]
-    opt = (torch.optim.SGD(groups, lr=0.01, momentum=0.9) if kind == "sgdm"
-           else torch.optim.AdamW(groups, lr=1e-3, betas=(0.8, 0.95), eps=1e-6))
+    opt = (SGDM(groups, lr=0.01, momentum=0.9, nesterov=False, initial_velocity_std=0.0) if kind == "sgdm"
+           else AdamW(groups, lr=1e-3, beta1=0.8, beta2=0.95, eps=1e-6))
     idx = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(11))
     for _ in range(3):
         opt.zero_grad()
@@ -218,22 +222,20 @@ def test_velocity_from_optimizer_state_is_the_unit_update_direction(kind):
         direction = -m_hat / ((state["exp_avg_sq"] / (1 - 0.95 ** step)).sqrt() + 1e-6)
     cosine = torch.nn.functional.cosine_similarity(u[name].flatten(), direction.flatten(), dim=0)
     assert cosine.item() == pytest.approx(1.0, abs=1e-6)
-    assert torch.allclose(velocity_from_state_dicts([opt.state_dict()])[name], u[name])
+    assert torch.allclose(velocity_from_state_dicts(type(opt), [opt.state_dict()])[name], u[name])
 
 
-def test_velocity_from_ecd_state_and_unknown_state():
+def test_velocity_from_ecd_state_and_from_optimizers_without_one():
     g = torch.Generator().manual_seed(12)
     pis = {0: torch.randn(4, 3, generator=g), 1: torch.randn(5, generator=g)}
     sd = {"state": {i: {"pi": v} for i, v in pis.items()}, "param_groups": [{"params": [0, 1], "names": ["a", "b"]}]}
-    u = velocity_from_state_dicts([sd])
+    u = velocity_from_state_dicts(ECD, [sd])
     total = math.sqrt(sum(v.square().sum().item() for v in pis.values()))
     assert torch.allclose(u["a"], pis[0] / total) and torch.allclose(u["b"], pis[1] / total)
-    sd["state"][0] = {"exp_avg": pis[0], "exp_avg_sq": pis[0].abs(), "GG": pis[0], "step": torch.tensor(1.0)}
-    with pytest.raises(ValueError, match="keys"):
-        velocity_from_state_dicts([sd])
-    sd["state"][0] = {"exp_avg": pis[0], "exp_avg_sq": pis[0].abs()}  # Muon's AdamW part: no step, no betas
-    with pytest.raises(ValueError, match="keys"):
-        velocity_from_state_dicts([sd])
+    sd["state"][0] = {"exp_avg": pis[0], "exp_avg_sq": pis[0].abs()}  # Muon's AdamW part: m, v, no velocity
+    for optimizer in (Muon, SOAP):
+        with pytest.raises(ValueError, match=f"{optimizer.__name__} defines no velocity"):
+            velocity_from_state_dicts(optimizer, [sd])
 
 
 def test_weight_drift_ratio_matches_explicit_products():
@@ -257,7 +259,7 @@ def test_weight_drift_ratio_matches_explicit_products():
 def test_online_diagnostics_do_not_synchronise_with_the_host():
     model = tiny_model(15).cuda()
     groups = [{"params": list(model.parameters()), "names": [n for n, _ in model.named_parameters()]}]
-    opt = torch.optim.AdamW(groups, lr=1e-3)
+    opt = AdamW(groups, lr=1e-3)
     idx = torch.randint(0, 96, (2, 16), device="cuda")
     model(idx, idx)[1].backward()
     opt.step()

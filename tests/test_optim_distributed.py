@@ -91,6 +91,17 @@ def train(name, model, opt, steps, first=0, rank=0, world=1, on_step=None, micro
     return started
 
 
+def interface_after_training(opt: torch.optim.Optimizer) -> dict:
+    """What optim.base.OptimizerInterface reports after training, and the first moments after writing them back
+    doubled (collectives: every rank calls it)."""
+    moments = {name: value.clone() for name, value in opt.first_moments().items()}
+    steering = sorted(opt.first_moments(steering_only=True))
+    velocity = opt.velocity()
+    opt.set_first_moments({name: 2 * value for name, value in moments.items()})
+    doubled = {name: value.clone() for name, value in opt.first_moments().items()}
+    return {"moments": moments, "steering": steering, "velocity": velocity, "doubled": doubled}
+
+
 def thread_names() -> list[str]:
     return [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
 
@@ -111,6 +122,9 @@ def worker(rank: int, out: str) -> None:
         started = {"plain": train(name, model, opt, STEPS, rank=rank, world=WORLD, on_step=save)}
         if rank == 0:
             torch.save(model.state_dict(), Path(out) / f"{name}_final.pt")
+        interface = interface_after_training(opt)
+        if rank == 0:
+            torch.save(interface, Path(out) / f"{name}_interface.pt")
         for variant, kwargs in VARIANTS.items():
             model = Net()
             started[variant] = train(name, model, make(name, model), STEPS, rank=rank, world=WORLD, **kwargs)
@@ -167,6 +181,20 @@ def test_reductions_start_during_the_last_backward_pass(two_rank_results, name):
     started = json.loads((two_rank_results / f"{name}_started.json").read_text())
     assert started["plain"] == started["accumulated"] == started["clipped"] == expected > 0
     assert started["in_step"] == 0  # overlap off: step() starts every reduction
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_first_moments_and_velocity_of_two_ranks_equal_one_process(two_rank_results, name):
+    """The sharded state, gathered for the gauge tools and written back, is the state of one process."""
+    model = Net()
+    opt = make(name, model)
+    train(name, model, opt, STEPS)
+    one, two = interface_after_training(opt), torch.load(two_rank_results / f"{name}_interface.pt")
+    assert one["steering"] == two["steering"] and (one["velocity"] is None) == (two["velocity"] is None)
+    assert len(one["moments"]) == (0 if name == "soap" else len(list(model.parameters())))
+    for key in ("moments", "doubled", "velocity"):
+        assert_same(one[key] or {}, two[key] or {}, TOLERANCE[name])
+    assert_same(two["doubled"], {name: 2 * value for name, value in two["moments"].items()}, 0.0)
 
 
 def test_clipping_scales_the_averaged_gradient_to_the_bound():

@@ -218,7 +218,7 @@ def test_first_call_below_f0_initialises_but_does_not_move():
         opt.step(loss.detach())
         opt.step(loss.detach())
     assert np.array_equal(flat(model.parameters()), before)
-    np.testing.assert_allclose(flat(opt.unit_velocity().values()), -g / np.linalg.norm(g), rtol=1e-12)
+    np.testing.assert_allclose(flat(opt.velocity().values()), -g / np.linalg.norm(g), rtol=1e-12)
 
 
 def test_closure_form_equals_loss_form():
@@ -241,11 +241,11 @@ def test_closure_form_equals_loss_form():
     assert np.array_equal(finals[0], finals[1])
 
 
-def test_unit_velocity_is_normalised_momentum_by_name():
+def test_velocity_is_normalised_momentum_by_name():
     model = tiny_model(8)
     opt = ECD(groups(model, 0.0), lr=0.1, ecd_eta=4.0, ecd_f0=0.0, ecd_nu=0.2)
     run_ecd(model, opt, 3)
-    u = opt.unit_velocity()
+    u = opt.velocity()
     assert set(u) == {n for n, _ in model.named_parameters()}
     assert sum(t.square().sum().item() for t in u.values()) == pytest.approx(1.0, rel=1e-12)
     pi = opt.state_dict()["state"]

@@ -69,9 +69,3 @@ def test_build_owns_every_parameter_once_and_refuses_a_build_that_does_not(name)
                             (repeating_one, "twice|more than one parameter group")):
         with pytest.raises((RuntimeError, ValueError), match=problem):
             dataclasses.replace(spec, groups=groups).build(model, spec.config())
-
-
-def test_every_optimizer_says_whether_its_moments_are_in_the_parameters_coordinates():
-    """The gauge tools transport first moments only where they are (docs/gauge.md): not SOAP's eigenbasis ones."""
-    declared = {name: spec.optimizer.moments_in_parameter_basis for name, spec in OPTIMIZERS.items()}
-    assert declared == {"ecd": True, "soap": False, "muon": True, "adamw": True, "sgdm": True}

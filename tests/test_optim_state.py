@@ -126,7 +126,7 @@ def circular_valley_angular_momentum(make_opt, velocity, steps: int = 60) -> lis
 def test_circular_valley_sgdm_keeps_zero_angular_momentum_ecd_with_noise_gains_some():
     sgdm = circular_valley_angular_momentum(
         lambda p: torch.optim.SGD([p], lr=0.01, momentum=0.9), lambda o, p: o.state[p]["momentum_buffer"])
-    ecd_velocity = lambda o, p: next(iter(o.unit_velocity().values()))  # noqa: E731
+    ecd_velocity = lambda o, p: next(iter(o.velocity().values()))  # noqa: E731
     quiet = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01), ecd_velocity)
     noisy = circular_valley_angular_momentum(lambda p: ECD([p], lr=0.05, ecd_eta=2.0, ecd_f0=-0.01, ecd_nu=1.0),
                                              ecd_velocity)
