@@ -8,9 +8,7 @@ preset <- the resumed checkpoint's config <- command-line flags (docs/runs.md#co
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,19 +17,17 @@ import torch
 
 from cli import ArgumentParser, add_flags, field_problem, option
 from optim import OPTIMIZERS, OptimizerConfig
-from optim.registry import upgrade_saved_config
-from runs import (
+from run.checkpoint import (
     CheckpointError,
-    batch_layout,
-    existing_run_problem,
     load_checkpoint,
-    module_available,
     newer_checkpoints,
     resolve_checkpoint_path,
     resolve_resume,
     run_dir_of,
-    world_size_from_env,
 )
+from run.directory import existing_run_problem
+from run.log import module_available
+from run.process import batch_layout, world_size_from_env
 from timing import parse_window
 from variants import ModelVariants, ResearchConfig, variant_problem
 
@@ -94,7 +90,7 @@ class RunConfig:
     optim: OptimizerConfig
     preset: str | None = None
     continue_in: Path | None = None  # a resumed run's own directory, when the run goes on there (see resume_home)
-    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see runs.resolve_resume)
+    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see run.checkpoint.resolve_resume)
     notes: list[str] = field(default_factory=list)  # what resolving --resume passed over, for the log
 
     def sections(self) -> dict[str, object]:
@@ -105,27 +101,15 @@ class RunConfig:
 
 
 def saved_fields(saved: dict, cls: type) -> dict:
-    """The fields of config dataclass `cls` present in a saved config section, or in a whole saved config (then
-    every section is searched, so a field that moved between sections is still found)."""
-    values = dict(saved)
-    for section in saved.values():
-        if isinstance(section, dict):
-            values = {**section, **values}
-    return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
-
-
-def saved_section(saved: dict, section: str, cls: type) -> dict:
-    """The fields of section `section` (config dataclass `cls`) that a whole saved config holds: the optimizer's
-    from its own section, the others from any section but the optimizer's."""
-    return saved_fields(saved["optim"] if section == "optim" else {k: v for k, v in saved.items() if k != "optim"},
-                        cls)
+    """The fields of config dataclass `cls` present in `saved` (a saved section, or parsed flags)."""
+    return {f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved}
 
 
 def changed_settings(cfg: RunConfig, saved: dict) -> dict[str, list]:
     """{"section.field": [the checkpoint's value, this run's]} for every flag a resumed run changes."""
     changed = {}
     for name, section in cfg.sections().items():
-        old = saved_section(saved, name, type(section))
+        old = saved_fields(saved[name], type(section))
         for key, value in asdict(section).items():
             if key != "resume" and key in old and old[key] != value:
                 changed[f"{name}.{key}"] = [old[key], value]
@@ -133,8 +117,8 @@ def changed_settings(cfg: RunConfig, saved: dict) -> dict[str, list]:
 
 
 def config_from_dict(saved: dict, cls: type):
-    """A config dataclass from a saved config (see saved_fields): missing keys take the defaults, unknown keys are
-    ignored (checkpoints of older or newer code)."""
+    """A config dataclass from a saved section (see saved_fields): fields it lacks take their defaults, keys that are
+    no field are ignored."""
     return cls(**saved_fields(saved, cls))
 
 
@@ -163,7 +147,7 @@ def preset_report(cfg: RunConfig, dtype: str | None = None) -> dict:
     """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
     start of log.txt; docs/optimizers.md#paper-parity): every flag that affects results and differs from the paper
     preset. A run without --preset is compared with gpt2-124m, whose values are the defaults. dtype: the precision
-    the run computes in (runs.Runtime.dtype_name; default: --dtype's)."""
+    the run computes in (run.process.Runtime.dtype_name; default: --dtype's)."""
     name = cfg.preset
     if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
         return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
@@ -234,31 +218,28 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
         try:
             resume_from, notes = resolve_resume(known.resume)
             checkpoint = load_checkpoint(resume_from, mmap=True)  # reads no tensor
-            if "optimizers" not in checkpoint:
+            if "optimizer" not in checkpoint:
                 raise CheckpointError(f"--resume {known.resume}: the checkpoint holds only model weights (no "
                                       f"training state); start a new run from them with --init-from {known.resume}")
         except CheckpointError as exc:
             pre.error(str(exc))
-        saved = {**checkpoint["config"], "optim": upgrade_saved_config(checkpoint["config"].get("optim", {})),
-                 "train": upgrade_saved_train(checkpoint["config"].get("train", {})),
-                 # runs from before --gauge-project-velocity projected the step only: they go on doing so
-                 "research": {"gauge_project_velocity": False, **checkpoint["config"].get("research", {})}}
+        saved = checkpoint["config"]
     preset = known.preset
     if saved:
-        preset = saved_preset(saved, resume_from)
+        preset = saved["preset"] if saved["preset"] in PRESETS else None
         if known.preset and preset and known.preset != preset:
             pre.error(f"--preset {known.preset}: the resumed run was started with --preset {preset}, which it keeps "
                       "(flags given with --resume change single settings)")
         preset = preset or known.preset
-    optimizer = (known.optimizer or (saved["train"].get("optimizer") if saved else None)
+    optimizer = (known.optimizer or (saved["train"]["optimizer"] if saved else None)
                  or PRESETS.get(preset, {}).get("optimizer") or train.optimizer)
     classes = section_classes(model, train, optimizer)
     base = preset_values(classes, preset, optimizer)
     if saved:
-        same_optimizer = saved["train"].get("optimizer") == optimizer
+        same_optimizer = saved["train"]["optimizer"] == optimizer
         for section, cls in classes.items():
             if section != "optim" or same_optimizer:
-                base[section].update(saved_section(saved, section, cls))
+                base[section].update(saved_fields(saved[section], cls))
     base["train"]["optimizer"] = optimizer
     parser = build_arg_parser(classes, optimizer, base)
     foreign = _foreign_optimizer_flag(argv, classes, optimizer)
@@ -342,7 +323,7 @@ def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
     """A flag given on --resume that cannot take effect (fixed_on_resume: the model, the data order, the biases,
     the optimizer's parameter groups), phrased as what to do; None when every flag can."""
     for name, section in cfg.sections().items():
-        old_values = saved_section(saved, name, type(section))
+        old_values = saved_fields(saved[name], type(section))
         for field_name in fields_where(section, "fixed_on_resume"):
             old, new = old_values.get(field_name), getattr(section, field_name)
             if field_name in old_values and old != new:
@@ -365,19 +346,3 @@ def resume_home(hp, checkpoint: Path, step: int, given: set[str]) -> tuple[Path 
         return home, None
     return None, (f"--resume {checkpoint}: {home} holds later checkpoints ({', '.join(newer)}), which going on "
                   "there would replace: this run starts a new run directory (--run-name names it)")
-
-
-def saved_preset(saved: dict, checkpoint: Path) -> str | None:
-    """The --preset a resumed run was started with: recorded in its checkpoints' config, or for checkpoints written
-    before they recorded it, in config.json of the checkpoint's run directory (None: no preset, or unknown)."""
-    preset = saved.get("preset")
-    if "preset" not in saved and (home := run_dir_of(checkpoint)) is not None:
-        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
-            preset = json.loads((home / "config.json").read_text())["preset"]["name"]
-    return preset if preset in PRESETS else None
-
-
-def upgrade_saved_train(train: dict) -> dict:
-    """A saved training section in today's fields: --keep-checkpoints was a switch, whose on kept every step file."""
-    keep = train.get("keep_checkpoints")
-    return {**train, "keep_checkpoints": -int(keep)} if isinstance(keep, bool) else train

@@ -33,13 +33,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-import runs
 import train_gpt
 from cli import ArgumentParser, add_model_flag
-from config import config_from_dict
-from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write
+from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import ENDOFTEXT, gpt2_bpe_files
+from fileio import atomic_write
 from optim import OPTIMIZERS
+from run.checkpoint import CheckpointError, load_checkpoint, model_checkpoint, resolve_checkpoint_path, save_checkpoint
+from variants import ResearchConfig
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -47,7 +48,6 @@ GENERATION_FILE = "generation_config.json"
 MODELING_FILE = Path(__file__).with_name("modeling_symgpt.py")  # the remote code of PReLU exports
 MODEL_TYPE = "symgpt"
 AUTO_MAP = {"AutoConfig": "modeling_symgpt.SymGPTConfig", "AutoModelForCausalLM": "modeling_symgpt.SymGPTForCausalLM"}
-PRELU_FORMAT = "symgpt-prelu-gpt2-v1"  # PReLU directories written before the remote-code format; still read
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 200}  # python -m sample's, also generation_config.json's
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which our model uses
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -201,13 +201,11 @@ HF_SIZES = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": 12, "n_hea
 
 
 def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
-    """Our GPTConfig for a directory's config.json: a GPT2Config, our SymGPTConfig (PReLU), or the PReLU format
-    written before it."""
-    if meta.get("format") == PRELU_FORMAT:
-        return config_from_dict(meta["model"], train_gpt.GPTConfig)
+    """Our GPTConfig for a directory's config.json: a GPT2Config or our SymGPTConfig (PReLU)."""
     if meta.get("model_type") not in ("gpt2", MODEL_TYPE):
         raise ExportError(f"{source / CONFIG_FILE}: neither a GPT-2 config (model_type 'gpt2') nor one of ours "
-                          f"(model_type '{MODEL_TYPE}'); its model_type is {meta.get('model_type')!r}")
+                          f"(model_type '{MODEL_TYPE}'); its model_type is {meta.get('model_type')!r}: export the "
+                          "checkpoint it came from again with `python -m export to-hf`")
     sizes = {key: meta.get(key, default) for key, default in HF_SIZES.items()}
     for key, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -309,10 +307,10 @@ def model_file(source: str | os.PathLike, flag: str = "--checkpoint") -> Path:
     if path.is_dir() and (path / WEIGHTS_FILE).is_file():
         return path / WEIGHTS_FILE
     try:
-        return runs.resolve_checkpoint_path(path, flag=flag)
-    except runs.CheckpointError as exc:
-        raise runs.CheckpointError(f"{exc}. {flag} takes a run directory, a checkpoint file, or a directory written "
-                                   "by `python -m export to-hf` (model.safetensors + config.json)") from None
+        return resolve_checkpoint_path(path, flag=flag)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}. {flag} takes a run directory, a checkpoint file, or a directory written "
+                              "by `python -m export to-hf` (model.safetensors + config.json)") from None
 
 
 def is_exported(file: Path) -> bool:
@@ -332,16 +330,16 @@ def load_as_checkpoint(file: Path) -> dict:
     """A model_file as our checkpoint dict: the checkpoint itself (mapped, its checksum verified: a damaged file is
     a CheckpointError, not a wrong number), or an exported model at step 0."""
     return checkpoint_of(load_exported(file.parent), str(file.parent)) if is_exported(file) else (
-        runs.load_checkpoint(file, mmap=True, verify=True))
+        load_checkpoint(file, mmap=True, verify=True))
 
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
     """A checkpoint in our format holding only the model (step 0, default training config), for sample and eval."""
     optimizer = train_gpt.TrainConfig.optimizer
     config = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.TrainConfig()),
-              "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config())}
-    return runs.model_checkpoint(model, config, 0, imported_from=source,
-                                 metrics={"step": 0, "tokens": 0, "train_time_s": 0.0})
+              "research": dataclasses.asdict(ResearchConfig()),
+              "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config()), "data": None, "preset": None}
+    return model_checkpoint(model, config, 0, {"step": 0, "tokens": 0, "train_time_s": 0.0}, imported_from=source)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,9 +368,9 @@ def main(argv: list[str] | None = None) -> None:
                 raise ExportError(f"--out {args.out} exists; choose a new file")
             model = load_exported(args.source)
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            runs.save_checkpoint(args.out, checkpoint_of(model, args.source))
+            save_checkpoint(args.out, checkpoint_of(model, args.source))
             print(f"wrote {args.out}: {model.get_num_params():,} parameters from {args.source}")
-    except (ExportError, runs.CheckpointError) as exc:
+    except (ExportError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 

@@ -1,9 +1,9 @@
 """The keys and values of the tokens a model has already read, so that generation runs one new token per step
 instead of the whole window (docs/export.md#sampling).
 
-`GPT.generate` makes a `KVCache` and passes it to `GPT.forward`, which hands layer i's `LayerCache` to its attention:
-the attention appends the step's keys and values and attends over all of them (causally only when the step's
-queries and keys are the same tokens, the first call). Positions continue after `KVCache.length`.
+`sample.generate` makes a `KVCache` and passes it to `GPT.forward`, which hands layer i's `LayerCache` to its
+attention: the attention appends the step's keys and values and attends over all of them (causally only when the
+step's queries and keys are the same tokens, the first call). Positions continue after `KVCache.length`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     python -m sample --checkpoint gpt2.pt --num-samples 3 --temperature 0.8 --top-k 200 --seed 1
 
 --checkpoint (or --run) takes a run directory (its checkpoints/latest.pt), a checkpoint file, or a directory written
-by `python -m export to-hf` (model.safetensors + config.json). Generation keeps a KV cache (GPT.generate).
+by `python -m export to-hf` (model.safetensors + config.json). Generation keeps a KV cache (`generate`).
 """
 from __future__ import annotations
 
@@ -17,17 +17,48 @@ from pathlib import Path
 import torch
 
 import export
-import runs
+import kv_cache
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
+from run.checkpoint import CheckpointError
+
+
+@torch.no_grad()
+def generate(model: train_gpt.GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, vocab_limit: int | None = None, generator: torch.Generator | None = None,
+             use_cache: bool = True) -> torch.Tensor:
+    """Continue each row of idx (B, T) by max_new_tokens tokens sampled from `model` with the mean biases, as nanoGPT
+    does: the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the
+    `top_k` most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the
+    vocabulary is padded. A KV cache reads each token once while the context fits block_size (standard attention,
+    use_cache); past it, and without the cache, every token reruns the window (docs/export.md#sampling)."""
+    if model.config.objective != "clm":
+        raise ValueError(f"this model was trained with --objective {model.config.objective}: it predicts masked "
+                         "tokens from both sides, not the next token, so it cannot generate text")
+    cache = kv_cache.for_model(model.config) if use_cache else None
+    for _ in range(max_new_tokens):
+        if idx.size(1) > model.config.block_size:
+            cache = None  # positions are absolute: once the context outgrows them, each token reruns the window
+        context = idx[:, -model.config.block_size:] if cache is None else idx[:, cache.length:]
+        logits = model(context, cache=cache)[0][:, -1, :vocab_limit].float()
+        if temperature == 0:
+            next_token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+        idx = torch.cat((idx, next_token), dim=1)
+    return idx
 
 
 def load_model(source: str) -> train_gpt.GPT:
     """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
     try:
         return export.load_model(source)
-    except (export.ExportError, runs.CheckpointError) as exc:
+    except (export.ExportError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 
@@ -110,8 +141,8 @@ def sample(args: argparse.Namespace) -> list[str]:
     use_bf16 = device.type == "cuda" and args.dtype in ("auto", "bf16")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
     with autocast:
-        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                             vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
+        out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                       vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
     return [encoding.decode(row[len(tokens):].tolist()) for row in out]
 
 

@@ -28,8 +28,9 @@ class TrainingClock:
     returns it one step later with the scalars, the training time at its mark and the rates since the last one.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, mfu_per_token_s: float | None = None) -> None:
         self.cuda = device.type == "cuda"
+        self.mfu_per_token_s = mfu_per_token_s  # MFU of one token per second (None: the device's peak is unknown)
         self.seconds = 0.0  # training time up to `origin`
         self.origin: Mark = self.mark()
         self.pending: tuple | None = None
@@ -73,7 +74,7 @@ class TrainingClock:
         self.pending = record, host, self.mark(), self.seconds, self.origin
 
     def ready(self) -> tuple[dict, list[float]] | None:
-        """The held record (None if none) with train_time_s, step_ms and tokens_per_s since the last one, and the
+        """The held record (None if none) with train_time_s, step_ms, tokens_per_s and mfu since the last one, and the
         scalars as floats; waits for the device only if it has not passed the record's mark yet."""
         if self.pending is None:
             return None
@@ -85,6 +86,7 @@ class TrainingClock:
         record.update(train_time_s=seconds, elapsed_s=seconds,
                       step_ms=1e3 * elapsed / max(record["step"] - self.last["step"], 1),
                       tokens_per_s=(record["tokens"] - self.last["tokens"]) / elapsed)
+        record["mfu"] = self.mfu_per_token_s * record["tokens_per_s"] if self.mfu_per_token_s else None
         self.last = {"step": record["step"], "tokens": record["tokens"], "time": seconds}
         return record, host.tolist()
 

@@ -5,8 +5,9 @@
 
 Reads top to bottom: flags → model (GPT-2 with per-batch sampled b_Q, b_V) → bias sampler → learning-rate schedule
 → evaluation → the trainer (build, restore, open the run, the step, validate, checkpoint, log, the loop, finish) →
-main. The machinery lives in modules of its own: config.py (presets, parsing, checks), runs.py (run directories,
-checkpoints, logs, stop requests), variants.py (research variants and hooks), data/, optim/, kernels/, gauge/.
+main. The machinery lives in modules of its own: config.py (presets, parsing, checks), run/ (process setup,
+checkpoints, the run directory, logs, stop requests), variants.py (research variants and hooks), data/, optim/,
+kernels/, gauge/.
 Importing this module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer
 shape), arXiv 2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
 """
@@ -19,7 +20,6 @@ import os
 import signal
 import sys
 from dataclasses import asdict, dataclass
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -30,15 +30,20 @@ import torch.nn.functional as F
 
 import config
 import kv_cache
-import runs
 from cli import flag
 from data.loader import DistributedTokenLoader, validation_batches
-from data.lookup import DataChangedError, data_changes, data_summary, describe_data, resolve_data_files
+from data.lookup import DataChangedError, check_resumed_data, training_data
 from data.shards import ShardError
 from kernels import attention_paths
 from kernels.attention_paths import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
+from run.checkpoint import CheckpointError, Progress, link_tied, load_checkpoint, load_initial_weights
+from run.checkpoint import restore_training_state, save_run_checkpoint, training_checkpoint
+from run.directory import RunDirectory, RunInUseError, open_run_directory
+from run.log import RunLog, done_line, next_steps, step_line
+from run.process import Runtime, setup_process
+from run.stop import StopRequest, TrainingStopped, all_finite, non_finite_stop_message
 from timing import ProfileWindow, TrainingClock, summary_lines
 from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
 
@@ -89,7 +94,9 @@ class GPTConfig(ModelVariants, GPTArchitecture):
     """The model: GPTArchitecture's fields, then variants.ModelVariants' (their order in config.json and --help)."""
 
 
-logs = functools.partial(flag, affects_results=False)  # where, how often or how fast: not what the run computes
+# Flags that the presets' parity report and eval.compare's conditions leave out (cli.flag's affects_results): where,
+# how often or how fast, and the seed, precision and data, which the report and the run's record state on their own.
+uncompared = functools.partial(flag, affects_results=False)
 
 
 @dataclass
@@ -98,9 +105,10 @@ class TrainConfig:
 
     optimizer: str = flag("adamw", "optimizer (listed below); its hyperparameters are the optimizer flags",
                           choices=tuple(sorted(OPTIMIZERS)), fixed_on_resume=True)
-    train_files: str = logs("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded corpus",
-                            fixed_on_resume=True)
-    val_files: str = logs("", "glob of validation shards; empty: --train-files, else the default data's validation")
+    train_files: str = uncompared("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded "
+                                      "corpus", fixed_on_resume=True)
+    val_files: str = uncompared("", "glob of validation shards; empty: --train-files, else the default data's "
+                                    "validation")
     seq_len: int = flag(512, "tokens per training sequence (<= block_size)", bounds="> 0", fixed_on_resume=True)
     batch_tokens: int = flag(4096, "global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)",
                              bounds="> 0", fixed_on_resume=True)
@@ -117,52 +125,54 @@ class TrainConfig:
     min_lr_frac: float = flag(0.0, "final learning rate as a fraction of the peak (cosine, linear)", bounds="[0, 1]")
     grad_clip: float = flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm",
                             bounds=">= 0")
-    val_every: int = logs(1000, "validate every N steps (and at the start and end); 0: only at the end",
-                          bounds=">= 0")
-    val_tokens: int = logs(1048576, "fixed validation budget in tokens (the same sequences every time, on any "
-                                    "number of processes; whole sequences of --seq-len)", bounds="> 0")
-    val_batch_estimate: bool = logs(True, "also log the published runs' validation: at each multiple of "
-                                          "--val-every the loss on the next batch of --batch-tokens validation "
-                                          "tokens, and the minimum of these single-batch estimates "
-                                          "(docs/optimizers.md#paper-parity)")
-    log_every: int = logs(10, "print and log a line every N steps", bounds="> 0")
-    checkpoint_every: int = logs(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
-                                       "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
-    keep_checkpoints: int = logs(0, "also keep checkpoints/step_XXXXXX.pt of the last K checkpoints, removing older "
-                                    "ones (0: latest.pt only; -1: every one)", bounds=">= -1")
-    target_val_loss: float = logs(0.0, "report the first step and training time reaching this validation loss "
-                                       "(0: off)", bounds=">= 0")
-    stop_at_target: bool = logs(False, "stop the run once target_val_loss is reached")
-    run_dir: str = logs("runs", "parent directory of run directories")
-    run_name: str = logs("", "run directory name (default: timestamp-preset-optimizer); an existing run is "
-                             "never overwritten")
-    resume: str = logs("", "checkpoint file or run directory to resume from (a damaged latest.pt falls back to the "
-                           "newest intact step_XXXXXX.pt): its config is the base and flags override it; the run "
-                           "continues in the checkpoint's run directory unless --run-name or --run-dir name another")
+    val_every: int = uncompared(1000, "validate every N steps (and at the start and end); 0: only at the end",
+                                bounds=">= 0")
+    val_tokens: int = uncompared(1048576, "fixed validation budget in tokens (the same sequences every time, on any "
+                                          "number of processes; whole sequences of --seq-len)", bounds="> 0")
+    val_batch_estimate: bool = uncompared(True, "also log the published runs' validation: at each multiple of "
+                                                "--val-every the loss on the next batch of --batch-tokens validation "
+                                                "tokens, and the minimum of these single-batch estimates "
+                                                "(docs/optimizers.md#paper-parity)")
+    log_every: int = uncompared(10, "print and log a line every N steps", bounds="> 0")
+    checkpoint_every: int = uncompared(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
+                                             "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
+    keep_checkpoints: int = uncompared(0, "also keep checkpoints/step_XXXXXX.pt of the last K checkpoints, removing "
+                                          "older ones (0: latest.pt only; -1: every one)", bounds=">= -1")
+    target_val_loss: float = uncompared(0.0, "report the first step and training time reaching this validation loss "
+                                             "(0: off)", bounds=">= 0")
+    stop_at_target: bool = uncompared(False, "stop the run once target_val_loss is reached")
+    run_dir: str = uncompared("runs", "parent directory of run directories")
+    run_name: str = uncompared("", "run directory name (default: timestamp-preset-optimizer); an existing run is never "
+                                   "overwritten")
+    resume: str = uncompared("", "checkpoint file or run directory to resume from (a damaged latest.pt falls back to "
+                                 "the newest intact step_XXXXXX.pt): its config is the base and flags override it; the "
+                                 "run continues in the checkpoint's run directory unless --run-name or --run-dir name "
+                                 "another")
     init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
                               "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
                               "data and step start fresh; ignored by --resume")
-    seed: int = logs(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
-                     fixed_on_resume=True)
-    device: str = logs("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
-    dtype: str = logs("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset report "
-                              "states the precision separately)", choices=("bf16", "fp32"))
-    compile: bool = logs(True, "torch.compile the model on CUDA")
-    compile_mode: str = logs("default", "torch.compile mode: default, reduce-overhead (CUDA graphs: one launch per "
-                                        "graph, for small steps) or max-autotune (also tunes its kernels)",
-                             choices=("default", "reduce-overhead", "max-autotune"))
-    profile_steps: str = logs("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace in "
-                                  "the run directory, host and device time per step in log.txt (empty: off)")
-    attention_impl: str = logs("auto", "attention implementation, all exact: auto (this GPU's row of "
-                                       "kernels/attention_table.json, else sdpa), triton, sdpa or flex "
-                                       "(docs/model.md#choosing-the-implementation)", choices=attention_paths.CHOICES)
-    overlap_reduce: bool = logs(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
-                                      "backward pass computes the others (as DDP does)")
-    wandb_project: str = logs("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
-                                  "(needs `pip install wandb`; empty: off)")
-    wandb_run_name: str = logs("", "Weights & Biases run name (default: the run directory's name)")
-    tensorboard: str = logs("", "also write log.jsonl's numbers as TensorBoard scalars to DIR/<run name> (needs `pip "
-                                "install tensorboard`; empty: off)")
+    seed: int = uncompared(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
+                           fixed_on_resume=True)
+    device: str = uncompared("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
+    dtype: str = uncompared("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset "
+                                    "report states the precision separately)", choices=("bf16", "fp32"))
+    compile: bool = uncompared(True, "torch.compile the model on CUDA")
+    compile_mode: str = uncompared("default", "torch.compile mode: default, reduce-overhead (CUDA graphs: one launch "
+                                              "per graph, for small steps) or max-autotune (also tunes its kernels)",
+                                   choices=("default", "reduce-overhead", "max-autotune"))
+    profile_steps: str = uncompared("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace "
+                                        "in the run directory, host and device time per step in log.txt (empty: off)")
+    attention_impl: str = uncompared("auto", "attention implementation, all exact: auto (this GPU's row of "
+                                             "kernels/attention_table.json, else sdpa), triton, sdpa or flex "
+                                             "(docs/model.md#choosing-the-implementation)",
+                                     choices=attention_paths.CHOICES)
+    overlap_reduce: bool = uncompared(True, "ECD/SOAP/Muon under torchrun: average each gradient bucket while the "
+                                            "backward pass computes the others (as DDP does)")
+    wandb_project: str = uncompared("", "also send the config and log.jsonl's numbers to this Weights & Biases project "
+                                        "(needs `pip install wandb`; empty: off)")
+    wandb_run_name: str = uncompared("", "Weights & Biases run name (default: the run directory's name)")
+    tensorboard: str = uncompared("", "also write log.jsonl's numbers as TensorBoard scalars to DIR/<run name> (needs "
+                                      "`pip install tensorboard`; empty: off)")
 
 
 def parse_config(argv: list[str] | None = None) -> config.RunConfig:
@@ -252,7 +262,8 @@ class GPT(nn.Module):
     forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 2, d) or
     (n_layer, 2, H, d) holding b_Q, b_V per layer; None means evaluation, which uses the means (docs/model.md).
     Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Without targets,
-    only the last position's logits (generation's; nanoGPT's way) unless all_logits. Variants: docs/variants.md."""
+    only the last position's logits (generation's, sample.generate; nanoGPT's way) unless all_logits. Variants:
+    docs/variants.md."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -311,35 +322,6 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 vocab_limit: int | None = None, generator: torch.Generator | None = None, use_cache: bool = True
-                 ) -> torch.Tensor:
-        """Continue each row of idx (B, T) by max_new_tokens sampled tokens, with the mean biases, as nanoGPT does:
-        the context is cropped to block_size, logits are divided by `temperature` (0: greedy) and cut to the `top_k`
-        most likely tokens. `vocab_limit` samples only ids below it, e.g. the tokenizer's 50257 when the vocabulary
-        is padded. A KV cache reads each token once while the context fits block_size (standard attention,
-        use_cache); past it, and without the cache, every token reruns the window (docs/export.md#sampling)."""
-        if self.config.objective != "clm":
-            raise ValueError(f"this model was trained with --objective {self.config.objective}: it predicts masked "
-                             "tokens from both sides, not the next token, so it cannot generate text")
-        cache = kv_cache.for_model(self.config) if use_cache else None
-        for _ in range(max_new_tokens):
-            if idx.size(1) > self.config.block_size:
-                cache = None  # positions are absolute: once the context outgrows them, each token reruns the window
-            context = idx[:, -self.config.block_size:] if cache is None else idx[:, cache.length:]
-            logits = self(context, cache=cache)[0][:, -1, :vocab_limit].float()
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat((idx, next_token), dim=1)
-        return idx
-
     def estimate_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·d·T for attention (PaLM App. B, nanoGPT)."""
         cfg = self.config
@@ -348,9 +330,9 @@ class GPT(nn.Module):
 
 def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
     """The checkpoint's model on the CPU in eval mode (evaluation uses the mean biases)."""
-    ckpt = checkpoint if isinstance(checkpoint, dict) else runs.load_checkpoint(checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     model = GPT(config.config_from_dict(ckpt["config"]["model"], GPTConfig))
-    model.load_state_dict(runs.link_tied(ckpt)["model"])
+    model.load_state_dict(link_tied(ckpt)["model"])
     return model.eval()
 
 
@@ -423,7 +405,7 @@ class BiasSampler:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Learning-rate schedule and throughput
+# Learning-rate schedule
 
 
 def lr_factor(step: int, hp: TrainConfig) -> float:
@@ -471,116 +453,77 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
     return (total[0] / total[1]).item()
 
 
+def single_batch_start(step: int, hp: TrainConfig) -> int | None:
+    """The first validation sequence of the published runs' single-batch estimate at `step` (--val-batch-estimate,
+    docs/optimizers.md#paper-parity): the k-th global batch of the validation stream at the k-th multiple of
+    --val-every, cycling within the --val-tokens budget; None when no estimate is due."""
+    batches = hp.val_tokens // hp.batch_tokens  # whole --batch-tokens batches in the budget
+    if not (hp.val_batch_estimate and hp.val_every and batches and step and step % hp.val_every == 0):
+        return None
+    return (step // hp.val_every - 1) % batches * (hp.batch_tokens // hp.seq_len)
+
+
 # -----------------------------------------------------------------------------------------------------------------
-# Training: runs.setup → Trainer (build, restore, open the run, loop, finish).
-
-
-@dataclass
-class Progress:
-    """What a checkpoint records of where the run is and what it has measured (also each validation record)."""
-
-    step: int = 0
-    tokens: int = 0
-    train_time_s: float = 0.0
-    val_loss: float | None = None
-    val_step: int | None = None
-    best_val_loss_batch: float | None = None  # the least single-batch validation estimate (--val-batch-estimate)
-    reached_target: dict | None = None
-
-
-class TrainingStopped(SystemExit):
-    """A deliberate stop on every rank alike (non-finite state, a signal): the process group can be torn down."""
+# Training: setup_process → Trainer (build, restore, open the run, loop, finish).
 
 
 class Trainer:
-    """The run: built once from the config (data, model, optimizers, loader, bias sampler, objective, hooks), then
+    """The run: built once from the config (data, model, optimizer, loader, bias sampler, objective, hooks), then
     `restore` (for --resume), `open_run`, `train`, `finish`. `progress` is what changes and what a checkpoint saves
-    besides the model, optimizers and loader."""
+    besides the model, optimizer and loader."""
 
-    def __init__(self, cfg: config.RunConfig, rt: runs.Runtime, log: runs.RunLog) -> None:
-        """Data (the validation data is checked here, before any step), model, optimizers, loader, bias sampler."""
+    def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
+        """Data (the validation data is checked here, before any step), model, optimizer, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
-        train_files, self.val_files, note = resolve_data_files(hp.train_files, hp.val_files, rt.is_master)
-        if note:
-            log.line(note)
-        validation_batches(self.val_files, hp.micro_batch, hp.seq_len, hp.val_tokens, vocab_size=cfg.model.vocab_size)
-        self.data_record = None
-        if rt.is_master:
-            self.data_record = describe_data({"train": hp.train_files, "val": hp.val_files},
-                                             {"train": train_files, "val": self.val_files})
-            log.line(data_summary(self.data_record))
+        train_files, self.val_files, self.data_record, lines = training_data(hp, cfg.model.vocab_size, rt.is_master)
+        for line in lines:
+            log.line(line)
         torch.manual_seed(hp.seed)
         self.model = GPT(cfg.model).to(rt.device)
         if hp.init_from and not hp.resume:
-            log.line(runs.load_initial_weights(self.model, hp.init_from))
+            log.line(load_initial_weights(self.model, hp.init_from))
         self.spec = OPTIMIZERS[hp.optimizer]
-        self.optimizers = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
-        self.peak_settings = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                              for opt in self.optimizers]  # each group's settings as built (lr: the peak)
-        self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank,
-                                             world_size=rt.world, grad_accum_steps=rt.grad_accum,
-                                             vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
-                                             device=rt.device)
+        self.optimizer = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
+        self.peak_settings = [{k: v for k, v in group.items() if k != "params"}  # each group's as built (lr: the peak)
+                              for group in self.optimizer.param_groups]
+        self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank, world_size=rt.world,
+                                             grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
+                                             align_to_eot=hp.align_to_eot, device=rt.device)
         self.attention = attention_paths.configure(  # before torch.compile, which then sees one implementation
             self.model, hp.attention_impl, device=rt.device, dtype=rt.autocast_dtype,
             compiled=hp.compile and rt.device.type == "cuda", log=log.line)
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.step_model: nn.Module = self.model  # what the loop calls: compiled on CUDA, in DDP where needed
+        self.step_model: nn.Module = self.model  # what the loop calls (build_step_model)
         self.progress = Progress()
-        self.run_dir: runs.RunDirectory | None = None
+        self.run_dir: RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
-        self.clock = TrainingClock(rt.device)  # also holds the last log step's record until its numbers arrive
+        # the training clock (MFU needs the device's peak) also holds the last log step's record until it is written
+        self.clock = TrainingClock(rt.device, rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = ProfileWindow(hp.profile_steps, rt.device)
         self.cudagraphs = False  # whether the compiled model replays CUDA graphs (--compile-mode)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
-    def checkpoint(self) -> dict | None:
-        """The checkpoint of this state on the master rank (None elsewhere); a collective for sharded optimizers."""
-        optimizer_states = [opt.state_dict() for opt in self.optimizers]
-        if not self.rt.is_master:
-            return None
-        return runs.model_checkpoint(
-            self.model, {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset},
-            self.progress.step, optimizers=optimizer_states, loader=self.loader.state_dict(),
-            rng={"torch": torch.get_rng_state()}, metrics=asdict(self.progress),
-            hooks={hook.name: state for hook in self.hooks if (state := hook.state_dict()) is not None})
-
     def restore(self) -> None:
-        """Continue from --resume: the inverse of `checkpoint`, except that the optimizer settings of the current
+        """Continue from --resume: the inverse of `save`, except that the optimizer settings of the current
         config (lr, weight decay, betas, ...) replace the saved ones, so flags given on --resume take effect."""
         path = self.cfg.resume_from
         for note in self.cfg.notes:
             self.log.line(note)
-        ckpt = runs.load_checkpoint(path, map_location=self.rt.device)
-        problem = None
-        if self.rt.is_master:
-            problem, warnings = data_changes(ckpt["config"].get("data"), self.data_record)
-            for warning in warnings:
-                self.log.line(warning)
-        if all_reduce_sum(torch.tensor(float(problem is not None), device=self.rt.device)).item():
-            raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
-        self.model.load_state_dict(runs.link_tied(ckpt)["model"])
-        for opt, saved, settings in zip(self.optimizers, ckpt["optimizers"], self.peak_settings, strict=True):
-            opt.load_state_dict(saved)
-            for group, values in zip(opt.param_groups, settings, strict=True):
-                group.update(values)
-        self.loader.load_state_dict(ckpt["loader"])
-        saved_hooks = ckpt.get("hooks") or {"gauge": ckpt.get("gauge")}  # older checkpoints: one "gauge" entry
-        for hook in self.hooks:
-            if saved_hooks.get(hook.name):
-                hook.load_state_dict(saved_hooks[hook.name], self.rt.device)
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        self.progress = Progress(**{k: v for k, v in ckpt["metrics"].items() if k in Progress.__dataclass_fields__})
+        ckpt = load_checkpoint(path, map_location=self.rt.device)
+        for warning in check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device):
+            self.log.line(warning)
+        self.progress = restore_training_state(ckpt, self.model, self.optimizer, self.peak_settings, self.loader,
+                                               self.hooks, self.rt.device)
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
-            raise runs.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
+            raise CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
                                   "earlier checkpoint (--keep-checkpoints K keeps checkpoints/step_XXXXXX.pt)")
         changed = config.changed_settings(self.cfg, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
@@ -591,45 +534,41 @@ class Trainer:
     def state_is_finite(self) -> bool:
         """Whether parameters, optimizer state and the loss the parameters give on the last micro-batch are all
         finite on every rank (a collective): the condition for writing a checkpoint."""
-        tensors = [t for t in chain(self.model.parameters(), optimizer_state_tensors(self.optimizers))
-                   if t.is_floating_point()]
-        flags = [torch.isfinite(t).all() for t in tensors]
-        if self.last_batch is not None:
-            with torch.no_grad(), self.rt.autocast():
-                flags.append(torch.isfinite(self.model(*self.last_batch)[1]))
-        bad = (~torch.stack(flags).all()).to(torch.float64).reshape(1)
-        return all_reduce_sum(bad).item() == 0
+        with torch.no_grad(), self.rt.autocast():
+            loss = [] if self.last_batch is None else [self.model(*self.last_batch)[1]]
+        return all_finite([*self.model.parameters(), *optimizer_state_tensors(self.optimizer), *loss])
 
     def save(self) -> None:
         """checkpoints/latest.pt (and the last --keep-checkpoints step_XXXXXX.pt), only from a finite state."""
         if not self.state_is_finite():
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
-        ckpt = self.checkpoint()
-        if ckpt is not None:
-            runs.save_run_checkpoint(self.run_dir.path, ckpt, self.cfg.train.keep_checkpoints)
+        optimizer_state = self.optimizer.state_dict()  # a collective for sharded optimizers
+        if self.rt.is_master:
+            saved_config = {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset}
+            save_run_checkpoint(self.run_dir.path, training_checkpoint(
+                self.model, saved_config, asdict(self.progress), optimizer_state, self.loader, self.hooks),
+                self.cfg.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
 
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop every rank (exit 2), saying what exists and what to do."""
-        self.log.line(runs.non_finite_stop_message(what, self.progress.step if step is None else step,
-                                                   self.cfg.optim.lr, self.checkpoint_step, self.resumed,
-                                                   self.run_dir.path))
+        self.log.line(non_finite_stop_message(what, self.progress.step if step is None else step,
+                                              self.cfg.optim.lr, self.checkpoint_step, self.resumed,
+                                              self.run_dir.path))
         raise TrainingStopped(2)
 
     # -- the run directory --------------------------------------------------------------------------------------
 
     def open_run(self) -> None:
-        """The run directory (runs.open_run_directory), its config.json and the log's header."""
+        """The run directory (open_run_directory), its config.json and the log's header."""
         cfg, rt = self.cfg, self.rt
-        layout = {"world_size": rt.world, "micro_batch": rt.micro_batch, "grad_accum": rt.grad_accum,
-                  "device": rt.device.type, "dtype": rt.dtype_name}  # what runs, whatever --device/--dtype said
-        record = {**cfg.to_dict(), "layout": layout, "data": self.data_record,
+        record = {**cfg.to_dict(), "layout": rt.layout(), "data": self.data_record,
                   "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
-        self.run_dir = runs.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
-                                               cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
-                                               self.progress.step)
+        self.run_dir = open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
+                                          cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
+                                          self.progress.step)
         self.log.line(config.preset_lines(record["preset"]))
         if self.resumed:
             self.log.record(self.resumed)
@@ -637,7 +576,7 @@ class Trainer:
                       f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
                       f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
 
-    def compile(self) -> None:
+    def build_step_model(self) -> None:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
         acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
         rt, hp = self.rt, self.cfg.train
@@ -648,26 +587,18 @@ class Trainer:
         if rt.world > 1 and not self.spec.reduces_gradients:
             self.step_model = nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+        # an accumulating micro-step's backward pass averages nothing across ranks (DDP's no_sync, or the optimizer's)
+        self.no_sync = (self.optimizer.no_sync if self.spec.reduces_gradients
+                        else getattr(self.step_model, "no_sync", contextlib.nullcontext))
 
     # -- one step -------------------------------------------------------------------------------------------------
-
-    def accumulating(self, accumulate: bool) -> contextlib.AbstractContextManager:
-        """No gradient averaging across ranks in this backward pass (DDP's no_sync) when `accumulate`."""
-        stack = contextlib.ExitStack()
-        if accumulate and self.spec.reduces_gradients:
-            for opt in self.optimizers:
-                stack.enter_context(opt.no_sync())
-        elif accumulate and isinstance(self.step_model, nn.parallel.DistributedDataParallel):
-            stack.enter_context(self.step_model.no_sync())
-        return stack
 
     def train_step(self) -> torch.Tensor:
         """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor."""
         hp, rt, progress = self.cfg.train, self.rt, self.progress
         factor = lr_factor(progress.step, hp)
-        for opt, settings in zip(self.optimizers, self.peak_settings):
-            for group, values in zip(opt.param_groups, settings):
-                group["lr"] = values["lr"] * factor
+        for group, values in zip(self.optimizer.param_groups, self.peak_settings):
+            group["lr"] = values["lr"] * factor
         biases = self.sampler.sample(progress.step, rt.device)
         loss_sum = torch.zeros((), device=rt.device)
         for micro in range(rt.grad_accum):
@@ -675,19 +606,18 @@ class Trainer:
             x, y = self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step))
             if self.cudagraphs:  # the last replay's outputs (the loss, added below) are no longer read
                 torch.compiler.cudagraph_mark_step_begin()
-            with self.accumulating(micro < rt.grad_accum - 1), rt.autocast():
+            with self.no_sync() if micro < rt.grad_accum - 1 else contextlib.nullcontext(), rt.autocast():
                 loss = self.step_model(x, y, biases)[1]
                 (loss / rt.grad_accum).backward()
             loss_sum += loss.detach()
         self.last_batch = (x, y, biases)
         loss = loss_sum / rt.grad_accum
-        snapshots = [hook.snapshot(self.model) for hook in self.hooks]
-        for opt in self.optimizers:  # each clips the gradient norm to --grad-clip itself (after averaging it)
-            opt.step(loss) if self.spec.needs_loss else opt.step()
-        for hook, before in zip(self.hooks, snapshots):
-            hook.after_step(self.model, self.optimizers, before, progress.step + 1, factor)
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        befores = [hook.snapshot(self.model) for hook in self.hooks]
+        # the optimizer clips the gradient norm to --grad-clip itself (after averaging it)
+        self.optimizer.step(loss) if self.spec.needs_loss else self.optimizer.step()
+        for hook, before in zip(self.hooks, befores):
+            hook.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
+        self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
         return loss
@@ -704,12 +634,8 @@ class Trainer:
         progress.val_loss, progress.val_step = run_eval(hp.val_tokens), progress.step
         self.first_val = self.first_val or (progress.step, progress.val_loss)
         estimate = None
-        batches = hp.val_tokens // hp.batch_tokens  # whole --batch-tokens batches in the budget
-        if hp.val_batch_estimate and hp.val_every and batches and progress.step and not progress.step % hp.val_every:
-            # docs/optimizers.md#paper-parity: the k-th global batch of the validation stream at the k-th multiple
-            # of --val-every, cycling within the budget
-            index = (progress.step // hp.val_every - 1) % batches
-            estimate = run_eval(hp.batch_tokens, first_sequence=index * (hp.batch_tokens // hp.seq_len))
+        if (first_sequence := single_batch_start(progress.step, hp)) is not None:
+            estimate = run_eval(hp.batch_tokens, first_sequence=first_sequence)
             progress.best_val_loss_batch = min(estimate, progress.best_val_loss_batch or math.inf)
         self.log.line(f"step {progress.step}/{hp.steps} | val loss {progress.val_loss:.4f} | train time "
                       f"{progress.train_time_s:.1f}s" + (f" | single-batch val loss {estimate:.4f} (least "
@@ -717,10 +643,8 @@ class Trainer:
         self.log.record({**asdict(progress), "elapsed_s": progress.train_time_s, "val_loss_batch": estimate})
         if not math.isfinite(progress.val_loss):
             self.stop_non_finite("the validation loss")
-        if not hp.target_val_loss or progress.reached_target is not None or progress.val_loss > hp.target_val_loss:
+        if not progress.reaches(hp.target_val_loss):
             return False
-        progress.reached_target = {"step": progress.step, "train_time_s": progress.train_time_s,
-                                   "tokens": progress.tokens, "val_loss": progress.val_loss}
         self.log.line(f"target val loss {hp.target_val_loss} reached at step {progress.step} after "
                       f"{progress.train_time_s:.1f}s of training ({progress.tokens:,} tokens)")
         return True
@@ -730,12 +654,12 @@ class Trainer:
         event (no host sync) and the hooks' fields are computed now; `write_log` finishes it a step later."""
         progress = self.progress
         scalars = [all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
-        if self.optimizers[0].grad_norm is not None:  # with --grad-clip: the norm before clipping
-            scalars.append(self.optimizers[0].grad_norm)
-        record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizers[0].param_groups[0]["lr"],
+        if self.optimizer.grad_norm is not None:  # with --grad-clip: the norm before clipping
+            scalars.append(self.optimizer.grad_norm)
+        record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizer.param_groups[0]["lr"],
                   "texts": []}  # no val_loss: not measured; texts: the hooks', popped by write_log
         for hook in self.hooks:
-            fields, text = hook.log(self.model, self.optimizers, self.last_batch, progress.step)
+            fields, text = hook.log(self.model, self.optimizer, self.last_batch, progress.step)
             record.update(fields)
             record["texts"] += [text] if text else []
         self.clock.later(record, scalars)
@@ -743,21 +667,15 @@ class Trainer:
     def write_log(self) -> None:
         """The held log line and record, once its numbers are on the host: loss, lr, ms per step, tokens/s and MFU
         since the last one, by the training clock (which excludes validation, logs and checkpoints)."""
-        ready = self.clock.ready()
-        if ready is None:
+        if (ready := self.clock.ready()) is None:
             return
-        (record, (loss, *grad_norm)), hp = ready, self.cfg.train
-        texts = [f"grad norm {grad_norm[0]:.3f}" for _ in grad_norm] + record.pop("texts")
+        record, (loss, *grad_norm) = ready
+        texts = record.pop("texts")
         record.update(train_loss=loss, **dict(zip(["grad_norm"], grad_norm)))
         if not math.isfinite(loss):
             self.stop_non_finite(f"the training loss ({loss})", record["step"])
-        record["mfu"] = self.mfu_per_token_s * record["tokens_per_s"] if self.mfu_per_token_s else None
         self.log.record(record)
-        eta = (hp.steps - record["step"]) * record["step_ms"] / 1e3
-        self.log.line(" | ".join([f"step {record['step']}/{hp.steps}", f"loss {loss:.4f}", f"lr {record['lr']:.2e}",
-                                  *texts, f"{record['step_ms']:.2f} ms/step", f"{record['tokens_per_s']:,.0f} tok/s"]
-                                 + ([f"mfu {100 * record['mfu']:.1f}%"] if record["mfu"] else [])
-                                 + [f"{record['train_time_s']:.1f}s", f"eta {runs.format_duration(eta)}"]))
+        self.log.line(step_line(record, texts, self.cfg.train.steps))
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -770,15 +688,12 @@ class Trainer:
         yield
         self.clock.resume()
 
-    def train(self, stop: runs.StopRequest) -> None:
+    def train(self, stop: StopRequest) -> None:
         """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
         (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal). Between
         log steps nothing waits for the device: a log step's line is written after the next step is issued."""
         hp, progress = self.cfg.train, self.progress
         first = progress.step
-        peak = runs.peak_flops(self.rt.device)
-        self.mfu_per_token_s = (self.model.estimate_flops_per_token(hp.seq_len) / (peak * self.rt.world) if peak
-                                else None)
         self.clock.start(progress.train_time_s, progress.step, progress.tokens)
         while progress.step < hp.steps:
             if hp.val_every and progress.step % hp.val_every == 0 and progress.val_step != progress.step:
@@ -795,7 +710,7 @@ class Trainer:
             if progress.step % hp.log_every == 0 or progress.step == hp.steps or signum:
                 self.log_later(loss)
             if progress.step == first + 1:
-                per_parameter = optimizer_state_bytes(self.optimizers) / self.model.get_num_params()
+                per_parameter = optimizer_state_bytes(self.optimizer) / self.model.get_num_params()
                 self.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {self.rt.rank}")
             if self.profile.closes_at(progress.step):
                 self.end_profile()
@@ -830,14 +745,9 @@ class Trainer:
             self.validate()
         summary = {**asdict(progress), "run_dir": str(self.run_dir.path),
                    "tokens_per_s": progress.tokens / progress.train_time_s if progress.train_time_s else None}
-        first = self.first_val
-        start = f"{first[1]:.4f} at step {first[0]} -> " if first and first[0] != progress.step else ""
-        val = f"val loss {start}{progress.val_loss:.4f} at step {progress.val_step}, " if final else ""
-        self.log.line(f"done: {progress.step} steps, {val}{progress.train_time_s:.1f}s of training"
-                      + (f", target reached at step {progress.reached_target['step']}"
-                         if progress.reached_target else ""))
+        self.log.line(done_line(summary, self.first_val, final))
         self.log.record({"summary": True, **summary})
-        self.log.line(runs.next_steps(self.run_dir.path))
+        self.log.line(next_steps(self.run_dir.path))
         return summary
 
     def close(self) -> None:
@@ -850,19 +760,19 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl).
     final=False ends without the final checkpoint and validation (bench.e2e)."""
     cfg = parse_config(argv)
-    rt = runs.setup(cfg.train)
-    log = runs.RunLog(rt.is_master)
+    rt = setup_process(cfg.train)
+    log = RunLog(rt.is_master)
     trainer = None
     try:
         trainer = Trainer(cfg, rt, log)
         if cfg.resume_from is not None:
             trainer.restore()
         trainer.open_run()
-        trainer.compile()
-        with runs.StopRequest(rt.world) as stop:
+        trainer.build_step_model()
+        with StopRequest(rt.world) as stop:
             trainer.train(stop)
         summary = trainer.finish(final)
-    except (runs.RunInUseError, runs.CheckpointError, DataChangedError, ShardError,
+    except (RunInUseError, CheckpointError, DataChangedError, ShardError,
             attention_paths.AttentionChoiceError) as exc:
         log.error(exc)  # bad input, refused before the first step (or a shard read later): the traceback in log.txt,
         print(f"error: {exc}", file=sys.stderr)  # the reason and the fix in one line here
@@ -871,7 +781,7 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
         if not isinstance(exc, TrainingStopped):
             log.error(exc)
         elif rt.world > 1:
-            dist.destroy_process_group()  # every rank stops here alike; see optim.distributed.init_process_group
+            dist.destroy_process_group()  # every rank stops here alike; see run.process.init_process_group
         raise
     finally:
         if trainer is not None:

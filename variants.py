@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
 from cli import flag
 from gauge.dynamics import defines_velocity, dynamics_summary, velocity_from_optimizers
@@ -212,14 +213,15 @@ class TrainingHook:
     name = ""
 
     def snapshot(self, model: nn.Module) -> object:
-        """Before the optimizers step (the gradients are ready): what `after_step` needs of the model as it was."""
+        """Before the optimizer steps (the gradients are ready): what `after_step` needs of the model as it was."""
         return None
 
-    def after_step(self, model: nn.Module, optimizers: list, before: object, step: int, lr_scale: float = 1.0) -> None:
-        """After the optimizers stepped to `step` (counted from 1); before: `snapshot`'s; lr_scale: the schedule's
+    def after_step(self, model: nn.Module, optimizer: Optimizer, before: object, step: int, lr_scale: float = 1.0
+                   ) -> None:
+        """After the optimizer stepped to `step` (counted from 1); before: `snapshot`'s; lr_scale: the schedule's
         factor."""
 
-    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         """(fields for the log record, text for the log line) at a log step; batch: the last micro-batch."""
         return {}, ""
 
@@ -235,6 +237,11 @@ class GaugeStep(GaugeUpdates, TrainingHook):
 
     name = "gauge"
 
+    def after_step(self, model: nn.Module, optimizer: Optimizer, before: object, step: int, lr_scale: float = 1.0
+                   ) -> None:
+        """GaugeUpdates.after_step for the trainer's one optimizer (gauge/ takes a list of them)."""
+        super().after_step(model, [optimizer], before, step, lr_scale)
+
 
 class DynamicsLog(TrainingHook):
     """--dynamics-every: angular momentum and rotational fraction of the optimizer's velocity."""
@@ -242,10 +249,10 @@ class DynamicsLog(TrainingHook):
     def __init__(self, every: int, n_head: int) -> None:
         self.every, self.n_head = every, n_head
 
-    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         if step % self.every:
             return {}, ""
-        return dynamics_summary(model, velocity_from_optimizers(optimizers), self.n_head), ""
+        return dynamics_summary(model, velocity_from_optimizers([optimizer]), self.n_head), ""
 
 
 class GaugeDiagnosticLog(TrainingHook):
@@ -254,7 +261,7 @@ class GaugeDiagnosticLog(TrainingHook):
     def __init__(self, every: int, optimizer: str, optim_cfg) -> None:
         self.every, self.optimizer, self.optim_cfg = every, optimizer, optim_cfg
 
-    def log(self, model: nn.Module, optimizers: list, batch: tuple, step: int) -> tuple[dict, str]:
+    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
         if step % self.every:
             return {}, ""
         x, y, _ = batch

@@ -42,7 +42,7 @@ from triton.testing import do_bench
 from cli import ArgumentParser
 import kernels.attention as attn
 import kernels.attention_paths as paths
-from data.shards import atomic_write
+from fileio import atomic_write
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

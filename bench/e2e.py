@@ -26,12 +26,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cli import ArgumentParser
-import runs
 import train_gpt
+from cli import ArgumentParser
 from config import PRESETS
-from runs import world_size_from_env
 from data.shards import write_shard
+from run.log import read_log
+from run.process import world_size_from_env
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         ], final=args.final)
         if summary["run_dir"] is None:  # not the master rank: it has nothing to report
             return
-        records = runs.read_log(summary["run_dir"])
+        records = read_log(summary["run_dir"])
         attention = json.loads((Path(summary["run_dir"]) / "config.json").read_text())["attention"]
     profile = next((r["profile"] for r in records if "profile" in r), None)
     timed = steady_intervals(records, args.warmup, profile["steps"] if profile else None)

@@ -30,7 +30,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(model, optimizers, spec, grads, loss, gauge: GaugeUpdates | None, args, device) -> float:
+def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, args, device) -> float:
     """Median seconds of one step (gradients fixed) with the gauge's post-processing after it."""
     times = []
     for i in range(args.warmup + args.steps):
@@ -40,10 +40,9 @@ def time_steps(model, optimizers, spec, grads, loss, gauge: GaugeUpdates | None,
         synchronize(device)
         start = time.perf_counter()
         before = gauge.snapshot(model) if gauge else None
-        for opt in optimizers:
-            opt.step(loss) if spec.needs_loss else opt.step()
+        optimizer.step(loss) if spec.needs_loss else optimizer.step()
         if gauge:
-            gauge.after_step(model, optimizers, before, step=i + 1)
+            gauge.after_step(model, [optimizer], before, step=i + 1)
         synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[args.warmup:])
@@ -63,7 +62,7 @@ def main() -> None:
     cfg = train_gpt.GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     model = train_gpt.GPT(cfg).to(device)
     spec = OPTIMIZERS[args.optimizer]
-    optimizers = spec.build(model, spec.config())
+    optimizer = spec.build(model, spec.config())
     idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), device=device)
     _, loss = model(idx, idx)
     loss.backward()
@@ -72,14 +71,14 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {where} | torch {torch.__version__} | L={args.n_layer} H={args.n_head} C={args.n_embd} "
           f"d={cfg.head_dim} | {args.optimizer} | median of {args.steps} steps after {args.warmup} warm-up")
-    bare = time_steps(model, optimizers, spec, grads, loss, None, args, device)
+    bare = time_steps(model, optimizer, spec, grads, loss, None, args, device)
     print(f"{'bare step':>18}: {1e3 * bare:9.1f} ms")
     for variant in args.modes.split(","):
         mode, _, option = variant.partition(":")
         kwargs = {"correction": option} if mode == "correct" and option else {}
         kwargs.update({"group": option} if mode == "project" and option else {})
         gauge = GaugeUpdates(mode, cfg.n_head, every=1, **kwargs)
-        total = time_steps(model, optimizers, spec, grads, loss, gauge, args, device)
+        total = time_steps(model, optimizer, spec, grads, loss, gauge, args, device)
         overhead = total - bare
         line = f"{variant:>18}: {1e3 * total:9.1f} ms | overhead {1e3 * overhead:8.1f} ms = {overhead / bare:6.2f}x bare"
         if mode == "dress":

@@ -207,7 +207,7 @@ def build_variant(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.de
             if "fused" not in fields:
                 raise SystemExit(f"--optimizers {variant}: {name} has no fused path to turn off")
             overrides["fused"] = False
-        optimizers = spec.build(model, spec.config(**overrides))
+        optimizers = [spec.build(model, spec.config(**overrides))]
         _, loss = model(idx, idx)
         loss.backward()
     loss = loss.detach()
@@ -231,7 +231,7 @@ def build_variant(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.de
     floor_bytes = None
     if name in STATE_VECTORS and variant not in PEERS:  # θ read and written, g read, each state vector both ways
         param_bytes = next(model.parameters()).element_size()
-        floor_bytes = num_params * (3 * param_bytes + 2 * optimizer_state_bytes(optimizers) / num_params)
+        floor_bytes = num_params * (3 * param_bytes + 2 * optimizer_state_bytes(optimizers[0]) / num_params)
     return Variant(variant, step, optimizers, num_params, floor_bytes)
 
 

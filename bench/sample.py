@@ -1,4 +1,4 @@
-"""Sampling throughput: tokens per second of `GPT.generate` as `python -m sample` calls it, with and without the
+"""Sampling throughput: tokens per second of `sample.generate` as `python -m sample` calls it, with and without the
 KV cache, and whether both give the same tokens.
 
     python -m bench.sample                                    # smoke and gpt2-124m shapes, CPU
@@ -17,15 +17,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import inspect
 import statistics
 import time
 
 import torch
 
-from cli import ArgumentParser
 import config
+import sample
 import train_gpt
+from cli import ArgumentParser
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 
 
@@ -46,7 +46,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: under bf16 autocast")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    has_cache = "use_cache" in inspect.signature(train_gpt.GPT.generate).parameters
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__} | {where} | {args.max_new_tokens} new tokens x {args.num_samples} samples | "
           f"median of {args.repeats}")
@@ -54,17 +53,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.shapes.split(","):
         model = preset_model(name).to(device)
         idx = torch.full((args.num_samples, 1), EOT_TOKEN, dtype=torch.long, device=device)
-        for use_cache in (False, True) if has_cache else (False,):
+        for use_cache in (False, True):
             times, digests = [], set()
             for _ in range(args.repeats):
                 generator = torch.Generator(device).manual_seed(1337)
-                kwargs = {"use_cache": use_cache} if has_cache else {}
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()
                 with autocast:
-                    out = model.generate(idx, args.max_new_tokens, temperature=0.8, top_k=200,
-                                         vocab_limit=GPT2_VOCAB, generator=generator, **kwargs)
+                    out = sample.generate(model, idx, args.max_new_tokens, temperature=0.8, top_k=200,
+                                          vocab_limit=GPT2_VOCAB, generator=generator, use_cache=use_cache)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - start)

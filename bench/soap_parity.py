@@ -49,16 +49,14 @@ def turned_null_space(published: type) -> type:
     return Turned
 
 
-def train(model: train_gpt.GPT, optimizers: list, args) -> None:
+def train(model: train_gpt.GPT, optimizer: torch.optim.Optimizer, args) -> None:
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(1000 + step)
         idx = torch.randint(0, model.config.vocab_size, (args.batch, args.seq_len + 1), generator=gen)
-        for opt in optimizers:
-            opt.zero_grad()
+        optimizer.zero_grad()
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
-        for opt in optimizers:
-            opt.step()
+        optimizer.step()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,12 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         if start is None:
             start = {n: p.detach().clone() for n, p in model.named_parameters()}
         if soap is None:
-            optimizers = OPTIMIZERS["soap"].build(model, cfg)
+            optimizer = OPTIMIZERS["soap"].build(model, cfg)
         else:
-            optimizers = [soap(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                               weight_decay=cfg.weight_decay, precondition_frequency=cfg.soap_precondition_frequency,
-                               max_precond_dim=cfg.soap_max_precond_dim)]
-        train(model, optimizers, args)
+            optimizer = soap(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, precondition_frequency=cfg.soap_precondition_frequency,
+                             max_precond_dim=cfg.soap_max_precond_dim)
+        train(model, optimizer, args)
         end[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     reference = end["published"]
     moved = torch.cat([(reference[n] - start[n]).flatten() for n in start]).norm().item()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 
+import torch
 import torch.distributed as dist
 
+from data.loader import validation_batches
 from data.shards import DIGEST_CACHE, cache_root, describe_shards
 
 
@@ -39,6 +41,18 @@ def resolve_data_files(train_files: str, val_files: str, is_master: bool = True)
 SPLITS = ("train", "val")
 
 
+def training_data(hp, vocab_size: int, is_master: bool) -> tuple[str, str, dict | None, list[str]]:
+    """(training glob, validation glob, data record, lines for the log) of the training flags `hp`: the files
+    (resolve_data_files), the validation data checked before any step (a ShardError names the file and the fix),
+    and on the master the record that config.json and checkpoints keep (describe_data; None on other ranks)."""
+    train, val, note = resolve_data_files(hp.train_files, hp.val_files, is_master)
+    validation_batches(val, hp.micro_batch, hp.seq_len, hp.val_tokens, vocab_size=vocab_size)
+    if not is_master:
+        return train, val, None, []
+    record = describe_data({"train": hp.train_files, "val": hp.val_files}, {"train": train, "val": val})
+    return train, val, record, [note] * bool(note) + [data_summary(record)]
+
+
 def describe_data(given: dict[str, str], resolved: dict[str, str]) -> dict:
     """Per split ("train", "val"): the glob as given (empty: the default data), the resolved glob, each file with
     its token count and sha256, and the total tokens; and the data's `fingerprint`. Digests are cached by (path,
@@ -64,13 +78,25 @@ def data_summary(data: dict) -> str:
     return " | ".join(splits + [f"data fingerprint {data['fingerprint']}"])
 
 
+def check_resumed_data(saved: dict | None, now: dict | None, device: torch.device) -> list[str]:
+    """data_changes on the master, which holds the record `now` (None elsewhere), agreed by every rank (a
+    collective under torchrun): DataChangedError on each when the training data differs, else the warnings."""
+    problem, warnings = data_changes(saved, now) if now is not None else (None, [])
+    refused = torch.tensor(float(problem is not None), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(refused)
+    if refused.item():
+        raise DataChangedError(problem or "rank 0 found other training data than the checkpoint recorded")
+    return warnings
+
+
 def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
     """(problem, warnings) from comparing a checkpoint's data record with the data found now, by contents (token
     counts and sha256 of the files in order), not paths. Other training data is a problem: the loader's position
     and the data order would mean nothing. Other validation data is a warning: losses before and after the resume
     are not comparable. Moved files with the same contents are fine."""
-    if not saved:
-        return None, ["the checkpoint records no data (written by an older version): the data is not checked"]
+    if saved is None:
+        return None, ["the checkpoint records no data (config.data is None): the data is not checked"]
     problem, warnings = None, []
     for split in ("train", "val"):
         old, new = saved[split]["files"], now[split]["files"]

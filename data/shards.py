@@ -7,16 +7,14 @@ followed by N little-endian uint16 token ids. Every reader here validates the he
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
 from cli import progress_bar
+from fileio import atomic_write, sha256_file
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
@@ -94,66 +92,9 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray | list[int]) -> None
     atomic_write(path, header.tobytes(), array.astype("<u2", copy=False).tobytes())
 
 
-@contextlib.contextmanager
-def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """A binary file whose contents replace `path` only when the block ends without error: written to a temporary
-    file (its name carries the process id, so concurrent writers never share it), synced, then renamed. Readers
-    and a crash mid-write see the old file or the whole new one; on an error the temporary file is removed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host (another user's counts as running)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        pass
-    return True
-
-
-def dead_temporaries(folder: str | os.PathLike) -> list[Path]:
-    """The temporary files of `atomic_writer` in `folder` (NAME.<pid>.tmp) whose writer no longer runs on this
-    host: what a writer killed mid-write leaves. Files of live writers, and other *.tmp files, are not listed."""
-    found = []
-    for path in sorted(Path(folder).glob("*.tmp")):
-        pid = path.name.removesuffix(".tmp").rpartition(".")[2]
-        if path.is_file() and pid.isdigit() and int(pid) != os.getpid() and not process_alive(int(pid)):
-            found.append(path)
-    return found
-
-
-def atomic_write(path: str | os.PathLike, *chunks: bytes) -> None:
-    """Write `chunks` to `path` atomically (see atomic_writer)."""
-    with atomic_writer(path) as f:
-        for chunk in chunks:
-            f.write(chunk)
-
-
 def shard_globs(directory: str | os.PathLike, prefix: str) -> tuple[str, str]:
     """(train_glob, val_glob) of the shards named `shard_name(prefix, split, i)` in `directory`."""
     return str(Path(directory) / f"{prefix}_train_*.bin"), str(Path(directory) / f"{prefix}_val_*.bin")
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _stat_key(path: Path) -> list[int]:

@@ -36,17 +36,9 @@ import numpy as np
 
 from cli import ArgumentParser, progress_bar
 from data.documents import CorpusStats, TokenizeError, fetch_hub_files, iter_documents, resolve_sources
-from data.shards import (
-    EOT_TOKEN,
-    HEADER_BYTES,
-    atomic_write,
-    process_alive,
-    sha256_file,
-    shard_globs,
-    shard_name,
-    write_shard,
-)
+from data.shards import EOT_TOKEN, HEADER_BYTES, shard_globs, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
+from fileio import atomic_write, process_alive, sha256_file
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_CHARS = 1 << 20  # text per worker task: large enough to amortise IPC, small enough to keep all cores busy

@@ -28,7 +28,8 @@ import tiktoken
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
 from cli import ArgumentParser
-from data.shards import EOT_TOKEN, GPT2_VOCAB, atomic_write, cache_root
+from data.shards import EOT_TOKEN, GPT2_VOCAB, cache_root
+from fileio import atomic_write
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"

@@ -36,14 +36,13 @@ from eval.common import (
     load_model,
     markdown_table,
     open_target,
-    pyplot,
     record_outputs,
     run_hyperparameters,
-    save_figure,
     validation_files,
     write_json,
     write_text,
 )
+from eval.figures import pyplot, save_figure
 
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")

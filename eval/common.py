@@ -1,5 +1,5 @@
 """What every evaluation CLI shares: `--checkpoint PATH` (alias `--run`: a run directory, a checkpoint file or an
-exported directory), model loading, output files keyed by checkpoint, plots, intervals.
+exported directory), model loading, output files keyed by checkpoint, intervals (figures: eval.figures).
 
 Outputs go to `<run>/eval/` (override with `--out`); a checkpoint outside a run directory writes next to itself, an
 exported directory (`python -m export to-hf`, read as a step-0 checkpoint of its model) into its own eval/.
@@ -16,16 +16,15 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import export
-import runs
 import train_gpt
 from cli import MODEL_HELP, add_model_flag
 from config import config_from_dict
 from data.lookup import resolve_data_files
-from data.shards import atomic_write, atomic_writer, sha256_file
+from fileio import atomic_write, sha256_file
+from run.checkpoint import CheckpointError, run_dir_of
 
 EVAL_DIRNAME = "eval"
 MANIFEST = "manifest.json"
@@ -45,13 +44,13 @@ def resolve_target(source: str | Path) -> tuple[Path, Path, bool]:
     folder); an exported directory as its own run, with its model.safetensors."""
     try:
         file = export.model_file(source)
-    except runs.CheckpointError as exc:
+    except CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
     if export.is_exported(file):
         return file.parent, file, False
     if Path(source).is_dir():
         return Path(source), file, True
-    return runs.run_dir_of(file) or file.parent, file, False
+    return run_dir_of(file) or file.parent, file, False
 
 
 def load_target_checkpoint(file: Path) -> dict:
@@ -59,7 +58,7 @@ def load_target_checkpoint(file: Path) -> dict:
     naming the file when it cannot be read."""
     try:
         return export.load_as_checkpoint(file)
-    except (runs.CheckpointError, export.ExportError) as exc:
+    except (CheckpointError, export.ExportError) as exc:
         raise SystemExit(f"error: {exc}") from None
 
 
@@ -93,7 +92,7 @@ def open_target(args: argparse.Namespace) -> Target:
     run_dir, checkpoint_path, _ = resolve_target(args.checkpoint)
     checkpoint = load_target_checkpoint(checkpoint_path)
     return Target(run_dir, checkpoint_path, checkpoint, output_dir(args, run_dir), resolve_device(args.device),
-                  checkpoint_identity(checkpoint_path, checkpoint.get("step")))
+                  checkpoint_identity(checkpoint_path, checkpoint["step"]))
 
 
 def checkpoint_identity(path: Path, step: int | None) -> dict:
@@ -211,16 +210,6 @@ def read_config(run_dir: Path) -> dict:
                      "run holds its configuration too)")
 
 
-def pyplot():
-    """matplotlib.pyplot on the non-interactive Agg backend (selected here, not at import)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one).
 
@@ -258,49 +247,6 @@ def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, f
         return mean, float("nan"), float("nan")
     sem = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
     return mean, mean - z * sem, mean + z * sem
-
-
-def save_figure(fig, path: Path) -> None:
-    """Write a matplotlib figure atomically as a PNG and close it."""
-    with atomic_writer(path) as f:
-        fig.savefig(f, format="png", dpi=120)
-    pyplot().close(fig)
-
-
-def step_axis(ax, steps: list[int]) -> None:
-    """An x axis of optimizer steps: integer ticks (the one step alone when there is one)."""
-    from matplotlib.ticker import MaxNLocator
-
-    ax.set_xlabel("step")
-    distinct = sorted(set(steps))
-    if len(distinct) == 1:
-        ax.set_xticks(distinct)
-    else:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
-def head_maps_figure(result: dict, labels: dict[str, str], suptitle: str):
-    """One layer × head heat map per key of `labels` (result["per_head"][key]), titled with its label in words and
-    result["summary"]'s mean: the per-head figure of eval.dynamics and eval.gauge."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(labels), figsize=(4 * len(labels), 3.8), squeeze=False)
-    for ax, (key, label) in zip(axes[0], labels.items()):
-        values = np.array(result["per_head"][key])
-        image = ax.imshow(values, cmap="magma", aspect="auto")
-        ax.set_xticks(range(values.shape[1]))
-        ax.set_yticks(range(values.shape[0]))
-        ax.set_title(f"{label}\n(mean {result['summary'][key]:.3g})", fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax)
-    fig.suptitle(suptitle)
-    fig.tight_layout()
-    return fig
-
-
-def plot_head_maps(result: dict, labels: dict[str, str], path: Path, suptitle: str) -> None:
-    """head_maps_figure written atomically as a PNG."""
-    save_figure(head_maps_figure(result, labels, suptitle), path)
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

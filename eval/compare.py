@@ -24,10 +24,12 @@ from pathlib import Path
 
 import train_gpt
 from cli import ArgumentParser
-from eval.common import EVAL_DIRNAME, markdown_table, pyplot, read_config, save_figure, write_json, write_text
+from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json, write_text
+from eval.figures import pyplot, save_figure
 from eval.curves import runs_loss_figure, validation_losses
 from optim import OPTIMIZERS
-from runs import read_log, run_dir_of
+from run.checkpoint import run_dir_of
+from run.log import read_log
 from variants import ResearchConfig
 
 BIAS_WORDS = {"none": "symmetric (none)", "bq": "b_Q (bq)", "bv": "b_V (bv)", "bqbv": "b_Q + b_V (bqbv)",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.common import pyplot, save_figure
+from eval.figures import pyplot, save_figure
 
 # A series with fewer points than this is drawn with markers, so that one logged point is visible.
 MARKERS_BELOW = 50

@@ -19,23 +19,21 @@ import torch
 
 from cli import ArgumentParser
 import export
-import runs
+from run.checkpoint import run_checkpoints
+from run.log import read_log
 from eval.common import (
     add_target_args,
     checkpoint_identity,
-    markdown_table,
     load_target_checkpoint,
+    markdown_table,
     output_dir,
-    plot_head_maps,
-    pyplot,
     record_outputs,
     resolve_target,
-    save_figure,
-    step_axis,
     write_json,
     write_text,
 )
 from eval.curves import MARKERS_BELOW
+from eval.figures import plot_head_maps, pyplot, save_figure, step_axis
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 from optim import OPTIMIZERS
 
@@ -52,14 +50,14 @@ def _params(ckpt: dict) -> dict[str, torch.Tensor]:
 
 def checkpoint_dynamics(ckpt: dict) -> dict:
     """Per-head (L×H lists) and summary (mean over heads; J also as the total √Σ J²) diagnostics of a checkpoint."""
-    if not ckpt.get("optimizers"):
-        raise ValueError(f"checkpoint at step {ckpt.get('step')} holds no optimizer state: the velocity is unknown")
+    if "optimizer" not in ckpt:
+        raise ValueError(f"checkpoint at step {ckpt['step']} holds no optimizer state: the velocity is unknown")
     n_head = ckpt["config"]["model"]["n_head"]
     optimizer = OPTIMIZERS[ckpt["config"]["train"]["optimizer"]].optimizer
-    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(optimizer, ckpt["optimizers"]), n_head)
+    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(optimizer, [ckpt["optimizer"]]), n_head)
     summary = {key: float(value.mean()) for key, value in per_head.items()}
     summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
-    return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), "summary": summary,
+    return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], "summary": summary,
             "per_head": {key: value.tolist() for key, value in per_head.items()}}
 
 
@@ -120,19 +118,19 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: --checkpoint {args.checkpoint} is an exported model, which keeps no optimizer "
                          "state: eval.dynamics needs a run directory or a checkpoint written by the trainer")
     out = output_dir(args, run_dir)
-    paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
+    paths = run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results, drifts, previous = [], [], None
     for path in paths:
         ckpt = load_target_checkpoint(path)  # verified, mapped
-        if previous is not None and previous.get("step") == ckpt.get("step"):
+        if previous is not None and previous["step"] == ckpt["step"]:
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_dynamics(ckpt)
         result["checkpoint"] = str(path)
         results.append(result)
         if previous is not None:
-            drifts.append({"from_step": previous.get("step"), "to_step": ckpt.get("step"), **drift(previous, ckpt)})
+            drifts.append({"from_step": previous["step"], "to_step": ckpt["step"], **drift(previous, ckpt)})
         previous = ckpt
-    log = runs.read_log(run_dir)
+    log = read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
     identity = checkpoint_identity(ckpt_path, results[-1]["step"])
     summary = {"checkpoint": identity, "step": identity["step"], "checkpoints": results, "weight_drift": drifts,

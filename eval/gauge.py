@@ -32,16 +32,9 @@ from cli import ArgumentParser
 import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
-from data.shards import atomic_write
-from eval.common import (
-    add_target_args,
-    markdown_table,
-    open_target,
-    plot_head_maps,
-    run_hyperparameters,
-    validation_files,
-    write_json,
-)
+from fileio import atomic_write
+from eval.common import add_target_args, markdown_table, open_target, run_hyperparameters, validation_files, write_json
+from eval.figures import plot_head_maps
 from optim import OPTIMIZERS
 from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 
@@ -124,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = train_gpt.model_from_checkpoint(ckpt).to(device)
     result = gauge_diagnostic(model, name, optim_cfg, x, y, args.gauge, args.condition, args.samples, args.seed,
                               DTYPES[args.dtype], args.tolerance, progress=True)
-    result.update(step=ckpt.get("step"), checkpoint=str(target.checkpoint_path), lr=optim_cfg.lr,
+    result.update(step=ckpt["step"], checkpoint=str(target.checkpoint_path), lr=optim_cfg.lr,
                   batch=args.batch_size, seq_len=seq_len, val_files=files)
     write_json(target.out / "gauge.json", result)
     plot(result, target.out / "gauge.png", target.run_dir.name)

@@ -38,13 +38,12 @@ from eval.common import (
     markdown_table,
     mean_interval,
     open_target,
-    pyplot,
     record_outputs,
-    save_figure,
     wilson_interval,
     write_json,
     write_text,
 )
+from eval.figures import pyplot, save_figure
 
 CATEGORIES = ("pattern_numeric", "pattern_alpha", "retrieval_near", "retrieval_far", "simple_inference", "copy")
 SUITES_DIR = Path(__file__).resolve().parent / "suites"

@@ -39,13 +39,12 @@ from eval.common import (
     read_config,
     read_manifest,
     resolve_target,
-    run_hyperparameters,
     stale_reason,
     write_json,
     write_text,
 )
 from eval.curves import plot_loss_curves, validation_losses
-from runs import read_log
+from run.log import read_log
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
                "dynamics": dynamics.main}
@@ -66,15 +65,6 @@ def training_summary(log: list[dict]) -> dict:
             "final_train_loss": next((r["train_loss"] for r in reversed(log) if r.get("train_loss") is not None), None),
             "final_val_loss": val[-1] if val else None, "best_val_loss": min(val) if val else None,
             "tokens_per_s": speeds[-1] if speeds else None, "mfu": mfus[-1] if mfus else None}
-
-
-def trained_tokens(checkpoint: dict) -> int | None:
-    """Tokens the checkpoint's run trained on (its metrics, else steps × --batch-tokens); None when it does not
-    say (an exported model)."""
-    tokens = checkpoint.get("metrics", {}).get("tokens")
-    if tokens is not None or not checkpoint.get("step"):
-        return tokens
-    return checkpoint["step"] * run_hyperparameters(checkpoint.get("config", {})).batch_tokens
 
 
 def choose_budget(quick: bool, full: bool, tokens: int | None) -> tuple[str, str]:
@@ -223,10 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
     config = read_config(run_dir)  # before the evaluations: a damaged config.json fails at once
     eval_dir = output_dir(args, run_dir)
     checkpoint = load_target_checkpoint(ckpt_path)
-    step = checkpoint.get("step")
+    step = checkpoint["step"]
     identity = checkpoint_identity(ckpt_path, step)
     budget = choose_budget(args.quick, args.full,
-                           None if export.is_exported(ckpt_path) else trained_tokens(checkpoint))
+                           None if export.is_exported(ckpt_path) else checkpoint["metrics"]["tokens"])
     page = Page(run_dir, eval_dir, ckpt_path, step, identity, budget, config)
     todo = []
     for name in EVALUATIONS:

@@ -26,11 +26,19 @@ import torch
 from torch import Tensor
 
 from cli import ArgumentParser
-import runs
-from data.shards import atomic_write
-from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, pyplot, resolve_device,
-                         resolve_target, save_figure, step_axis, write_json)
+from run.checkpoint import run_checkpoints
+from eval.common import (
+    add_target_args,
+    load_target_checkpoint,
+    markdown_table,
+    output_dir,
+    resolve_device,
+    resolve_target,
+    write_json,
+)
+from eval.figures import pyplot, save_figure, step_axis
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
+from fileio import atomic_write
 
 CONVENTIONS = ("figures", "paper", "published")  # docs/structure.md#conventions; the first is the default
 GAMMA = 2.0  # threshold = mean + GAMMA · std of the norms
@@ -110,7 +118,7 @@ def structure_scores(tensors: dict[str, Tensor], n_head: int, convention: str = 
 def checkpoint_structure(ckpt: dict, convention: str, gamma: float, device: torch.device) -> dict:
     tensors = {plain_name(n): t.to(device) for n, t in ckpt["model"].items() if ".attn." in n}
     scores = structure_scores(tensors, ckpt["config"]["model"]["n_head"], convention, gamma)
-    return {"step": ckpt.get("step"), "tokens": ckpt.get("metrics", {}).get("tokens"), **scores}
+    return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], **scores}
 
 
 ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "
@@ -194,11 +202,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     run_dir, ckpt_path, whole_run = resolve_target(args.checkpoint)
     out, device = output_dir(args, run_dir), resolve_device(args.device)
-    paths = runs.run_checkpoints(run_dir) if whole_run else [ckpt_path]
+    paths = run_checkpoints(run_dir) if whole_run else [ckpt_path]
     results = []
     for i, path in enumerate(paths):
         ckpt = load_target_checkpoint(path)
-        if results and results[-1]["step"] == ckpt.get("step"):
+        if results and results[-1]["step"] == ckpt["step"]:
             continue  # latest.pt duplicating the last step_XXXXXX.pt
         result = checkpoint_structure(ckpt, args.convention, args.gamma, device)
         result["checkpoint"] = str(path)

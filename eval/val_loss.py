@@ -16,9 +16,8 @@ import time
 
 import torch
 
-from cli import ArgumentParser
-import runs
 import train_gpt
+from cli import ArgumentParser
 from data.shards import ShardError
 from eval.common import (
     add_target_args,
@@ -31,6 +30,7 @@ from eval.common import (
     write_text,
 )
 from eval.curves import loss_series, plot_loss_curves
+from run.log import read_log
 
 
 def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: int, seq_len: int, micro_batch: int,
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     result.update(checkpoint=target.identity, step=target.identity["step"], val_files=files,
                   seconds=time.perf_counter() - start, dtype="bf16" if dtype is not None else "fp32")
     write_json(out / "val_loss.json", result)
-    log = runs.read_log(run_dir)
-    tokens = ckpt.get("metrics", {}).get("tokens")
+    log = read_log(run_dir)
+    tokens = ckpt["metrics"]["tokens"]
     x = tokens if loss_series(log).x == "tokens" and tokens is not None else result["step"] or 0
     plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]),
                      title=f"{run_dir.name} — step {result['step']}")

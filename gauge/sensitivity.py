@@ -78,11 +78,10 @@ def one_step(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor) 
     spec = OPTIMIZERS[optimizer]
     if optimizer == "sgdm":  # SGDM's random initial velocity is one array for both representatives, which no gauge
         optim_cfg = dataclasses.replace(optim_cfg, initial_velocity_std=0.0)  # moves: measure the rule from rest
-    optimizers = spec.build(model, optim_cfg)
+    opt = spec.build(model, optim_cfg)
     loss = model(x, y)[1]
     loss.backward()
-    for opt in optimizers:
-        opt.step(loss.detach()) if spec.needs_loss else opt.step()
+    opt.step(loss.detach()) if spec.needs_loss else opt.step()
     return attention_tensors(model)
 
 

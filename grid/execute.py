@@ -5,7 +5,6 @@ and SIGINT/SIGTERM stop every run cleanly (each writes its checkpoint) so the sa
 (docs/grid.md#running)."""
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -15,9 +14,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fileio import LockHeldError, hold_lock, lock_holder
 from grid.plan import GridError, Run, train_command
 from grid.progress import Display, run_finished, run_row, summary_line, table
-from runs import format_duration, run_holds_checkpoint
+from run.directory import run_holds_checkpoint
+from run.log import format_duration
 
 JOURNAL = "grid.jsonl"
 LOCK = ".grid.lock"
@@ -28,33 +29,16 @@ def claim(directory: Path):
     """Lock the grid directory for this process (released when it ends, however it ends); GridError naming the
     owner when another grid process holds it."""
     directory.mkdir(parents=True, exist_ok=True)
-    handle = open(directory / LOCK, "a+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "another grid process"
-        handle.close()
-        raise GridError(f"{directory} is in use by {owner}: wait for it to finish (`python -m grid status "
+        return hold_lock(directory / LOCK, f"grid pid {os.getpid()} on host {socket.gethostname()}")
+    except LockHeldError as exc:
+        raise GridError(f"{directory} is in use by {exc.holder}: wait for it to finish (`python -m grid status "
                         f"{directory}` shows it) or stop it") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"grid pid {os.getpid()} on host {socket.gethostname()}\n")
-    handle.flush()
-    return handle
 
 
 def owner(directory: Path) -> str | None:
     """Who holds the grid directory's lock (None when no grid process runs there)."""
-    path = directory / LOCK
-    if not path.is_file():
-        return None
-    with open(path) as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return handle.read().strip() or "another grid process"
-        return None
+    return lock_holder(directory / LOCK)
 
 
 class Journal:

@@ -17,7 +17,7 @@ from pathlib import Path
 import config
 import train_gpt
 from optim import OPTIMIZERS
-from runs import batch_layout
+from run.process import batch_layout
 
 TRAIN_SCRIPT = Path(train_gpt.__file__).resolve()
 RESERVED = {"run-dir": "give --run-dir to the grid (before --): runs go to <run-dir>/<name>/<run>",

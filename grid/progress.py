@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from runs import format_duration
+from run.log import format_duration
 
 TAIL_BYTES = 16384  # enough for the last few records of any log.jsonl
 HEADER = ("run", "state", "step", "loss", "tok/s", "ETA", "device")

@@ -14,7 +14,7 @@ from eval import compare
 from eval.common import write_text
 from grid.execute import Slot, output_tail
 from grid.plan import TRAIN_SCRIPT
-from runs import format_duration
+from run.log import format_duration
 
 
 def _start(run: Path, slot: Slot, directory: Path, budget: list[str]) -> tuple[subprocess.Popen, Path]:

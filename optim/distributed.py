@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -31,19 +30,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from optim.base import OptimizerInterface, parameter_names
-
-
-def init_process_group(backend: str, **kwargs) -> None:
-    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first.
-
-    torch.optim.Optimizer and torch.compile import torch._dynamo lazily. Imported after the group exists, it keeps
-    references to the group that `destroy_process_group` does not drop (seen with torch 2.13): gloo's worker threads
-    then outlive the group, and one that frees the last reference to a tensor while the interpreter shuts down
-    aborts the process (SIGABRT, "terminate called without an active exception"). Imported first, nothing else
-    holds the group and `destroy_process_group` joins its threads.
-    """
-    importlib.import_module("torch._dynamo")
-    dist.init_process_group(backend, **kwargs)
 
 
 def rank_and_world_size() -> tuple[int, int]:

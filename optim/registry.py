@@ -32,18 +32,6 @@ class OptimizerConfig:
                              "(docs/optimizers.md#weight-decay-groups)", choices=DECAY_GROUPS, fixed_on_resume=True)
 
 
-def upgrade_saved_config(optim: dict) -> dict:
-    """A saved optimizer config section in today's fields: configs written before --decay-groups existed carry the
-    two switches decay_embeddings / decay_norms_and_biases (both off by default: matrices only), which map onto
-    the decay group they meant."""
-    if "decay_groups" in optim:
-        return optim
-    embeddings, rest = bool(optim.get("decay_embeddings", False)), bool(optim.get("decay_norms_and_biases", False))
-    groups = {(False, False): "matrices", (True, False): "matrices+embeddings",
-              (False, True): "all-but-embeddings", (True, True): "all"}
-    return {**optim, "decay_groups": groups[embeddings, rest]}
-
-
 @dataclass
 class ShardedOptimizerConfig(OptimizerConfig):
     """Optimizers with owner-computes sharding over flat buffers (`optim.distributed`)."""
@@ -116,8 +104,8 @@ class OptimizerSpec:
     description: str = ""
 
     def build(self, model: nn.Module, cfg: OptimizerConfig, grad_clip: float | None = None,
-              overlap_reduce: bool | None = None) -> list[torch.optim.Optimizer]:
-        """The optimizers that together own every trainable parameter of `model` exactly once (checked).
+              overlap_reduce: bool | None = None) -> torch.optim.Optimizer:
+        """The optimizer that owns every trainable parameter of `model` exactly once (checked).
         grad_clip: clip the global gradient norm to this value inside step() (0: off); overlap_reduce: sharded
         optimizers average gradients while the backward pass runs (the trainer's flags of the same names; None
         keeps the optimizer's own default)."""
@@ -127,13 +115,13 @@ class OptimizerSpec:
             optimizer.grad_clip = grad_clip
         if overlap_reduce is not None and self.reduces_gradients:
             optimizer.overlap_reduce = overlap_reduce
-        check_ownership(model, [optimizer])
-        return [optimizer]
+        check_ownership(model, optimizer)
+        return optimizer
 
 
-def check_ownership(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+def check_ownership(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every trainable parameter of `model` is owned by exactly one optimizer group (train_gpt_simple's check)."""
-    owned = [id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    owned = [id(p) for group in optimizer.param_groups for p in group["params"]]
     names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
     missing = [name for key, name in names.items() if key not in owned]
     repeated = sorted({names.get(key, "?") for key in owned if owned.count(key) > 1})
@@ -142,13 +130,12 @@ def check_ownership(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -
                            f"{missing}, owned twice: {repeated}")
 
 
-def optimizer_state_tensors(optimizers: list[torch.optim.Optimizer]) -> Iterator[Tensor]:
-    """Every tensor held in the optimizers' state on this rank."""
-    for opt in optimizers:
-        for state in opt.state.values():
-            yield from (value for value in state.values() if torch.is_tensor(value))
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
+    """Every tensor held in the optimizer's state on this rank."""
+    for state in optimizer.state.values():
+        yield from (value for value in state.values() if torch.is_tensor(value))
 
 
-def optimizer_state_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes held in optimizer state tensors on this rank (for the log's bytes-per-parameter figure)."""
-    return sum(t.numel() * t.element_size() for t in optimizer_state_tensors(optimizers))
+    return sum(t.numel() * t.element_size() for t in optimizer_state_tensors(optimizer))

@@ -195,7 +195,7 @@ def poisoned_empty():
 
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import run_in_interpreter
+    from tests.helpers import run_in_interpreter
 
     return run_in_interpreter(__file__, tmp_path_factory.mktemp("attention_interpreter"), timeout=600)
 
@@ -280,7 +280,7 @@ def _model_compiles_without_graph_break() -> None:
 
 def _interpreter_main(path: str) -> None:
     """Entry point of the TRITON_INTERPRET=1 subprocess: run every CPU case and check, write JSON to path."""
-    from tests.conftest import patch_triton_interpreter
+    from tests.helpers import patch_triton_interpreter
 
     patch_triton_interpreter()
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -24,7 +24,7 @@ import torch
 import kernels.attention_paths as paths
 import train_gpt
 from kernels.attention_paths import attention, attention_flex, attention_reference
-from tests.conftest import ROOT, train_tiny_run
+from tests.helpers import ROOT, train_tiny_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative, against float64
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import relative_difference
+
 STEPS = 20
 
 
@@ -46,12 +48,6 @@ def run_ecd(fused: bool, projection: str, nu: float, weight_decay: float | str, 
         loss.backward()
         opt.step(loss.detach())
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    """|a − b| / |b| over all tensors together."""
-    diff = torch.cat([(a[k] - b[k]).flatten() for k in a])
-    return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
 
 
 RAGGED = [(0, 0, 1000), (1, 1000, 4103), (2, 4103, 6267)]  # keys' element ranges: 1000 and 4103 are not multiples of 16
@@ -142,7 +138,7 @@ def optimizer_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import interpreter_results
+    from tests.helpers import interpreter_results
 
     return interpreter_results(__file__, tmp_path_factory)
 
@@ -243,6 +239,6 @@ def test_bf16_pi_stochastic_rounding_is_unbiased_on_cuda() -> None:
 
 
 if __name__ == "__main__":
-    from tests.conftest import write_interpreter_results
+    from tests.helpers import write_interpreter_results
 
     write_interpreter_results(sys.argv[1], kernels=kernel_checks, optimizer=optimizer_checks)

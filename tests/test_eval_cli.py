@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from config import RunConfig
-from variants import ResearchConfig
-from runs import CHECKPOINT_FORMAT, save_checkpoint
 import train_gpt
+from config import RunConfig
 from data.shards import write_shard
 from eval import alignment, compare, dynamics, logic_puzzles, report, val_loss
 from eval.alignment import residual_keys
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
-from tests.conftest import ROOT
+from run.checkpoint import model_checkpoint, save_checkpoint
+from tests.helpers import ROOT
+from variants import ResearchConfig
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -35,23 +35,21 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
     cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     saved = cfg.to_dict()
     model = train_gpt.GPT(model_cfg)
-    opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
+    opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(saved))
     tokens = torch.from_numpy(np.fromfile(val_file, dtype="<u2", offset=1024)[:33 * 4].astype(np.int64)).view(4, 33)
     log = []
     for step in (1, 2):
-        for opt in opts:
-            opt.zero_grad()
+        opt.zero_grad()
         loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1]
         loss.backward()
-        for opt in opts:
-            opt.step()
+        opt.step()
         log.append({"step": step, "train_loss": loss.item(), "val_loss": loss.item() + 0.1, "tokens": 128 * step,
                     "lr": 1e-3, "J_QK": 0.01 * step, "J_VO": 0.02 * step, "f_rot_QK": 0.1, "f_rot_VO": 0.2})
-        ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "config": saved, "model": model.state_dict(),
-                "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 128 * step}}
+        ckpt = model_checkpoint(model, {**saved, "data": None, "preset": None}, step, {"tokens": 128 * step},
+                                optimizer=opt.state_dict())
         save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
     save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from eval import alignment, curves, dynamics, structure
-from eval.common import head_maps_figure, pyplot
+from eval.figures import head_maps_figure, pyplot
 
 JSON_KEY = re.compile(r"\b[a-z]+_[A-Za-z_]+\b")  # J_QK, f_rot_QK, relative_difference_QK ...
 

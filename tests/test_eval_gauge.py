@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-import runs
 import train_gpt
 from eval import gauge
 from gauge import sensitivity
 from optim.torch_optimizers import AdamWConfig, SGDMConfig
-from tests.conftest import train_tiny_run
+from run.log import read_log
+from tests.helpers import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLAIN_GD = SGDMConfig(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, fused=False)
@@ -111,7 +111,7 @@ def tiny_run(tmp_path_factory):
 
 
 def test_training_logs_the_diagnostic_every_n_steps(tiny_run):
-    records = [r for r in runs.read_log(tiny_run) if "train_loss" in r]
+    records = [r for r in read_log(tiny_run) if "train_loss" in r]
     assert [r["step"] for r in records if "gauge_dM_QK" in r] == [2, 4]
     for r in records:
         if "gauge_dM_QK" in r:

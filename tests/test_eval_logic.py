@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from data.shards import EOT_TOKEN, GPT2_VOCAB
+from export import checkpoint_of
 from data.tokenizer import gpt2_tokenizer
 from eval.common import error_bars, wilson_interval
 from eval import logic_puzzles
@@ -24,7 +24,7 @@ from eval.logic_puzzles import (
     score_items,
     summarize,
 )
-from runs import CHECKPOINT_FORMAT, save_checkpoint
+from run.checkpoint import save_checkpoint
 from train_gpt import GPT, GPTConfig
 
 
@@ -123,8 +123,7 @@ def test_cli_scores_each_suite_with_its_protocol(tmp_path):
     config = GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=16, bias_mode="bqbv")
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    save_checkpoint(run / "checkpoints" / "latest.pt", {"format": CHECKPOINT_FORMAT, "step": 1, "model":
-                                                        GPT(config).state_dict(), "config": {"model": asdict(config)}})
+    save_checkpoint(run / "checkpoints" / "latest.pt", checkpoint_of(GPT(config), "a test"))
     paper = logic_puzzles.main(["--run", str(run), "--protocol", "paper", "--no-generated", "--out",
                                 str(tmp_path / "a")])
     assert [(s["name"], s["protocol"], s["overall"]["n"]) for s in paper["suites"]] == [("paper", "paper", 14)]

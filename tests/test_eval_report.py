@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from config import RunConfig
-from variants import ResearchConfig
-import runs
 import train_gpt
+from config import RunConfig
 from data.shards import sha256_file, write_shard
 from eval import common, compare, logic_puzzles, report, val_loss
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
-from tests.conftest import ROOT
+from run.checkpoint import load_checkpoint, model_checkpoint, save_checkpoint
+from tests.helpers import ROOT
+from variants import ResearchConfig
 
 # Flags that keep every evaluation a second or two on the tiny model.
 FAST_FLAGS = {"logic_puzzles": ["--per-category", "1"], "alignment": ["--modes", "raw"]}
@@ -37,7 +37,7 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
                                    val_tokens=128, seed=7)
     cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     model = train_gpt.GPT(model_cfg)
-    opts = OPTIMIZERS["adamw"].build(model, cfg.optim)
+    opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps(cfg.to_dict()))
@@ -46,21 +46,20 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
     for step in steps:
         loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())[1]
         loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         log.append({"step": step, "train_loss": loss.item(), "tokens": 64 * step})
-        save_step(run, model, opts if optimizer_state else [], cfg.to_dict(), step)
+        save_step(run, model, opt if optimizer_state else None, cfg.to_dict(), step)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     return run
 
 
-def save_step(run: Path, model: train_gpt.GPT, opts: list, config: dict, step: int) -> None:
+def save_step(run: Path, model: train_gpt.GPT, opt: torch.optim.Optimizer | None, config: dict, step: int) -> None:
     """checkpoints/step_<step>.pt and latest.pt of `model` at `step`."""
-    ckpt = {"format": runs.CHECKPOINT_FORMAT, "step": step, "config": config, "model": model.state_dict(),
-            "optimizers": [o.state_dict() for o in opts], "metrics": {"tokens": 64 * step}}
-    runs.save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
-    runs.save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
+    ckpt = model_checkpoint(model, {**config, "data": None, "preset": None}, step, {"tokens": 64 * step},
+                            **({"optimizer": opt.state_dict()} if opt else {}))
+    save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
+    save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
 
 
 @pytest.fixture
@@ -120,11 +119,11 @@ def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_pat
     report.main(["--run", str(run)])
     assert calls == []  # everything is current
 
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     model = train_gpt.model_from_checkpoint(ckpt)
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight.mul_(1.5)
-    save_step(run, model, [], ckpt["config"], 3)  # no optimizer state: dynamics must fail on it
+    save_step(run, model, None, ckpt["config"], 3)  # no optimizer state: dynamics must fail on it
     with pytest.raises(SystemExit) as failed:
         report.main(["--run", str(run)])
     assert failed.value.code not in (0, None)
@@ -232,7 +231,6 @@ def test_report_budget_follows_the_run_with_progress_and_a_full_report_reruns_qu
     assert argvs == {}  # full outputs stand for a quick report
     assert report.choose_budget(False, False, 20_000_000)[0] == "full"
     assert report.choose_budget(False, False, None)[0] == "full"  # an exported model: its training is unknown
-    assert report.trained_tokens({"step": 3, "config": {"train": {"batch_tokens": 100}}}) == 300
 
 
 def test_an_interrupted_report_leaves_a_page_with_what_was_done(tmp_path, val_file, monkeypatch, capsys):

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-import runs
 import train_gpt
 from eval import structure
 from eval.structure import directionality_score, query_key_matrices, symmetry_score
 from gauge.dynamics import plain_name
-from tests.conftest import train_tiny_run
+from run.checkpoint import load_checkpoint
+from tests.helpers import train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -137,7 +137,7 @@ def test_cli_over_a_runs_checkpoints(tiny_run, tmp_path):
         last = summary["checkpoints"][-1]
         assert len(last["layers"]["symmetry"]) == 2 and len(last["heads"]["directionality"][0]) == 2
         assert last["median"]["symmetry"] == pytest.approx(float(np.median(last["layers"]["symmetry"])))
-    ckpt = runs.load_checkpoint(tiny_run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tiny_run / "checkpoints" / "latest.pt")
     tensors = {plain_name(n): t for n, t in ckpt["model"].items()}
     expected = symmetry_score(query_key_matrices(tensors, 1, 2)[0], "published").item()
     assert saved["checkpoints"][-1]["layers"]["symmetry"][1] == pytest.approx(expected)

@@ -17,10 +17,10 @@ pytest.importorskip("safetensors", reason="the export writes safetensors (pip in
 
 import export  # noqa: E402
 import sample  # noqa: E402
-import runs
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
-from tests.test_train import ROOT  # noqa: E402
+from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint  # noqa: E402
+from tests.helpers import ROOT, repository_modules  # noqa: E402
 
 TINY = dict(block_size=32, n_layer=2, n_head=2, n_embd=32)
 BIAS_CASES = {
@@ -175,8 +175,7 @@ def test_the_exported_tokenizer_is_gpt2s(tmp_path, gpt2_ranks):
 
 STANDALONE = """
 import json, sys
-for name in ("train_gpt", "export", "runs", "sample", "config", "cli", "variants", "kv_cache", "kernels", "data",
-             "modeling_symgpt"):
+for name in %r:
     sys.modules[name] = None  # nothing of the repository can be imported here
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -190,7 +189,7 @@ for directory in sys.argv[1:]:
     text = generator("The cat", max_new_tokens=6, min_new_tokens=6, do_sample=False, return_full_text=False)
     results[directory] = {"greedy": greedy, "pipeline": text[0]["generated_text"]}
 print(json.dumps(results))
-"""
+""" % sorted({module.split(".")[0] for module in repository_modules()})
 
 
 def test_exports_load_offline_without_this_repository_and_generate_as_sample_does(tmp_path, gpt2_ranks):
@@ -214,7 +213,8 @@ def test_exports_load_offline_without_this_repository_and_generate_as_sample_doe
         result = results[str(tmp_path / act)]
         assert result["pipeline"] == texts[0] and gpt2_tokenizer().decode(result["greedy"]) == texts[0], act
         prompt = torch.tensor([gpt2_tokenizer().encode("The cat")])
-        assert result["greedy"] == model.generate(prompt, 6, temperature=0, vocab_limit=GPT2_VOCAB)[0, 2:].tolist()
+        assert result["greedy"] == sample.generate(model, prompt, 6, temperature=0,
+                                                   vocab_limit=GPT2_VOCAB)[0, 2:].tolist()
 
 
 @pytest.mark.parametrize("activation", ["prelu", "gelu"])
@@ -222,7 +222,7 @@ def test_export_from_hf_export_is_bit_identical(tmp_path, activation, gpt2_ranks
     """to-hf, from-hf into a checkpoint, to-hf again: every file of the two directories is byte for byte the same."""
     model = random_model(activation=activation, **BIAS_CASES["learned-per-head"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "first")])
     export.main(["from-hf", "--source", str(tmp_path / "first"), "--out", str(tmp_path / "back.pt")])
     export.main(["to-hf", "--run", str(tmp_path / "back.pt"), "--out", str(tmp_path / "second")])
@@ -233,19 +233,6 @@ def test_export_from_hf_export_is_bit_identical(tmp_path, activation, gpt2_ranks
     export.main(["to-hf", "--checkpoint", str(tmp_path / "second"), "--out", str(tmp_path / "third")])  # a directory
     assert (tmp_path / "third" / "model.safetensors").read_bytes() == (tmp_path / "first" / "model.safetensors"
                                                                          ).read_bytes()
-
-
-def test_directories_of_the_earlier_prelu_format_still_load(tmp_path):
-    from safetensors.torch import save_file
-
-    model = random_model(activation="prelu", **BIAS_CASES["bqbv-shared"])
-    (tmp_path / "old").mkdir()
-    save_file(export.hf_state_dict(model), str(tmp_path / "old" / "model.safetensors"))
-    meta = {"format": export.PRELU_FORMAT, "model": {**vars(export.exported_model_config(model.config))}}
-    (tmp_path / "old" / "config.json").write_text(json.dumps(meta))
-    idx = tokens()
-    torch.testing.assert_close(our_logits(export.load_exported(tmp_path / "old"), idx), our_logits(model, idx),
-                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
@@ -264,7 +251,7 @@ def test_without_local_ranks_the_export_notes_the_missing_tokenizer(tmp_path, mo
     monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "empty_cache"))
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty_tiktoken"))
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt",
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt",
                          export.checkpoint_of(random_model(activation="gelu"), "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
     assert "no tokenizer written: the GPT-2 BPE ranks are not in the local cache" in capsys.readouterr().err
@@ -311,7 +298,7 @@ def test_round_trip_keeps_every_tensor(tmp_path):
 def test_cli_exports_a_run_and_imports_it_back_as_a_checkpoint(tmp_path, capsys):
     model = random_model(activation="gelu", **BIAS_CASES["bqbv-shared"])
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    runs.save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(tmp_path / "run" / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     export.main(["to-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
     export.main(["from-hf", "--source", str(tmp_path / "hf"), "--out", str(tmp_path / "imported.pt")])
     assert 'GPT2LMHeadModel.from_pretrained("' in capsys.readouterr().out
@@ -362,7 +349,7 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
     target = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, **{**TINY, "block_size": 16}, activation="gelu",
                                                bias_mode="learned"))
     fresh_rows = target.transformer.wte.weight[GPT2_VOCAB:].detach().clone()
-    note = runs.load_initial_weights(target, path)
+    note = load_initial_weights(target, path)
     assert "vocabulary 50257 -> 50304" in note and "positions 64 -> 16" in note and "bias mode none -> learned" in note
     wte = target.transformer.wte.weight.detach()
     assert torch.equal(wte[:GPT2_VOCAB], source.transformer.wte.weight.detach())
@@ -373,11 +360,11 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
         if "wte" not in name and "wpe" not in name and "lm_head" not in name:
             assert torch.equal(target.state_dict()[name], tensor), name
     wider = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "n_embd": 64}, activation="gelu"))
-    with pytest.raises(runs.CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
-        runs.load_initial_weights(wider, path)
+    with pytest.raises(CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
+        load_initial_weights(wider, path)
     longer = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "block_size": 128}, activation="gelu"))
-    with pytest.raises(runs.CheckpointError, match="--block-size 64, this run 128"):
-        runs.load_initial_weights(longer, path)
+    with pytest.raises(CheckpointError, match="--block-size 64, this run 128"):
+        load_initial_weights(longer, path)
 
 
 def test_trainer_starts_from_init_from_weights(imported_gpt2, tmp_path, capsys):

@@ -1,31 +1,26 @@
 """Nothing lost, nothing misleading (docs/runs.md): run-directory ownership, stale temporaries, reused names, torn
-logs, checksummed checkpoints, non-finite flags and stops, and validation that does not depend on the GPU count."""
+logs, damaged checkpoints, non-finite stops, and validation that does not depend on the GPU count."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import typing
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-import runs
 import train_gpt
-from cli import option
-from config import preset_report, section_classes
 from eval import compare, report
-from optim import OPTIMIZERS
-from tests.test_train import (  # noqa: F401 (corpus is a fixture)
-    ENV, ROOT, VOCAB, corpus, tiny_args, torchrun, torchrun_in_background, train_losses)
+from run.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
+from run.directory import RunDirectory, run_holds_checkpoint
+from run.log import read_log
+from tests.helpers import ENV, ROOT, VOCAB, tiny_args, torchrun, torchrun_in_background, train_losses
 
 
 def run_in_background(args: list[str]) -> subprocess.Popen:
@@ -62,21 +57,21 @@ def test_a_second_trainer_on_a_running_run_is_refused_naming_the_owner(corpus, t
     owner.communicate(timeout=120)
     assert second.returncode == 2 and owner.returncode == 128 + signal.SIGTERM
     assert f"is in use by pid {owner.pid} on host" in refused and "choose another --run-name" in refused, refused
-    steps = [r["step"] for r in runs.read_log(tmp_path / "busy") if "train_loss" in r]
+    steps = [r["step"] for r in read_log(tmp_path / "busy") if "train_loss" in r]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # one writer
 
 
 def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_no_lock(corpus, tmp_path, capsys):
     train_gpt.main(tiny_args(corpus, tmp_path, "owned", steps=2, **{"val-every": 0}))
-    owner = runs.RunDirectory(tmp_path / "owned")
+    owner = RunDirectory(tmp_path / "owned")
     owner.claim(new_run=False)
     with pytest.raises(SystemExit) as excinfo:
         train_gpt.main(["--resume", str(tmp_path / "owned"), "--steps", "3"])
     assert excinfo.value.code == 2
     assert f"is in use by pid {os.getpid()} on host" in capsys.readouterr().err
     owner.release()
-    holder = subprocess.Popen([sys.executable, "-c", "import runs, sys, time; from pathlib import Path; "
-                               f"runs.RunDirectory(Path({str(tmp_path / 'owned')!r})).claim(new_run=False); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; from run.directory import RunDirectory; "
+                               f"RunDirectory(Path({str(tmp_path / 'owned')!r})).claim(new_run=False); "
                                "print('held', flush=True); time.sleep(600)"], env=ENV, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     holder.kill()  # SIGKILL: no clean-up code runs
@@ -97,7 +92,7 @@ def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_int
     output = proc.stdout.read()
     proc.wait(timeout=120)
     assert time.monotonic() - signalled < 25, output[-3000:]  # inside torchrun's 30 s grace period
-    ckpt = runs.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
     assert 1 <= ckpt["step"] < 50 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
 
 
@@ -143,34 +138,6 @@ def test_a_validation_budget_is_accepted_on_any_number_of_ranks(corpus, tmp_path
     assert cfg.train.val_tokens == 4096
 
 
-# ----- 4. every float flag has a range, checked in one place -----
-
-def float_flags() -> list[tuple[str, str]]:
-    """(optimizer, flag) for every float flag of every section, each optimizer's own flags under that optimizer."""
-    found = {}
-    for optimizer in sorted(OPTIMIZERS):
-        for cls in section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer).values():
-            hints = typing.get_type_hints(cls)
-            for field in dataclasses.fields(cls):
-                if hints[field.name] is float:
-                    found.setdefault(option(field.name), optimizer)
-    return sorted((optimizer, name) for name, optimizer in found.items())
-
-
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
-@pytest.mark.parametrize("optimizer, name", float_flags())
-def test_every_float_flag_refuses_non_finite_values(optimizer, name, value, capsys):
-    with pytest.raises(SystemExit) as excinfo:
-        train_gpt.parse_config(["--device", "cpu", "--optimizer", optimizer, f"{name}={value}"])
-    assert excinfo.value.code == 2
-    assert f"{name} must be a finite number" in capsys.readouterr().err
-
-
-def test_the_float_flags_walked_include_those_that_slipped_through():
-    walked = {name for _, name in float_flags()}
-    assert {"--grad-clip", "--lr", "--mean-q", "--std-q-min", "--hyperball-lr", "--gauge-damping"} <= walked
-
-
 # ----- 5. the non-finite stop says what exists and what to do -----
 
 def test_a_run_that_diverges_before_its_first_checkpoint_says_none_exists(corpus, tmp_path):
@@ -210,7 +177,7 @@ def test_a_name_whose_earlier_run_wrote_no_checkpoint_is_reused_and_its_files_ke
     args = tiny_args(corpus, tmp_path, "retry", steps=2, **{"val-every": 0})
     with pytest.raises(SystemExit):
         train_gpt.main([*args, "--lr", "1e6"])  # diverges before any checkpoint
-    assert not runs.run_holds_checkpoint(tmp_path / "retry")
+    assert not run_holds_checkpoint(tmp_path / "retry")
     summary = train_gpt.main(args)
     assert summary["step"] == 2
     aside = [p for p in (tmp_path / "retry").iterdir() if p.name.startswith("failed-")]
@@ -221,7 +188,7 @@ def test_a_name_whose_earlier_run_wrote_no_checkpoint_is_reused_and_its_files_ke
 def test_failed_attempts_are_kept_side_by_side_and_a_directory_of_other_files_is_refused(corpus, tmp_path, capsys,
                                                                                          monkeypatch):
     args = tiny_args(corpus, tmp_path, "again", steps=2, **{"val-every": 0})
-    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")  # both set aside in one second
+    monkeypatch.setattr("run.directory.time.strftime", lambda fmt: "20260101-000000")  # both set aside in one second
     for _ in range(2):
         with pytest.raises(SystemExit):
             train_gpt.main([*args, "--lr", "1e6"])  # the second sets the first's files aside
@@ -247,7 +214,7 @@ def test_a_torn_log_line_is_skipped_by_readers_and_removed_by_the_next_writer(co
     with open(path, "a") as f:
         f.write('{"step": 3, "train_lo')  # a crash in the middle of a write
     with pytest.warns(UserWarning, match=f"{path}: skipping its last line {whole + 1}"):
-        assert len(runs.read_log(tmp_path / "torn")) == whole
+        assert len(read_log(tmp_path / "torn")) == whole
     with pytest.warns(UserWarning):
         report.main(["--run", str(tmp_path / "torn"), "--skip-missing"])
     with pytest.warns(UserWarning):
@@ -257,12 +224,12 @@ def test_a_torn_log_line_is_skipped_by_readers_and_removed_by_the_next_writer(co
     assert [json.loads(line)["step"] for line in lines[whole:whole + 2]] == [2, 3]  # the resume record, step 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the log reads whole again: the torn line is gone, not left inside
-        assert [r["step"] for r in runs.read_log(tmp_path / "torn") if "train_loss" in r] == [1, 2, 3]
+        assert [r["step"] for r in read_log(tmp_path / "torn") if "train_loss" in r] == [1, 2, 3]
     assert f'{path}: removed its incomplete last line, a record the previous run was cut off while writing: ' \
            '{"step": 3, "train_lo' in (tmp_path / "torn" / "log.txt").read_text()
     path.write_text("\n".join(lines[:whole] + ['{"step": 3, '] + lines[whole:]) + "\n")
     with pytest.raises(ValueError, match=f"{path}: line {whole + 1} is not a JSON record"):
-        runs.read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
+        read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
 
 
 # ----- checksummed checkpoints -----
@@ -280,8 +247,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus
     checkpoints = tmp_path / "rot" / "checkpoints"
     damage_a_tensor(checkpoints / "latest.pt")
     damage_a_tensor(checkpoints / "step_000004.pt")
-    with pytest.raises(runs.CheckpointError, match="do not match the checksum"):
-        runs.load_checkpoint(checkpoints / "latest.pt", verify=True)
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        load_checkpoint(checkpoints / "latest.pt", verify=True)
     summary = train_gpt.main(["--resume", str(tmp_path / "rot"), "--steps", "5"])
     assert summary["step"] == 5
     text = (tmp_path / "rot" / "log.txt").read_text()
@@ -300,11 +267,11 @@ def test_a_cut_or_missing_latest_checkpoint_falls_back_and_nothing_intact_is_an_
     latest, newest, oldest = (run / "checkpoints" / name for name in ("latest.pt", "step_000004.pt", "step_000002.pt"))
     latest.write_bytes(latest.read_bytes()[:latest.stat().st_size // 2])  # what a copy or a full disk cut short
     resumed_note = f"resuming from {newest} instead, the newest intact checkpoint of {run}"
-    assert runs.resolve_resume(run) == (newest, [
+    assert resolve_resume(run) == (newest, [
         f"passed over {latest} (unreadable: not a complete torch.save archive: empty, truncated or another kind of "
         "file)", resumed_note])
     latest.unlink()
-    assert runs.resolve_resume(run) == (newest, [f"passed over {latest} (missing)", resumed_note])
+    assert resolve_resume(run) == (newest, [f"passed over {latest} (missing)", resumed_note])
     newest.write_bytes(b"")
     damage_a_tensor(oldest)
     with pytest.raises(SystemExit):
@@ -328,26 +295,6 @@ def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_
     assert f"--init-from {latest}: its tensors do not match the checksum" in capsys.readouterr().err
 
 
-def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_path):
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
-    opt.step()
-    runs.save_checkpoint(tmp_path / "a.pt", runs.model_checkpoint(model, {}, 1, optimizers=[opt.state_dict()]))
-    raw = torch.load(tmp_path / "a.pt", weights_only=False)
-    assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
-    assert runs.tensor_checksum(raw) == raw["checksum"]
-    loaded = runs.load_checkpoint(tmp_path / "a.pt", verify=True)
-    assert loaded["model"]["lm_head.weight"] is loaded["model"]["transformer.wte.weight"]  # filled in on load
-    runs.save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
-    assert torch.load(tmp_path / "b.pt", weights_only=False)["checksum"] == raw["checksum"]
-    raw["optimizers"][0]["state"][0]["exp_avg"].view(-1)[0] += 1e-3  # optimizer state counts too
-    assert runs.tensor_checksum(raw) != raw["checksum"]
-    del raw["checksum"]  # a checkpoint written before checksums loads (there is nothing to verify)
-    torch.save(raw, tmp_path / "old.pt")
-    assert runs.load_checkpoint(tmp_path / "old.pt", verify=True)["step"] == 1
-
-
 # ----- exact resume: the same number of processes and split continue bit for bit -----
 
 def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
@@ -360,53 +307,21 @@ def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
     assert (result := torchrun(["--resume", str(resumed.parent)])).returncode == 0, result.stderr[-3000:]
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed.parent)
     assert sorted(again) == [3, 4] and all(again[step] == straight[step] for step in again)
-    ends = [runs.load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "straight", resumed.parent)]
+    ends = [load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "straight", resumed.parent)]
     for name, tensor in ends[0]["model"].items():
         assert torch.equal(tensor, ends[1]["model"][name]), name
-    moments = [[t for state in end["optimizers"][0]["state"].values() for t in state.values()] for end in ends]
+    moments = [[t for state in end["optimizer"]["state"].values() for t in state.values()] for end in ends]
     assert len(moments[0]) > 0 and all(torch.equal(a, b) for a, b in zip(*moments, strict=True))
 
 
-def test_the_flags_fixed_on_resume_are_marked_in_help_and_listed_in_the_docs(capsys):
-    classes = section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, "adamw")
-    fixed = {section: [option(f.name) for f in dataclasses.fields(cls) if f.metadata.get("fixed_on_resume")]
-             for section, cls in classes.items()}
-    assert len(fixed["model"]) == len(dataclasses.fields(train_gpt.GPTConfig))  # the model, variants included
-    paragraph = next(p for p in (ROOT / "docs" / "runs.md").read_text().split("\n\n")
-                     if p.startswith("Fixed on resume:"))
-    assert "every flag of the model and model-variant groups" in paragraph
-    listed = set(re.findall(r"`(--[a-z0-9-]+)`", paragraph))
-    every_optimizer = {option(f.name) for spec in OPTIMIZERS.values() for f in dataclasses.fields(spec.config)
-                       if f.metadata.get("fixed_on_resume")}
-    outside_the_model = {name for section, names in fixed.items() if section != "model" for name in names}
-    assert listed == outside_the_model | every_optimizer
-    with pytest.raises(SystemExit):
-        train_gpt.parse_config(["--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert text.count("(fixed on --resume)") == sum(map(len, fixed.values()))
-    assert ("--seed INT seed for initialisation and the bias sampler (allowed: [0, 4294967295]) (fixed on --resume)"
-            in text)
-
-
-# ----- the presets' parity report ignores what only logs -----
-
-def test_logging_flags_do_not_count_as_differences_from_the_paper():
-    cfg = train_gpt.parse_config(["--preset", "gpt2-124m", "--device", "cpu", "--gauge-diagnostic-every", "5",
-                                  "--log-every", "7", "--run-name", "x", "--val-tokens", "4096"])
-    cfg.train.wandb_project, cfg.train.wandb_run_name = "project", "name"  # (wandb need not be installed here)
-    differs = " ".join(preset_report(cfg)["differs"])
-    for name in ("--gauge-diagnostic-every 5", "--log-every 7", "--run-name x", "--val-tokens 4096", "--wandb"):
-        assert name not in differs
-    moved = train_gpt.parse_config(["--preset", "gpt2-124m", "--device", "cpu", "--mean-q", "0.25"])
-    assert "--mean-q 0.25 (gpt2-124m: 0.5)" in preset_report(moved)["differs"]
-
+# ----- a non-finite checkpoint is refused -----
 
 def test_a_checkpoint_with_non_finite_weights_is_refused_by_resume_with_a_clear_error(corpus, tmp_path, capsys):
     train_gpt.main(tiny_args(corpus, tmp_path, "nan", steps=2, **{"val-every": 0}))
     path = tmp_path / "nan" / "checkpoints" / "latest.pt"
     raw = torch.load(path, weights_only=False)
     raw["model"]["transformer.h.0.attn.c_attn.weight"][0, 0] = float("nan")
-    runs.save_checkpoint(path, raw)  # a consistent checksum: only the finiteness check can tell
+    save_checkpoint(path, raw)  # a consistent checksum: only the finiteness check can tell
     capsys.readouterr()
     with pytest.raises(SystemExit) as excinfo:
         train_gpt.main(["--resume", str(tmp_path / "nan"), "--steps", "3"])

@@ -9,12 +9,8 @@ import sys
 
 import pytest
 import torch
-from tests.test_train import (  # noqa: F401 (corpus is a fixture)
-    ENV, ROOT, corpus, resume_in_new_directory, tiny_args, torchrun, train_losses)
 
-import runs
 import train_gpt
-from optim import OPTIMIZERS
 from gauge.updates import (
     GaugeUpdates,
     attention_parameters,
@@ -28,6 +24,9 @@ from gauge.updates import (
     orbit_projection,
     solve_sylvester_spd,
 )
+from optim import OPTIMIZERS
+from run.checkpoint import load_checkpoint
+from tests.helpers import ENV, ROOT, resume_in_new_directory, tiny_args, torchrun, train_losses, write_v1_checkpoint
 
 F64 = torch.float64
 
@@ -234,7 +233,7 @@ def first_moment_motion(model: train_gpt.GPT, optimizer: torch.optim.Optimizer, 
 def test_dressing_keeps_the_forward_pass_balances_the_grams_and_transports_the_first_moment(optimizer, key):
     model = tiny_model("learned")
     spec = OPTIMIZERS[optimizer]
-    opt = spec.build(model, spec.config())[0]
+    opt = spec.build(model, spec.config())
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(2):
         loss = model(idx, idx)[1]
@@ -375,7 +374,7 @@ def projected_steps(optimizer: str, steps: int, lr: float | None = None, **gauge
     model = tiny_model("bqbv", bias_per_head=False)
     sampler = train_gpt.BiasSampler(model.config, seed=0)
     spec = OPTIMIZERS[optimizer]
-    opt = spec.build(model, spec.config(**({"lr": lr} if lr else {})))[0]
+    opt = spec.build(model, spec.config(**({"lr": lr} if lr else {})))
     updates = GaugeUpdates("project", n_head=2, **gauge)
     largest = 0.0
     for step in range(steps):
@@ -422,7 +421,7 @@ def test_weight_decay_changes_a_hyperball_step():
     for weight_decay in (0.0, 0.1):
         model = tiny_model("bqbv", bias_per_head=False)
         spec = OPTIMIZERS["adamw"]
-        opt = spec.build(model, spec.config(lr=1e-2, weight_decay=weight_decay))[0]
+        opt = spec.build(model, spec.config(lr=1e-2, weight_decay=weight_decay))
         updates = GaugeUpdates("hyperball", n_head=2)
         before = updates.snapshot(model)
         model(TOKENS, TOKENS)[1].backward()
@@ -453,7 +452,7 @@ def test_every_gauge_mode_trains_with_the_registry_optimizers(corpus, tmp_path, 
                              **{"val-every": 0, "checkpoint-every": 0}, **extra))
     losses = train_losses(tmp_path / name)
     assert sorted(losses) == [1, 2, 3, 4] and all(loss < 6.0 for loss in losses.values()), losses
-    ckpt = runs.load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / name / "checkpoints" / "latest.pt")
     assert ckpt["hooks"]["gauge"]["mode"] == mode
     if mode == "hyperball":  # every head factor stays on its sphere
         model = train_gpt.model_from_checkpoint(ckpt)
@@ -477,7 +476,7 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
     straight, again = train_losses(tmp_path / "straight"), train_losses(resumed)
     assert sorted(again) == [4, 5, 6]
     assert all(again[step] == straight[step] for step in again), (again, straight)
-    final = [runs.load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
+    final = [load_checkpoint(run / "checkpoints" / "latest.pt")["model"] for run in (tmp_path / "straight",
                                                                                               resumed)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
@@ -510,7 +509,8 @@ def test_a_run_from_before_the_velocity_projection_resumes_projecting_the_step_o
     train_gpt.main(tiny_args(corpus, tmp_path, "old", steps=2, gauge="project", **{"val-every": 0}))
     path = tmp_path / "old" / "checkpoints" / "latest.pt"
     assert train_gpt.parse_config(["--resume", str(path)]).research.gauge_project_velocity  # today's default
-    ckpt = runs.load_checkpoint(path)
-    del ckpt["config"]["research"]["gauge_project_velocity"]  # as written before the flag existed
-    runs.save_checkpoint(path, ckpt)
+    write_v1_checkpoint(path, path)
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt["config"]["research"]["gauge_project_velocity"], ckpt["checksum"]  # v1, from before the flag existed
+    torch.save(ckpt, path)
     assert not train_gpt.parse_config(["--resume", str(path)]).research.gauge_project_velocity

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-import runs
+from run.checkpoint import load_checkpoint
+from run.log import read_log
 from data.shards import write_shard
 from grid import plan
 from grid.__main__ import main
 from grid.execute import Journal
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -69,7 +70,7 @@ def test_a_2x2_grid_finishes_reports_and_compares_and_the_same_command_starts_no
              "optimizer=sgdm,bias-mode=bqbv"]
     assert sorted(started(directory)) == sorted(names)
     for name in names:
-        assert runs.read_log(directory / name)[-1]["summary"] and runs.read_log(directory / name)[-1]["step"] == 3
+        assert read_log(directory / name)[-1]["summary"] and read_log(directory / name)[-1]["step"] == 3
         assert (directory / name / "report.md").is_file()
     assert json.loads((directory / names[0] / "eval" / "report.json").read_text())["budget"] == "quick"
     page = (directory / "compare.md").read_text()
@@ -103,7 +104,7 @@ def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags
     result = grid(args)
     assert result.returncode == 1, result.stderr[-3000:]
     directory = tmp_path / "g"
-    assert runs.read_log(directory / "n-head=2,val-tokens=32")[-1]["summary"]
+    assert read_log(directory / "n-head=2,val-tokens=32")[-1]["summary"]
     assert started(directory) == ["n-head=2,val-tokens=32", "n-head=2,val-tokens=100000000"]  # n-head 3: refused
     assert ("NOT FINISHED n-head=3,val-tokens=32: --n-embd 16 must be divisible by --n-head 3" in result.stderr)
     failure = result.stderr.split("NOT FINISHED n-head=2,val-tokens=100000000: failed", 1)[1]
@@ -142,7 +143,7 @@ def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes
     states = Journal(tmp_path / "stopped").states()
     assert {s["state"] for s in states.values()} <= {"interrupted", "finished"}, states
     kept = [p.parent.name for p in logs if (p.parent / "checkpoints" / "latest.pt").is_file()
-            and runs.load_checkpoint(p.parent / "checkpoints" / "latest.pt")["step"] < 100]
+            and load_checkpoint(p.parent / "checkpoints" / "latest.pt")["step"] < 100]
     assert kept, states  # stopped in the middle, with a checkpoint (a run still starting has none: it starts again)
 
     before = len(Journal(tmp_path / "stopped").records())
@@ -153,10 +154,10 @@ def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes
     assert resumed == kept
     for seed in (1, 2):
         done, straight = (tmp_path / name / f"seed={seed}" for name in ("stopped", "straight"))
-        a = runs.load_checkpoint(done / "checkpoints" / "latest.pt")["model"]
-        b = runs.load_checkpoint(straight / "checkpoints" / "latest.pt")["model"]
+        a = load_checkpoint(done / "checkpoints" / "latest.pt")["model"]
+        b = load_checkpoint(straight / "checkpoints" / "latest.pt")["model"]
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-        losses = [{r["step"]: r["train_loss"] for r in runs.read_log(run) if "train_loss" in r}
+        losses = [{r["step"]: r["train_loss"] for r in read_log(run) if "train_loss" in r}
                   for run in (done, straight)]
         assert losses[0] == losses[1] and len(losses[0]) == 100
 

@@ -11,14 +11,15 @@ import pytest
 import torch
 
 import train_gpt
-from tests.test_train import corpus, read_log, tiny_args  # noqa: F401 (corpus is a fixture)
+from run.log import read_log
+from tests.helpers import tiny_args
 
 
 def test_a_log_line_is_written_after_the_next_step_is_issued(corpus, tmp_path, monkeypatch):
     """The line of log step N waits for step N+1 to be issued (by then the device has finished step N), except the
     last, written when the loop ends; the numbers are those the step computed."""
     events: list[str] = []
-    train_step, write_line = train_gpt.Trainer.train_step, train_gpt.runs.RunLog.line
+    train_step, write_line = train_gpt.Trainer.train_step, train_gpt.RunLog.line
 
     def recording_step(self):
         loss = train_step(self)
@@ -31,7 +32,7 @@ def test_a_log_line_is_written_after_the_next_step_is_issued(corpus, tmp_path, m
         write_line(self, text)
 
     monkeypatch.setattr(train_gpt.Trainer, "train_step", recording_step)
-    monkeypatch.setattr(train_gpt.runs.RunLog, "line", recording_line)
+    monkeypatch.setattr(train_gpt.RunLog, "line", recording_line)
     train_gpt.main(tiny_args(corpus, tmp_path, "order", steps=6, **{"log-every": 2, "val-every": 0}))
     logged = [i for i, e in enumerate(events) if e.startswith("logged")]
     assert [events[i].split()[1] for i in logged] == ["2", "4", "6"]
@@ -70,13 +71,13 @@ def test_compile_mode_is_recorded_and_passed_to_torch_compile(corpus, tmp_path, 
     train_gpt.main(tiny_args(corpus, tmp_path, "mode", steps=1, **{"compile-mode": "reduce-overhead"}))
     assert json.loads((tmp_path / "mode" / "config.json").read_text())["train"]["compile_mode"] == "reduce-overhead"
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "modes", **{"compile-mode": "max-autotune"}))
-    rt = train_gpt.runs.setup(cfg.train)
-    trainer = train_gpt.Trainer(cfg, rt, train_gpt.runs.RunLog(True))
+    rt = train_gpt.setup_process(cfg.train)
+    trainer = train_gpt.Trainer(cfg, rt, train_gpt.RunLog(True))
     try:
         calls = []
         monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
-        trainer.rt = dataclasses.replace(rt, device=torch.device("cuda"))  # compile() acts on CUDA only
-        trainer.compile()
+        trainer.rt = dataclasses.replace(rt, device=torch.device("cuda"))  # it compiles on CUDA only
+        trainer.build_step_model()
         assert calls == [{"mode": "max-autotune"}] and trainer.cudagraphs
     finally:
         trainer.close()
@@ -118,7 +119,7 @@ def test_a_run_that_ends_inside_the_profile_window_still_writes_it(corpus, tmp_p
 def test_no_host_sync_inside_a_training_step_on_cuda(tmp_path, monkeypatch):
     """The step (bias draw, forward, backward, optimizer, the loss read back) runs under torch's sync debug mode,
     which raises on any operation that waits for the device."""
-    from tests.conftest import train_tiny_run
+    from tests.helpers import train_tiny_run
 
     def strict(method):
         def wrapped(self, *args):

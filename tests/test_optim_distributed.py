@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from optim.distributed import init_process_group
+from run.process import init_process_group
 from optim.ecd import ECD
 from optim.muon import Muon
 from optim.soap import SOAP

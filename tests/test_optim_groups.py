@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from optim import OPTIMIZERS, OptimizerConfig, parameter_groups
-from optim.registry import DECAY_GROUPS, upgrade_saved_config
+from optim.registry import DECAY_GROUPS
 from optim.torch_optimizers import AdamWConfig
 from train_gpt import GPT, GPTConfig
 
@@ -47,20 +47,11 @@ def test_unknown_choice_is_an_error():
         grouped_names(AdamWConfig(weight_decay=0.1, decay_groups="biases"))
 
 
-@pytest.mark.parametrize("embeddings, rest, meant", [(False, False, "matrices"), (True, False, "matrices+embeddings"),
-                                                     (False, True, "all-but-embeddings"), (True, True, "all")])
-def test_configs_saved_before_decay_groups_keep_their_meaning(embeddings, rest, meant):
-    old = {"lr": 1.0, "weight_decay": 0.1, "decay_embeddings": embeddings, "decay_norms_and_biases": rest}
-    assert upgrade_saved_config(old)["decay_groups"] == meant
-    assert upgrade_saved_config({"lr": 1.0})["decay_groups"] == "matrices"  # the old default
-    assert upgrade_saved_config({"decay_groups": "all"}) == {"decay_groups": "all"}
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_build_owns_every_parameter_once_and_refuses_a_build_that_does_not(name):
     model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=8))
     spec = OPTIMIZERS[name]
-    (opt,) = spec.build(model, spec.config())
+    opt = spec.build(model, spec.config())
     owned = [p for group in opt.param_groups for p in group["params"]]
     assert len(owned) == len({id(p) for p in owned}) == len(list(model.parameters()))
 

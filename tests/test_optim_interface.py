@@ -28,7 +28,7 @@ def trained(name: str, steps: int = 2) -> tuple[GPT, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, bias_mode="bqbv")).double()
     spec = OPTIMIZERS[name]
-    (opt,) = spec.build(model, spec.config())
+    opt = spec.build(model, spec.config())
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         loss = model(idx, idx)[1]
@@ -119,7 +119,7 @@ def test_velocity_is_the_direction_of_motion_live_and_saved(name):
 def test_no_velocity_before_any_state_and_a_clear_error_without_names():
     spec = OPTIMIZERS["adamw"]
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
-    assert spec.build(model, spec.config())[0].velocity() == {}
+    assert spec.build(model, spec.config()).velocity() == {}
     with pytest.raises(ValueError, match="carry no 'names'"):
         spec.optimizer.saved_velocity({"state": {}, "param_groups": [{"params": [0]}]})
 

@@ -51,7 +51,7 @@ def loss_of(model: nn.Module, step: int) -> torch.Tensor:
 
 def build(model: nn.Module, **flags) -> Muon:
     spec = OPTIMIZERS["muon"]
-    return spec.build(model, spec.config(**flags))[0]
+    return spec.build(model, spec.config(**flags))
 
 
 def test_hidden_matrices_use_muon_and_the_rest_adamw():

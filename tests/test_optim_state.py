@@ -102,8 +102,8 @@ def test_state_bytes_per_parameter_count_flat_buffers_once(name):
     expected = {"ecd": 4 * numel, "soap": 8 * numel, "muon": 4 * matrices + 8 * (numel - matrices)}[name]
     for dtype, width in (("fp32", 1.0), ("bf16", 0.5)):
         model = net()
-        opts = spec.build(model, spec.config(optim_state_dtype=dtype))
-        assert optimizer_state_bytes(opts) == expected * width
+        opt = spec.build(model, spec.config(optim_state_dtype=dtype))
+        assert optimizer_state_bytes(opt) == expected * width
 
 
 def circular_valley_angular_momentum(make_opt, velocity, steps: int = 60) -> list[float]:

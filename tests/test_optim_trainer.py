@@ -13,7 +13,7 @@ import pytest
 
 import train_gpt
 from data.shards import write_shard
-from tests.test_train import resume_in_new_directory
+from tests.helpers import resume_in_new_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = {"ecd": {"lr": 0.5, "ecd-f0": 0.0}, "soap": {"lr": 3e-3}, "muon": {"lr": 3e-3, "muon-lr": 0.01},

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 import config
-import runs
 import train_gpt
 from optim import OPTIMIZERS
+from run.checkpoint import load_checkpoint
+from run.log import read_log
+from run.process import batch_layout
 from tests.test_optim_soap import reference_soap
-from tests.test_train import corpus, tiny_args  # noqa: F401 (corpus is a fixture)
+from tests.helpers import tiny_args, write_v1_checkpoint
 
 ECD_STEPS, SOAP_STEPS = 20, 25
 VOCAB, SEQ, BATCH = 64, 32, 4
@@ -67,7 +69,7 @@ def test_paper_presets_build_the_published_run(preset, optimizer):
                                                                                             0, 0.0)
     assert hp.steps * hp.batch_tokens == pytest.approx(500e6, rel=1e-4)  # 500M tokens
     for world in (1, 2, 4, 8):
-        assert runs.batch_layout(hp, world)[1] == 1  # no gradient accumulation
+        assert batch_layout(hp, world)[1] == 1  # no gradient accumulation
     model = cfg.model
     assert (model.n_layer, model.n_head, model.n_embd, model.block_size, model.vocab_size) == (12, 12, 768, 512, 50304)
     assert model.activation == ("gelu" if preset.endswith("gelu") else "prelu")
@@ -137,7 +139,7 @@ def loss_of(model: train_gpt.GPT, step: int) -> torch.Tensor:
 def paper_optimizer(model: train_gpt.GPT, optimizer: str, *flags: str) -> torch.optim.Optimizer:
     """The optimizer that --preset gpt2-124m --optimizer NAME (plus flags) builds for `model`."""
     cfg = train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", optimizer, *flags])
-    (opt,) = OPTIMIZERS[optimizer].build(model, cfg.optim)
+    opt = OPTIMIZERS[optimizer].build(model, cfg.optim)
     return opt
 
 
@@ -294,10 +296,10 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
 
     summary = train_gpt.main(tiny_args(corpus, tmp_path, "parity", steps=8, **{"val-every": 4}))
     run = tmp_path / "parity"
-    records = [r for r in runs.read_log(run) if "val_loss_batch" in r]
+    records = [r for r in read_log(run) if "val_loss_batch" in r]
     estimates = {r["step"]: r["val_loss_batch"] for r in records if r["val_loss_batch"] is not None}
     assert set(estimates) == {4, 8}  # the multiples of --val-every; not step 0
-    model = train_gpt.model_from_checkpoint(runs.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    model = train_gpt.model_from_checkpoint(load_checkpoint(run / "checkpoints" / "latest.pt"))
     config = json.loads((run / "config.json").read_text())
     hp = config["train"]
     # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens validation tokens
@@ -318,10 +320,11 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run), "--decay-groups", "matrices"])
     assert "--decay-groups cannot change when resuming" in capsys.readouterr().err
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
-    ckpt["config"]["optim"] = {k: v for k, v in ckpt["config"]["optim"].items() if k != "decay_groups"}
-    ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
     old = tmp_path / "old" / "checkpoints" / "latest.pt"
     old.parent.mkdir(parents=True)
+    write_v1_checkpoint(run / "checkpoints" / "latest.pt", old)
+    ckpt = torch.load(old, weights_only=False)
+    del ckpt["config"]["optim"]["decay_groups"], ckpt["checksum"]  # a v1 file from before --decay-groups
+    ckpt["config"]["optim"].update(decay_embeddings=True, decay_norms_and_biases=False)
     torch.save(ckpt, old)
     assert train_gpt.parse_config(["--resume", str(old)]).optim.decay_groups == "matrices+embeddings"

@@ -5,7 +5,6 @@ the advice of a non-finite stop after a resume, and a refusal reaches every rank
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,11 +14,12 @@ import pytest
 import torch
 
 import export
-import runs
 import sample
 import train_gpt
 from eval import dynamics, val_loss
-from tests.test_train import ENV, ROOT, corpus, tiny_args, train_losses  # noqa: F401 (corpus is a fixture)
+from run.log import read_log
+from run.stop import non_finite_stop_message
+from tests.helpers import ENV, ROOT, tiny_args, train_losses, write_v1_checkpoint
 
 
 def checkpoint_names(run: Path) -> list[str]:
@@ -62,9 +62,11 @@ def test_keep_checkpoints_keeps_the_last_k_step_files(corpus, tmp_path):
     train_gpt.main(["--resume", str(run), "--steps", "9", "--keep-checkpoints", "0"])
     assert checkpoint_names(run) == ["latest.pt"]
     latest = run / "checkpoints" / "latest.pt"
-    ckpt = runs.load_checkpoint(latest)
-    ckpt["config"]["train"]["keep_checkpoints"] = True  # written when the flag was a switch: on kept every file
-    runs.save_checkpoint(latest, ckpt)
+    write_v1_checkpoint(latest, latest)
+    ckpt = torch.load(latest, weights_only=False)
+    ckpt["config"]["train"]["keep_checkpoints"] = True  # a v1 file from when the flag was a switch: on kept every file
+    del ckpt["checksum"]
+    torch.save(ckpt, latest)
     assert train_gpt.parse_config(["--resume", str(run)]).train.keep_checkpoints == -1
 
 
@@ -117,7 +119,7 @@ def test_records_say_what_was_measured_and_a_resumed_run_keeps_its_preset(corpus
     run = tmp_path / "rec"
     train_gpt.main(["--preset", "smoke", *tiny_args(corpus, tmp_path, "rec", steps=4, **{"val-every": 2})])
     train_gpt.main(["--resume", str(run), "--steps", "6"])
-    records = runs.read_log(run)
+    records = read_log(run)
     training = [r for r in records if "train_loss" in r]
     assert [r["step"] for r in training] == [1, 2, 3, 4, 5, 6]
     assert not [k for r in training for k in r if k.startswith("val") or k in ("best_val_loss_batch", "reached_target")]
@@ -133,9 +135,10 @@ def test_records_say_what_was_measured_and_a_resumed_run_keeps_its_preset(corpus
     assert ("--preset gpt2-124m: the resumed run was started with --preset smoke, which it keeps"
             in capsys.readouterr().err)
     latest = run / "checkpoints" / "latest.pt"
-    ckpt = runs.load_checkpoint(latest)
-    del ckpt["config"]["preset"]  # written before checkpoints recorded it: config.json says
-    runs.save_checkpoint(latest, ckpt)
+    write_v1_checkpoint(latest, latest)
+    ckpt = torch.load(latest, weights_only=False)
+    del ckpt["config"]["preset"], ckpt["checksum"]  # a v1 file from before checkpoints recorded it: config.json says
+    torch.save(ckpt, latest)
     assert train_gpt.parse_config(["--resume", str(run)]).preset == "smoke"
 
 
@@ -166,12 +169,12 @@ def test_a_resumed_run_that_diverges_despite_a_lower_lr_points_to_an_earlier_che
 def test_the_non_finite_stop_without_an_earlier_checkpoint_says_so(tmp_path):
     resumed = {"resumed_from": str(tmp_path / "run" / "checkpoints" / "latest.pt"), "step": 5,
                "changed": {"train.warmup_steps": [0, 100], "train.steps": [10, 20]}}
-    text = runs.non_finite_stop_message("the training loss (nan)", 6, 0.01, 5, resumed, tmp_path / "run")
+    text = non_finite_stop_message("the training loss (nan)", 6, 0.01, 5, resumed, tmp_path / "run")
     assert ("diverged again with the safer settings given on --resume (train.warmup_steps 0 -> 100; also changed: "
             "train.steps 10 -> 20)") in text
     assert "resume from an earlier checkpoint, but the run kept none (--keep-checkpoints K" in text
     resumed["changed"] = {"optim.lr": [0.01, 0.1]}  # a higher lr is still the first suspect
-    assert "the flags changed on --resume (optim.lr 0.01 -> 0.1) are the first suspects" in runs.non_finite_stop_message(
+    assert "the flags changed on --resume (optim.lr 0.01 -> 0.1) are the first suspects" in non_finite_stop_message(
         "the training loss (nan)", 6, 0.1, 5, resumed, tmp_path / "run")
 
 
@@ -193,8 +196,8 @@ def test_a_refusal_by_rank_0_ends_every_rank_with_its_one_line_message(corpus, t
     assert 'train_gpt.py", line' not in result.stderr and "rank 0 could not" not in result.stderr
 
     train_gpt.main(tiny_args(corpus, tmp_path, "owned", steps=1, **{"val-every": 0}))
-    holder = subprocess.Popen([sys.executable, "-c", "import runs, time; from pathlib import Path; "
-                               f"owner = runs.RunDirectory(Path({str(tmp_path / 'owned')!r})); "
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from pathlib import Path; from run.directory import RunDirectory; "
+                               f"owner = RunDirectory(Path({str(tmp_path / 'owned')!r})); "
                                "owner.claim(new_run=False); print('held', flush=True); time.sleep(600)"], env=ENV,
                               stdout=subprocess.PIPE, text=True)
     try:

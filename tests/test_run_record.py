@@ -1,23 +1,22 @@
 """What a run records about its data (config.json, checkpoints, log.txt), the shard digest cache, the data check on
---resume, and checkpoints that store the tied embedding once (and still load the older ones that stored it twice)."""
+--resume, and optimizer state that holds the tied embedding once."""
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-import runs
-from data import lookup
 import train_gpt
+from data import lookup
 from data import shards
 from data.shards import describe_shards, sha256_shards, write_shard
 from optim import OPTIMIZERS
+from run.checkpoint import load_checkpoint
 
 VOCAB = 80  # no other weight of the tiny model has 80 rows
 
@@ -90,7 +89,7 @@ def test_config_checkpoint_and_log_record_the_data(corpus, tmp_path):
         ("r_train_000001.bin", 6000, 1024 + 12000), ("r_train_000002.bin", 5000, 1024 + 10000)]
     assert [f["sha256"] for f in train["files"]] == [sha256(corpus / f"r_train_00000{i}.bin") for i in (1, 2)]
     assert train["tokens"] == 11000 and data["val"]["tokens"] == 2048
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["config"]["data"] == data
     assert (f"train data {corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
             f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens | data fingerprint {data['fingerprint']}") in \
@@ -154,46 +153,7 @@ def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(c
                                                                             capsys)
     (corpus / "r_train_000003.bin").unlink()
     train_gpt.main(["--resume", str(run), "--steps", "6"])
-    assert runs.load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
-
-
-def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
-    train_gpt.main(tiny_args(corpus, tmp_path, "tied"))
-    path = tmp_path / "tied" / "checkpoints" / "latest.pt"
-    raw = torch.load(path, weights_only=False)
-    assert "lm_head.weight" not in raw["model"] and raw["tied"] == {"lm_head.weight": "transformer.wte.weight"}
-    model = train_gpt.model_from_checkpoint(path)
-    assert model.lm_head.weight is model.transformer.wte.weight
-    assert torch.equal(model.transformer.wte.weight, raw["model"]["transformer.wte.weight"])
-    assert set(runs.load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
-    # The layout of earlier versions, with both copies and no "tied" entry, is one embedding larger and still loads.
-    raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
-    del raw["tied"]
-    old = tmp_path / "old.pt"
-    torch.save(raw, old)
-    stored = lambda f: sum(i.file_size for i in zipfile.ZipFile(f).infolist())  # noqa: E731 (torch.save's zip)
-    assert stored(old) - stored(path) >= VOCAB * 32 * 4
-    again = train_gpt.model_from_checkpoint(old)
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(again.state_dict()[name], tensor), name
-
-
-def test_resume_from_a_checkpoint_of_an_earlier_version(corpus, tmp_path):
-    """Both embedding copies and no data record: the run resumes, says the data is not checked, and continues the
-    trajectory of an uninterrupted run exactly."""
-    train_gpt.main(tiny_args(corpus, tmp_path, "straight", steps=4))
-    train_gpt.main(tiny_args(corpus, tmp_path, "old", steps=4, **{"checkpoint-every": 2, "keep-checkpoints": -1}))
-    run = tmp_path / "old"
-    raw = torch.load(run / "checkpoints" / "step_000002.pt", weights_only=False)
-    raw["model"]["lm_head.weight"] = raw["model"]["transformer.wte.weight"].clone()
-    del raw["tied"], raw["config"]["data"], raw["checksum"]
-    torch.save(raw, run / "checkpoints" / "latest.pt")
-    (run / "log.jsonl").write_text("")
-    train_gpt.main(["--resume", str(run)])
-    assert "the checkpoint records no data" in (run / "log.txt").read_text()
-    losses = lambda r: {x["step"]: x["train_loss"] for x in runs.read_log(r) if "train_loss" in x}  # noqa: E731
-    resumed, straight = losses(run), losses(tmp_path / "straight")
-    assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in resumed)
+    assert load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -201,15 +161,14 @@ def test_optimizer_state_holds_the_tied_embedding_once(optimizer):
     torch.manual_seed(0)
     model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=32))
     spec = OPTIMIZERS[optimizer]
-    optimizers = spec.build(model, spec.config())
+    opt = spec.build(model, spec.config())
     x = torch.randint(0, VOCAB, (2, 16))
     loss = model(x, x)[1]
     loss.backward()
-    for opt in optimizers:
-        opt.step(loss) if spec.needs_loss else opt.step()
+    opt.step(loss) if spec.needs_loss else opt.step()
     unique = list(model.parameters())  # the tied weight once
-    states = [opt.state_dict() for opt in optimizers]
-    assert sum(len(g["params"]) for s in states for g in s["param_groups"]) == len(unique)
-    embedding_entries = [entry for s in states for entry in s["state"].values()
+    state = opt.state_dict()
+    assert sum(len(g["params"]) for g in state["param_groups"]) == len(unique)
+    embedding_entries = [entry for entry in state["state"].values()
                          if any(torch.is_tensor(t) and VOCAB in t.shape for t in entry.values())]
     assert len(embedding_entries) == 1  # one state entry for the embedding and the head

@@ -1,4 +1,4 @@
-"""GPT.generate and `python -m sample`: greedy and top-k decoding, seeded sampling, the padded vocabulary, context
+"""sample.generate and `python -m sample`: greedy and top-k decoding, seeded sampling, the padded vocabulary, context
 cropping, checkpoints given as files, run directories or exported directories, and the errors for bad flags."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import export
 import kv_cache
 import sample
-import runs
 import train_gpt
 from data.shards import GPT2_VOCAB
+from run.checkpoint import save_checkpoint
 
 
 def tiny_model(**overrides) -> train_gpt.GPT:
@@ -32,7 +32,7 @@ def model() -> train_gpt.GPT:
 def run_dir(tmp_path_factory, model) -> str:
     run = tmp_path_factory.mktemp("run")
     (run / "checkpoints").mkdir()
-    runs.save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(run / "checkpoints" / "latest.pt", export.checkpoint_of(model, "test"))
     return str(run)
 
 
@@ -45,28 +45,28 @@ def greedy_by_hand(model: train_gpt.GPT, idx: torch.Tensor, steps: int, vocab: i
 
 def test_greedy_generation_follows_the_mean_bias_logits(model):
     idx = torch.randint(0, GPT2_VOCAB, (2, 5))
-    out = model.generate(idx, 6, temperature=0, vocab_limit=GPT2_VOCAB)
+    out = sample.generate(model, idx, 6, temperature=0, vocab_limit=GPT2_VOCAB)
     assert out.shape == (2, 11) and torch.equal(out[:, :5], idx)
     assert torch.equal(out, greedy_by_hand(model, idx, 6, GPT2_VOCAB))
-    assert torch.equal(model.generate(idx, 6, temperature=1.0, top_k=1, vocab_limit=GPT2_VOCAB), out)
+    assert torch.equal(sample.generate(model, idx, 6, temperature=1.0, top_k=1, vocab_limit=GPT2_VOCAB), out)
 
 
 def test_context_is_cropped_to_block_size(model):
     idx = torch.randint(0, GPT2_VOCAB, (1, 40))  # longer than block_size 32
-    out = model.generate(idx, 3, temperature=0)
+    out = sample.generate(model, idx, 3, temperature=0)
     assert out.shape == (1, 43)
     assert torch.equal(out, greedy_by_hand(model, idx, 3, model.config.vocab_size))
 
 
 def test_sampling_is_seeded_and_respects_top_k_and_vocab_limit(model):
     idx = torch.zeros((64, 1), dtype=torch.long)
-    draw = lambda seed, **kw: model.generate(idx, 1, generator=torch.Generator().manual_seed(seed), **kw)[:, 1]
+    draw = lambda seed, **kw: sample.generate(model, idx, 1, generator=torch.Generator().manual_seed(seed), **kw)[:, 1]
     assert torch.equal(draw(3, temperature=2.0), draw(3, temperature=2.0))
     assert not torch.equal(draw(3, temperature=2.0), draw(4, temperature=2.0))
     logits = model(idx[:1])[0][0, -1]
     top3 = set(torch.topk(logits, 3).indices.tolist())
     assert set(draw(5, temperature=5.0, top_k=3).tolist()) <= top3
-    model_small_vocab = model.generate(idx, 1, temperature=50.0, vocab_limit=10,
+    model_small_vocab = sample.generate(model, idx, 1, temperature=50.0, vocab_limit=10,
                                        generator=torch.Generator().manual_seed(0))[:, 1]
     assert model_small_vocab.max() < 10
 
@@ -78,11 +78,12 @@ def test_the_kv_cache_gives_the_tokens_of_rerunning_the_window(overrides):
     outgrows block_size (16: a 5-token prompt and 14 new tokens cross it)."""
     model = tiny_model(block_size=16, **overrides)
     idx = torch.randint(0, GPT2_VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
-    greedy = model.generate(idx, 14, temperature=0, vocab_limit=GPT2_VOCAB)
+    greedy = sample.generate(model, idx, 14, temperature=0, vocab_limit=GPT2_VOCAB)
     assert greedy.shape == (3, 19) and torch.equal(greedy, greedy_by_hand(model, idx, 14, GPT2_VOCAB))
     for kwargs in (dict(temperature=1.0, top_k=50), dict(temperature=2.0)):
-        cached, rerun = (model.generate(idx, 14, vocab_limit=GPT2_VOCAB, generator=torch.Generator().manual_seed(5),
-                                        use_cache=use_cache, **kwargs) for use_cache in (True, False))
+        cached, rerun = (sample.generate(model, idx, 14, vocab_limit=GPT2_VOCAB,
+                                         generator=torch.Generator().manual_seed(5),
+                                         use_cache=use_cache, **kwargs) for use_cache in (True, False))
         assert torch.equal(cached, rerun), kwargs
 
 
@@ -92,10 +93,10 @@ def test_the_kv_cache_reads_each_token_once_while_the_context_fits(model, monkey
     forward = train_gpt.GPT.forward
     monkeypatch.setattr(train_gpt.GPT, "forward", lambda self, idx, *a, **kw: seen.append(idx.size(1))
                         or forward(self, idx, *a, **kw))
-    model.generate(torch.zeros((1, 30), dtype=torch.long), 5, temperature=0)
+    sample.generate(model, torch.zeros((1, 30), dtype=torch.long), 5, temperature=0)
     assert seen == [30, 1, 1, 32, 32]
     seen.clear()
-    model.generate(torch.zeros((1, 30), dtype=torch.long), 3, temperature=0, use_cache=False)
+    sample.generate(model, torch.zeros((1, 30), dtype=torch.long), 3, temperature=0, use_cache=False)
     assert seen == [30, 31, 32]
 
 
@@ -115,7 +116,8 @@ def test_relational_attention_generates_without_a_cache():
     model = tiny_model(attention="relational", bias_mode="none")
     assert kv_cache.for_model(model.config) is None
     idx = torch.randint(0, GPT2_VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
-    assert torch.equal(model.generate(idx, 3, temperature=0), greedy_by_hand(model, idx, 3, model.config.vocab_size))
+    assert torch.equal(sample.generate(model, idx, 3, temperature=0),
+                       greedy_by_hand(model, idx, 3, model.config.vocab_size))
 
 
 def test_cli_samples_from_a_run_directory_reproducibly(run_dir, capsys):
@@ -144,7 +146,7 @@ def test_cli_samples_from_an_exported_directory(tmp_path, model):
     exported = sample.main(["--checkpoint", str(tmp_path / "hf"), *args])
     run = tmp_path / "run" / "checkpoints"
     run.mkdir(parents=True)
-    runs.save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
+    save_checkpoint(run / "latest.pt", export.checkpoint_of(model, "test"))
     assert exported == sample.main(["--checkpoint", str(tmp_path / "run"), *args])
 
 
@@ -189,7 +191,7 @@ def test_missing_checkpoint_is_named(tmp_path):
 @pytest.mark.cuda
 def test_greedy_generation_on_cuda_matches_the_cpu(model):
     idx = torch.randint(0, GPT2_VOCAB, (2, 5))
-    on_gpu = model.to("cuda").generate(idx.cuda(), 4, temperature=0, vocab_limit=GPT2_VOCAB).cpu()
+    on_gpu = sample.generate(model.to("cuda"), idx.cuda(), 4, temperature=0, vocab_limit=GPT2_VOCAB).cpu()
     model.to("cpu")
     assert torch.equal(on_gpu[:, :5], idx)
     for t in range(5, 9):  # every token the GPU chose is the CPU's argmax, up to float ties
@@ -220,4 +222,4 @@ def test_cli_samples_on_cuda_in_bf16(run_dir):
 
 def test_a_masked_lm_model_refuses_to_generate():
     with pytest.raises(ValueError, match="--objective mlm"):
-        tiny_model(objective="mlm").generate(torch.zeros(1, 4, dtype=torch.long), 2)
+        sample.generate(tiny_model(objective="mlm"), torch.zeros(1, 4, dtype=torch.long), 2)

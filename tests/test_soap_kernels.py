@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.test_ecd_kernels import relative_difference
+from tests.helpers import relative_difference
 
 STEPS = 20
 
@@ -139,7 +139,7 @@ def optimizer_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from tests.conftest import interpreter_results
+    from tests.helpers import interpreter_results
 
     return interpreter_results(__file__, tmp_path_factory)
 
@@ -209,6 +209,6 @@ def test_fused_soap_on_cuda_equals_reference() -> None:
 
 
 if __name__ == "__main__":
-    from tests.conftest import write_interpreter_results
+    from tests.helpers import write_interpreter_results
 
     write_interpreter_results(sys.argv[1], kernels=kernel_checks, optimizer=optimizer_checks)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-import runs
 import train_gpt
 from data.shards import write_shard
+from run.checkpoint import Progress
+from run.log import RunLog, read_log
 
 VOCAB = 64
 
@@ -97,7 +98,7 @@ def test_records_go_to_wandb_as_to_log_jsonl(args, tmp_path, monkeypatch):
     assert init["project"] == "symgpt-tests" and init["name"] == "tracked" and init["dir"] == str(run)
     assert init["config"] == json.loads((run / "config.json").read_text())  # the config, data record included
     assert init["config"]["data"]["train"]["tokens"] == 4000
-    records = runs.read_log(run)
+    records = read_log(run)
     numbers = lambda r: {k: v for k, v in r.items()  # noqa: E731
                          if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
     assert [c for c in rest if c[0] == "log"] == [("log", r["step"], numbers(r)) for r in records
@@ -140,11 +141,11 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     calls: list = []
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb(calls))
     cfg = train_gpt.parse_config([*args, "--wandb-project", "p"])
-    log = runs.RunLog(is_master=False)
+    log = RunLog(is_master=False)
     rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2, device=torch.device("cpu"),
-                               dtype_name="fp32")
+                               dtype_name="fp32", layout=dict)
     trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
-                                    data_record=None, run_dir=None, resumed=None, progress=train_gpt.Progress(),
+                                    data_record=None, run_dir=None, resumed=None, progress=Progress(),
                                     attention=None)
     train_gpt.Trainer.open_run(trainer)
     log.record({"step": 1, "train_loss": 1.0})
@@ -161,7 +162,7 @@ def test_records_go_to_tensorboard_as_to_log_jsonl(args, tmp_path, monkeypatch):
     kind, tag, text, step = calls[1]
     assert (kind, tag, step) == ("text", "config", 0)
     assert json.loads(text.strip("`\n")) == json.loads((run / "config.json").read_text())
-    records = runs.read_log(run)
+    records = read_log(run)
     expected = [("scalar", k, v, r["step"]) for r in records if not r.get("summary") for k, v in numbers(r).items()]
     expected += [("scalar", f"summary/{k}", v, 2) for k, v in numbers(records[-1]).items()]
     assert [c for c in calls if c[0] == "scalar"] == expected and records[-1]["summary"]
@@ -198,7 +199,7 @@ def test_tensorboard_event_files_hold_the_logged_scalars(args, tmp_path):
 
     train_gpt.main([*args, "--tensorboard", str(tmp_path / "tb"), "--steps", "2"])
     events = EventAccumulator(str(tmp_path / "tb" / "tracked")).Reload()
-    records = [r for r in runs.read_log(tmp_path / "runs" / "tracked") if "train_loss" in r]
+    records = [r for r in read_log(tmp_path / "runs" / "tracked") if "train_loss" in r]
     assert [(e.step, e.value) for e in events.Scalars("train_loss")] == pytest.approx(
         [(r["step"], r["train_loss"]) for r in records])
     assert "summary/val_loss" in events.Tags()["scalars"]

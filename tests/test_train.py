@@ -18,69 +18,14 @@ import pytest
 import torch
 
 import config
-import runs
 import train_gpt
-from cli import option
-from data.lookup import resolve_data_files
-from data.shards import write_shard
+from data import lookup
 from eval import report, val_loss
-
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 128
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarray:
-    """A learnable toy language: a Zipf-distributed stream of 40 fixed random 'words' of 2-5 tokens each, with ids in
-    [1, vocab)."""
-    vocabulary = np.random.default_rng(1234)  # the same words in every shard
-    words = [vocabulary.integers(1, vocab, size=vocabulary.integers(2, 6)) for _ in range(40)]
-    rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, 41)
-    picks = rng.choice(40, size=num_tokens // 2, p=weights / weights.sum())
-    return np.concatenate([words[i] for i in picks])[:num_tokens].astype(np.uint16)
-
-
-def resume_in_new_directory(checkpoint: Path, resumed: Path) -> Path:
-    """Copy `checkpoint` to resumed/checkpoints/latest.pt and continue it there with `--resume` (no other flag)."""
-    (resumed / "checkpoints").mkdir(parents=True)
-    (resumed / "checkpoints" / "latest.pt").write_bytes(checkpoint.read_bytes())
-    train_gpt.main(["--resume", str(resumed)])
-    return resumed
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    write_shard(root / "syn_val_000000.bin", synthetic_tokens(8192, seed=0))
-    write_shard(root / "syn_train_000001.bin", synthetic_tokens(60000, seed=1))
-    write_shard(root / "syn_train_000002.bin", synthetic_tokens(60000, seed=2))
-    return root
-
-
-def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
-    args = {
-        "train-files": str(corpus / "syn_train_*.bin"), "val-files": str(corpus / "syn_val_*.bin"),
-        "vocab-size": VOCAB, "block-size": 32, "n-layer": 2, "n-head": 2, "n-embd": 32,
-        "seq-len": 32, "micro-batch": 4, "batch-tokens": 256, "steps": 8, "lr": 3e-3,
-        "val-every": 4, "val-tokens": 1024, "log-every": 1, "device": "cpu",
-        "run-dir": str(run_dir), "run-name": name,
-    }
-    args.update(overrides)
-    return [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
-
-
-def read_log(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
-
-
-def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in read_log(run_dir) if "train_loss" in r}
-
-
-def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=120)
+from run.checkpoint import load_checkpoint, run_dir_of
+from run.log import RunLog, read_log
+from run.process import batch_layout, setup_process
+from tests.helpers import (ENV, ROOT, VOCAB, resume_in_new_directory, tiny_args, torchrun, torchrun_in_background,
+                           train_losses)
 
 
 def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
@@ -107,8 +52,8 @@ def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
         f"  python -m sample --run {run} --prompt \"The meaning of\"\n"
         f"  python -m export to-hf --run {run} --out {run / 'hf'}    # a Hugging Face model\n")
     assert (run / "code" / "train_gpt.py").is_file() and (run / "code" / "data" / "loader.py").is_file()
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
-    assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizers", "loader", "rng", "config"}
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert ckpt["step"] == 40 and set(ckpt) >= {"model", "optimizer", "loader", "rng", "config"}
     assert "sampler" not in ckpt  # the sampler holds no state: its draws follow from the seed and the step
     assert list(config["model"])[:3] == ["vocab_size", "block_size", "n_layer"]  # the architecture first
     model = train_gpt.model_from_checkpoint(ckpt)
@@ -128,14 +73,7 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path):
     straight = train_losses(tmp_path / "straight")
     first = train_losses(halves)
     assert first == straight  # same run, same numbers (deterministic on CPU)
-    resumed_dir = tmp_path / "resumed"
-    resumed_dir.mkdir()
-    (resumed_dir / "checkpoints").mkdir()
-    old = torch.load(halves / "checkpoints" / "step_000003.pt", weights_only=False)
-    old["sampler"] = {"seed": 1337, "rule": "SeedSequence([seed, step, layer])"}  # as earlier versions wrote it
-    torch.save(old, resumed_dir / "checkpoints" / "latest.pt")
-    train_gpt.main(["--resume", str(resumed_dir)])
-    resumed = train_losses(resumed_dir)
+    resumed = train_losses(resume_in_new_directory(halves / "checkpoints" / "step_000003.pt", tmp_path / "resumed"))
     assert sorted(resumed) == [4, 5, 6, 7, 8]
     for step, loss in resumed.items():
         assert loss == straight[step], (step, loss, straight[step])
@@ -174,20 +112,11 @@ def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus,
         assert moved[step] == pytest.approx(single[step], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("sequences, bound, world, layout", [
-    (8, 8, 1, (8, 1)), (8, 8, 8, (1, 1)), (8, 8, 2, (4, 1)), (16, 8, 1, (8, 2)), (12, 8, 1, (6, 2)),
-    (12, 5, 1, (4, 3)), (128, 8, 8, (8, 2)), (7, 8, 1, (7, 1)), (7, 4, 1, (1, 7)),
-])
-def test_batch_layout_picks_the_largest_micro_batch_that_splits(sequences, bound, world, layout):
-    hp = train_gpt.TrainConfig(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
-    assert runs.batch_layout(hp, world) == layout
-
-
 def test_default_batch_splits_over_eight_ranks_and_a_bad_split_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     hp = train_gpt.parse_config(["--device", "cpu"]).train  # the paper's 8 x 512 batch: one sequence per rank
-    assert runs.batch_layout(hp, 8) == (1, 1)
+    assert batch_layout(hp, 8) == (1, 1)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--device", "cpu"])
@@ -215,7 +144,7 @@ def test_an_evaluation_error_at_the_end_loses_no_checkpoint(corpus, tmp_path, mo
     monkeypatch.setattr(train_gpt, "evaluate", failing_evaluate)
     with pytest.raises(RuntimeError, match="validation exploded"):
         train_gpt.main(tiny_args(corpus, tmp_path, "evalfail", steps=3, **{"val-every": 0}))
-    assert runs.load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
+    assert load_checkpoint(tmp_path / "evalfail" / "checkpoints" / "latest.pt")["step"] == 3
     assert "RuntimeError: validation exploded" in (tmp_path / "evalfail" / "log.txt").read_text()
 
 
@@ -225,7 +154,7 @@ def test_target_val_loss_is_reported_and_can_stop_the_run(corpus, tmp_path):
     reached = summary["reached_target"]
     assert reached is not None and reached["val_loss"] <= 4.5
     assert summary["step"] == reached["step"] < 40
-    assert runs.load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
+    assert load_checkpoint(tmp_path / "target" / "checkpoints" / "latest.pt")["step"] == reached["step"]
 
 
 def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, tmp_path, monkeypatch):
@@ -245,7 +174,7 @@ def test_a_non_finite_step_stops_the_run_and_keeps_a_finite_checkpoint(corpus, t
     run = tmp_path / "nan"
     assert (f"is not finite; stopping: the finite checkpoint of step 6 is kept in {run / 'checkpoints'}; continue "
             f"with --resume {run} and a lower --lr (now 0.003)") in (run / "log.txt").read_text()
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["step"] == 6 and all(torch.isfinite(t).all() for t in ckpt["model"].values())
     monkeypatch.setattr(train_gpt.BiasSampler, "sample", sample)
     summary = train_gpt.main(["--resume", str(run), "--lr", "1e-3"])
@@ -262,24 +191,12 @@ def test_flags_given_on_resume_take_effect(corpus, tmp_path):
     assert [r["lr"] for r in records if "lr" in r and r["step"] <= 4] == [3e-3] * 4
     changed = next(r for r in records if "resumed_from" in r)["changed"]
     assert changed["optim.lr"] == [3e-3, 5e-4] and changed["optim.weight_decay"] == [0.0, 0.05]
-    ckpt = runs.load_checkpoint(run / "checkpoints" / "latest.pt")
-    assert ckpt["optimizers"][0]["param_groups"][0]["weight_decay"] == 0.05
+    ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert ckpt["optimizer"]["param_groups"][0]["weight_decay"] == 0.05
     config = json.loads((run / "config.json").read_text())
     assert config["optim"]["lr"] == 5e-4 and config["train"]["steps"] == 6
     log_text = (run / "log.txt").read_text()  # the code once, not once per resume; each part names its code
     assert log_text.count("def main(argv") == 1 and log_text.count("| code in code/ (train_gpt.py sha256") == 2
-
-
-@pytest.mark.parametrize("flags, error", [
-    (["--n-layer", "3"], "--n-layer cannot change when resuming"),
-    (["--seq-len", "16"], "--seq-len cannot change when resuming"),
-    (["--optimizer", "sgdm"], "--optimizer cannot change when resuming"),
-])
-def test_flags_that_cannot_change_on_resume_are_refused(corpus, tmp_path, capsys, flags, error):
-    train_gpt.main(tiny_args(corpus, tmp_path, "fixed", steps=1, **{"val-every": 0}))
-    with pytest.raises(SystemExit):
-        train_gpt.parse_config(["--resume", str(tmp_path / "fixed"), *flags])
-    assert error in capsys.readouterr().err
 
 
 def test_an_earlier_run_is_never_overwritten(corpus, tmp_path, capsys, monkeypatch):
@@ -289,7 +206,7 @@ def test_an_earlier_run_is_never_overwritten(corpus, tmp_path, capsys, monkeypat
         train_gpt.main(tiny_args(corpus, tmp_path, "taken", steps=1, **{"val-every": 0}))
     assert "taken already holds a run; continue it with --resume" in capsys.readouterr().err
     assert (tmp_path / "taken" / "log.jsonl").read_text() == before
-    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")  # two runs in one second
+    monkeypatch.setattr("run.directory.time.strftime", lambda fmt: "20260101-000000")  # two runs in one second
     first = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
     second = train_gpt.main(tiny_args(corpus, tmp_path, "", steps=1, **{"val-every": 0}))
     assert Path(first["run_dir"]).name == "20260101-000000-custom-adamw"
@@ -305,9 +222,9 @@ def test_resuming_a_loose_checkpoint_starts_a_new_run_directory(corpus, tmp_path
     summary = train_gpt.main(["--resume", str(loose), "--steps", "3", "--run-dir", str(tmp_path / "new")])
     assert Path(summary["run_dir"]).parent == tmp_path / "new" and summary["step"] == 3
     assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["deep"]  # nothing written beside it
-    assert runs.run_dir_of(loose) is None
+    assert run_dir_of(loose) is None
     origin = tmp_path / "runs" / "origin"
-    assert runs.run_dir_of(origin / "checkpoints" / "latest.pt") == origin
+    assert run_dir_of(origin / "checkpoints" / "latest.pt") == origin
 
 
 def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
@@ -323,20 +240,13 @@ def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
     output = proc.stdout.read()
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM, output
     run = tmp_path / "stopped"
-    stopped_at = runs.load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
+    stopped_at = load_checkpoint(run / "checkpoints" / "latest.pt")["step"]
     assert 3 <= stopped_at < 30 and f"SIGTERM at step {stopped_at}: checkpoint written" in output
     subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--resume", str(run)], check=True, env=ENV,
                    capture_output=True)  # one thread, as the runs above: bit-exact on the CPU
     straight, resumed = train_losses(tmp_path / "straight"), train_losses(run)
     assert sorted(resumed) == list(range(1, 31))
     assert all(resumed[step] == straight[step] for step in resumed)
-
-
-def torchrun_in_background(args: list[str], nproc: int = 2) -> subprocess.Popen:
-    """The trainer under torchrun in a session of its own (so a test can signal the whole job), output piped."""
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
@@ -348,39 +258,8 @@ def test_sigterm_under_torchrun_stops_every_rank_at_one_step(corpus, tmp_path):
             break
     output = proc.stdout.read()
     proc.wait(timeout=120)
-    ckpt = runs.load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
     assert 4 <= ckpt["step"] < 400 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
-
-
-def test_presets_compose_with_flags():
-    cfg = train_gpt.parse_config(["--preset", "smoke", "--n-layer", "3", "--optimizer", "sgdm"])
-    assert cfg.preset == "smoke" and cfg.model.n_layer == 3 and cfg.model.n_embd == 128
-    assert cfg.train.optimizer == "sgdm" and cfg.train.steps == config.PRESETS["smoke"]["steps"]
-    assert cfg.optim.lr == 0.03  # the preset's lr belongs to its own optimizer (adamw)
-    assert train_gpt.parse_config(["--preset", "smoke"]).optim.lr == 2e-3
-    assert train_gpt.parse_config(["--preset", "gpt2-124m"]).train.checkpoint_every > 0  # long runs checkpoint
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--n-embd", "30", "--n-head", "4"], "--n-embd 30 must be divisible by --n-head 4"),
-    (["--optimizer", "adam"], "invalid choice: 'adam'"),
-    (["--steps", "ten"], "--steps expects int, got 'ten'"),
-    (["--batch-tokens", "1000"], "--batch-tokens 1000 must be a multiple of --seq-len 512"),
-    (["--seq-len", "1024"], "--seq-len 1024 exceeds --block-size 512"),
-    (["--lr", "-1"], "--lr must be > 0, got -1"),
-    (["--seed", "-1"], "--seed must be [0, 4294967295], got -1"),
-    (["--seed", "99999999999999999999999"], "--seed must be [0, 4294967295], got 99999999999999999999999"),
-    (["--optimizer", "sgdm", "--optim-seed", str(2**32)], "--optim-seed must be [0, 4294967295], got 4294967296"),
-    (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
-    (["--bias-mode", "bk"], "invalid choice: 'bk'"),
-    (["--optimizer", "muon", "--dynamics-every", "10"], "muon has none (set --dynamics-every 0)"),
-    (["--ecd-eta", "5"], "--ecd-eta is a flag of --optimizer ecd; this run uses adamw"),
-])
-def test_bad_cli_values_give_clear_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as excinfo:
-        train_gpt.parse_config(["--device", "cpu", *argv])
-    assert excinfo.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
@@ -391,7 +270,7 @@ def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
     torch.save({"w": torch.zeros(2)}, foreign)
     notes = tmp_path / "notes.txt"
     notes.write_text("hello")
-    for path, reason in ((foreign, "not a symgpt-checkpoint-v1 checkpoint"), (notes, "not a readable checkpoint")):
+    for path, reason in ((foreign, "not a symgpt-checkpoint-v2 checkpoint"), (notes, "not a readable checkpoint")):
         with pytest.raises(SystemExit):
             train_gpt.parse_config(["--resume", str(path)])
         assert f"{path}: {reason}" in capsys.readouterr().err
@@ -400,11 +279,12 @@ def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
 def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_path):
     """A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC)."""
     script = (
-        "import resource, signal, sys, torch, runs\n"
+        "import resource, signal, sys, torch\n"
+        "from run.checkpoint import save_checkpoint\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
         "try:\n"
-        f"    runs.save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'w': torch.zeros(1 << 16)}})\n"
+        f"    save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'tied': {{}}, 'w': torch.zeros(1 << 16)}})\n"
         "except OSError as exc:\n"
         "    print(exc)\n"
         "    sys.exit(3)\n")
@@ -416,12 +296,12 @@ def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_
 
 
 def test_errors_and_notes_reach_log_txt(corpus, tmp_path, monkeypatch):
-    real = train_gpt.resolve_data_files
+    real = lookup.resolve_data_files
 
     def noted(train_files, val_files, is_master):
         return (*real(train_files, val_files, is_master)[:2], "a note about the data")
 
-    monkeypatch.setattr(train_gpt, "resolve_data_files", noted)
+    monkeypatch.setattr(lookup, "resolve_data_files", noted)
     train_gpt.main(tiny_args(corpus, tmp_path, "noted", steps=1, **{"val-every": 0}))
     text = (tmp_path / "noted" / "log.txt").read_text()
     assert "a note about the data" in text.split("=" * 100)[-1]  # after the code, with the printed lines
@@ -439,38 +319,20 @@ def test_gradient_clipping_bounds_the_logged_norm_for_every_kind_of_optimizer(co
 def test_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings", optimizer="soap",
                                            **{"grad-clip": 0.5, "overlap-reduce": False}))
-    trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
+    trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
-    assert [(opt.grad_clip, opt.overlap_reduce) for opt in trainer.optimizers] == [(0.5, False)]
+    assert (trainer.optimizer.grad_clip, trainer.optimizer.overlap_reduce) == (0.5, False)
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings2", **{"grad-clip": 0.25}))
-    trainer = train_gpt.Trainer(cfg, runs.setup(cfg.train), runs.RunLog(True))
+    trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
-    assert [opt.grad_clip for opt in trainer.optimizers] == [0.25]  # torch's AdamW clips inside step() too
+    assert trainer.optimizer.grad_clip == 0.25  # torch's AdamW clips inside step() too
 
 
-def test_help_shows_real_defaults_and_every_optimizer(capsys):
-    with pytest.raises(SystemExit):
-        train_gpt.parse_config(["--optimizer", "ecd", "--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "None" not in text
-    assert "--lr FLOAT ℓ; the position step is lr/sqrt(ecd_eta) (allowed: > 0) (default: 1.0)" in text
-    for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, "ecd").values():
-        for field in dataclasses.fields(cls):
-            assert option(field.name) in text and field.metadata["help"], field.name
-    for name, spec in train_gpt.OPTIMIZERS.items():
-        assert f"{name} {spec.description}" in text
-
-
-def test_val_files_flag_names_the_validation_shards_whatever_the_training_data(monkeypatch):
-    from data import fineweb_edu
-
-    monkeypatch.setattr(fineweb_edu, "fineweb_shards_present", lambda: True)
-    hp = train_gpt.TrainConfig
-    files = lambda h: resolve_data_files(h.train_files, h.val_files)[:2]  # noqa: E731
-    assert files(hp(val_files="v_*.bin")) == (fineweb_edu.DEFAULT_TRAIN_PATTERN, "v_*.bin")
-    assert files(hp()) == (fineweb_edu.DEFAULT_TRAIN_PATTERN, fineweb_edu.DEFAULT_VAL_PATTERN)
-    assert files(hp(train_files="t_*.bin")) == ("t_*.bin", "t_*.bin")
-    assert files(hp(train_files="t_*.bin", val_files="v_*.bin")) == ("t_*.bin", "v_*.bin")
+def test_the_single_batch_estimate_takes_the_next_validation_batch_at_each_multiple_of_val_every():
+    hp = train_gpt.TrainConfig(val_tokens=3 * 4096, batch_tokens=4096, seq_len=512, val_every=10)
+    starts = [train_gpt.single_batch_start(step, hp) for step in (0, 5, 10, 20, 30, 40)]
+    assert starts == [None, None, 0, 8, 16, 0]  # batches of 8 sequences, cycling within the three of the budget
+    assert train_gpt.single_batch_start(10, dataclasses.replace(hp, val_batch_estimate=False)) is None
 
 
 def test_lr_schedules():
@@ -499,10 +361,10 @@ def test_online_dynamics_are_logged(corpus, tmp_path, optimizer):
 
 def test_checkpoint_of_a_sharded_optimizer_stores_each_tensor_once(corpus, tmp_path):
     train_gpt.main(tiny_args(corpus, tmp_path, "ecd", steps=2, optimizer="ecd", lr=0.5, **{"val-every": 0}))
-    ckpt = runs.load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
+    ckpt = load_checkpoint(tmp_path / "ecd" / "checkpoints" / "latest.pt")
     for name, tensor in ckpt["model"].items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
-    assert "pi" in next(iter(ckpt["optimizers"][0]["state"].values()))
+    assert "pi" in next(iter(ckpt["optimizer"]["state"].values()))
 
 
 def test_corrupt_shard_names_the_file(corpus, tmp_path, capsys):
@@ -525,5 +387,5 @@ def test_sigint_stops_a_single_process_promptly(corpus, tmp_path):
             break
     output = proc.stdout.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGINT, output  # long before the next log step at 1000
-    step = runs.load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
+    step = load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"]
     assert 1 <= step < 1000 and f"SIGINT at step {step}" in output

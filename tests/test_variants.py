@@ -3,7 +3,6 @@ both directions, exact resume, split invariance) and relational attention (O(C) 
 refused combinations). Tiny models on the CPU."""
 from __future__ import annotations
 
-import contextlib
 import math
 from pathlib import Path
 
@@ -12,15 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import runs
-import variants
 import train_gpt
+import variants
 from data.loader import DistributedTokenLoader, validation_batches
 from data.shards import write_shard
 from eval import alignment
 from kernels.attention_paths import attention_reference
 from optim import OPTIMIZERS
-from tests.test_train import synthetic_tokens
+from run.checkpoint import load_checkpoint
+from run.log import read_log
+from tests.helpers import synthetic_tokens
 
 VOCAB, MASK = 136, 128  # the synthetic corpus uses ids 1..127, so 128 is free for [MASK]
 TINY = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32, mask_token=MASK)
@@ -158,7 +158,7 @@ def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
 
 
 def logged(run_dir: Path, key: str) -> dict[int, float]:
-    return {r["step"]: r[key] for r in runs.read_log(run_dir) if r.get(key) is not None and "summary" not in r}
+    return {r["step"]: r[key] for r in read_log(run_dir) if r.get(key) is not None and "summary" not in r}
 
 
 def test_mlm_resume_reproduces_the_trajectory(corpus, tmp_path):
@@ -215,7 +215,7 @@ def test_training_masks_follow_the_rows_whatever_the_ranks(corpus):
 
 def test_mlm_validation_loss_is_the_same_on_every_call(corpus):
     """Fixed validation masks: the same loss on every call and whatever the micro-batch."""
-    val, cpu = str(corpus / "syn_val_*.bin"), torch.device("cpu")
+    val = str(corpus / "syn_val_*.bin")
 
     def loss(model: train_gpt.GPT, micro_batch: int, rank: int = 0, world: int = 1) -> float:
         return train_gpt.evaluate(model, val, 1024, 32, micro_batch, rank=rank, world=world)
@@ -240,7 +240,7 @@ def test_mlm_single_batch_estimate_is_the_masked_loss(corpus, tmp_path):
     run = tmp_path / "estimate"
     estimates = logged(run, "val_loss_batch")
     assert sorted(estimates) == [4, 8]
-    model = train_gpt.model_from_checkpoint(runs.load_checkpoint(run / "checkpoints" / "latest.pt"))
+    model = train_gpt.model_from_checkpoint(load_checkpoint(run / "checkpoints" / "latest.pt"))
     # at the 2nd multiple of --val-every: the 2nd batch of --batch-tokens (8 rows of 32) validation tokens
     (_, (x, y, first)) = validation_batches(str(corpus / "syn_val_*.bin"), 8, 32, 2 * 256)
     assert first == 8
@@ -288,17 +288,16 @@ def test_relational_model_trains(corpus, tmp_path):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_optimizer_steps_a_relational_model(name):
     model = tiny_model(attention="relational", bias_mode="none")
-    optimizers = OPTIMIZERS[name].build(model, OPTIMIZERS[name].config())
-    owned = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    opt = OPTIMIZERS[name].build(model, OPTIMIZERS[name].config())
+    owned = [p for group in opt.param_groups for p in group["params"]]
     assert sorted(map(id, owned)) == sorted(id(p) for p in model.parameters())
     x = torch.randint(1, MASK, (2, 32))
     before = [p.detach().clone() for p in model.parameters()]
     for _ in range(2):
         loss = model(x[:, :-1], x[:, 1:])[1]
         loss.backward()
-        for opt in optimizers:
-            opt.step(loss.detach()) if OPTIMIZERS[name].needs_loss else opt.step()
-            opt.zero_grad(set_to_none=True)
+        opt.step(loss.detach()) if OPTIMIZERS[name].needs_loss else opt.step()
+        opt.zero_grad(set_to_none=True)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     mix = model.transformer.h[0].attn.mix
     assert not torch.equal(mix, before[[id(p) for p in model.parameters()].index(id(mix))])

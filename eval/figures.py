@@ -1,0 +1,63 @@
+"""Figures of the evaluations: matplotlib on a non-interactive backend, PNGs written atomically, step axes and the
+layer × head heat maps. Imports no model code. Importing this module has no side effects (matplotlib is imported
+when a figure is drawn)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fileio import atomic_writer
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (selected here, not at import)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """Write a matplotlib figure atomically as a PNG and close it."""
+    with atomic_writer(path) as f:
+        fig.savefig(f, format="png", dpi=120)
+    pyplot().close(fig)
+
+
+def step_axis(ax, steps: list[int]) -> None:
+    """An x axis of optimizer steps: integer ticks (the one step alone when there is one)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    distinct = sorted(set(steps))
+    if len(distinct) == 1:
+        ax.set_xticks(distinct)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def head_maps_figure(result: dict, labels: dict[str, str], suptitle: str):
+    """One layer × head heat map per key of `labels` (result["per_head"][key]), titled with its label in words and
+    result["summary"]'s mean: the per-head figure of eval.dynamics and eval.gauge."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(labels), figsize=(4 * len(labels), 3.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], labels.items()):
+        values = np.array(result["per_head"][key])
+        image = ax.imshow(values, cmap="magma", aspect="auto")
+        ax.set_xticks(range(values.shape[1]))
+        ax.set_yticks(range(values.shape[0]))
+        ax.set_title(f"{label}\n(mean {result['summary'][key]:.3g})", fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    return fig
+
+
+def plot_head_maps(result: dict, labels: dict[str, str], path: Path, suptitle: str) -> None:
+    """head_maps_figure written atomically as a PNG."""
+    save_figure(head_maps_figure(result, labels, suptitle), path)

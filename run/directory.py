@@ -1,0 +1,162 @@
+"""The run directory (docs/runs.md#run-directories): chosen, claimed by one trainer at a time (a lock the operating
+system releases when its process ends), cleared of what crashed writers left, and opened with the run's code, config
+and logs. Importing this module has no side effects.
+
+    <run>/config.json   what ran: flags, batch layout, data record, preset report
+    <run>/log.txt       the trainer's code (once), then every printed line;   <run>/log.jsonl   one record per log step
+    <run>/code/         the source as it ran;   <run>/checkpoints/latest.pt (and step_XXXXXX.pt)
+    <run>/.lock         held by the trainer that owns the run while it runs
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fileio import LockHeldError, atomic_writer, dead_temporaries, hold_lock
+from run.log import RunLog, open_trackers
+from run.process import Runtime
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CODE_PACKAGES = ("", "run", "kernels", "optim", "gauge", "data")  # what <run>/code keeps
+
+
+class RunInUseError(RuntimeError):
+    """Another live trainer owns the run directory."""
+
+
+def run_holds_checkpoint(run_dir: Path) -> bool:
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.glob("*.pt"))
+
+
+def existing_run_problem(run_dir: Path) -> str | None:
+    """An error when a new run named --run-name would write into an earlier run's directory (one that holds a
+    checkpoint; a directory an earlier run left without any is reused, see RunDirectory.claim) or into a directory
+    that holds other files (no run's .lock)."""
+    if run_holds_checkpoint(run_dir):
+        return (f"--run-name {run_dir.name}: {run_dir} already holds a run; continue it with --resume {run_dir}, or "
+                "choose another --run-name")
+    if run_dir.is_dir() and not (run_dir / ".lock").exists() and any(run_dir.iterdir()):
+        return (f"--run-name {run_dir.name}: {run_dir} exists and holds files that are not a run's; choose another "
+                "--run-name or --run-dir")
+    return None
+
+
+class RunDirectory:
+    """The directory of the run this process owns (rank 0 only): created or reopened, locked for as long as the
+    run lasts (an advisory lock on <run>/.lock that the operating system releases when the process ends, however
+    it ends, so a dead owner leaves no stale lock), with the leftovers of earlier crashes cleared."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = None
+
+    @classmethod
+    def choose(cls, parent: str, name: str, kind: str, continue_in: Path | None) -> tuple[RunDirectory, str | None]:
+        """The resumed run's own directory (continue_in), parent/--run-name, or a fresh parent/TIMESTAMP-kind
+        (claimed with an atomic mkdir; -2, -3, ... when taken, with a note saying so)."""
+        if continue_in is not None or name:
+            return cls(continue_in or Path(parent) / name), None
+        stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
+        Path(parent).mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            path = Path(parent) / (stem if n == 1 else f"{stem}-{n}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            note = None if n == 1 else f"run directory {Path(parent) / stem} exists: using {path.name} instead"
+            return cls(path), note
+        raise RuntimeError(f"no free run directory name {stem}-N under {parent}")
+
+    def claim(self, new_run: bool) -> list[str]:
+        """Take the lock (RunInUseError naming the owner when another live process holds it), remove the temporary
+        files that writers which no longer run left beside the trainer's files (fileio.dead_temporaries of the
+        directory and checkpoints/), and for a new run in a directory an earlier run left without a checkpoint, move
+        that run's files aside. Returns what was done, for the log."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if new_run and (problem := existing_run_problem(self.path)):  # another run's, or not a run's at all
+            raise RunInUseError(problem)
+        try:
+            self._lock = hold_lock(self.path / ".lock", f"pid {os.getpid()} on host {socket.gethostname()}")
+        except LockHeldError as exc:
+            raise RunInUseError(f"{self.path} is in use by {exc.holder}: wait for it to finish or stop it, or choose "
+                                "another --run-name") from None
+        notes = []
+        for stale in dead_temporaries(self.path) + dead_temporaries(self.path / "checkpoints"):
+            size = stale.stat().st_size
+            stale.unlink(missing_ok=True)
+            notes.append(f"removed {stale} ({size / 2**20:,.1f} MiB), left by an interrupted write")
+        if new_run and (problem := existing_run_problem(self.path)):  # a checkpoint written before we locked
+            self.release()
+            raise RunInUseError(problem)
+        leftovers = [p for p in self.path.iterdir() if p.name != ".lock" and not p.name.startswith("failed-")]
+        if new_run and leftovers:
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+            while (aside := self.path / (f"failed-{stamp}" + f"-{n}" * (n > 1))).exists():  # two in one second
+                n += 1
+            aside.mkdir()
+            for item in leftovers:
+                item.rename(aside / item.name)
+            notes.append(f"{self.path} held an earlier run that wrote no checkpoint: its files are kept in "
+                         f"{aside.name}/ and this run starts in the directory")
+        return notes
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor releases the lock
+            self._lock = None
+
+    def copy_code(self) -> None:
+        """<run>/code: the trainer and its modules as they run (a resumed run refreshes it)."""
+        for package in CODE_PACKAGES:
+            for source in sorted((REPO_ROOT / package).glob("*.py")):
+                target = self.path / "code" / package / source.name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, target)
+
+    def write_json(self, name: str, obj: object) -> None:
+        with atomic_writer(self.path / name) as f:
+            f.write(json.dumps(obj, indent=2).encode())
+
+
+def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,
+                       rt: Runtime, step: int) -> RunDirectory:
+    """The directory of this run on every rank (a collective under torchrun). Rank 0 chooses it (the resumed run's
+    own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
+    config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, opens the optional trackers at
+    `step` and logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
+    run_dir, refusal = None, None
+    if rt.is_master:
+        try:
+            run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
+            notes = [note] * bool(note) + run_dir.claim(new_run=continue_in is None)
+        except RunInUseError as exc:
+            refusal = str(exc)
+    box = [run_dir.path if run_dir else None, refusal]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box)  # every rank names the run in its messages, or exits with rank 0's refusal
+    if box[1]:
+        raise RunInUseError(box[1])
+    if rt.is_master:
+        run_dir.copy_code()
+        run_dir.write_json("config.json", record)
+        log.attach(run_dir.path, code)
+        log.trackers = open_trackers(hp, run_dir.path, record, step)
+        for line in notes:
+            log.line(line)
+        gpu = f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else ""
+        log.line(f"python {sys.version.split()[0]} | torch {torch.__version__} | device {rt.device}{gpu} | "
+                 f"{rt.dtype_name} | world {rt.world}")
+        log.line(f"run directory {run_dir.path} | code in code/ (train_gpt.py sha256 "
+                 f"{hashlib.sha256(code.encode()).hexdigest()[:16]})")
+    return run_dir or RunDirectory(box[0])

@@ -1,0 +1,113 @@
+"""Where a process trains: the process group torchrun asks for, the device and autocast dtype, each rank's share of
+the batch, and the GPU's peak for MFU. Importing this module has no side effects."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(backend: str, **kwargs) -> None:
+    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first.
+
+    torch.optim.Optimizer and torch.compile import torch._dynamo lazily. Imported after the group exists, it keeps
+    references to the group that `destroy_process_group` does not drop (seen with torch 2.13): gloo's worker threads
+    then outlive the group, and one that frees the last reference to a tensor while the interpreter shuts down
+    aborts the process (SIGABRT, "terminate called without an active exception"). Imported first, nothing else
+    holds the group and `destroy_process_group` joins its threads.
+    """
+    importlib.import_module("torch._dynamo")
+    dist.init_process_group(backend, **kwargs)
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def batch_layout(hp, world: int) -> tuple[int, int]:
+    """(micro_batch, grad_accum) of each rank: the largest micro-batch <= --micro-batch that splits the rank's
+    share of the global batch evenly, and the number of micro-steps it takes. Raises ValueError (naming the flags
+    and a fix) when the batch does not split over the ranks."""
+    if hp.batch_tokens % hp.seq_len:
+        raise ValueError(f"--batch-tokens {hp.batch_tokens} must be a multiple of --seq-len {hp.seq_len}")
+    sequences = hp.batch_tokens // hp.seq_len
+    if sequences % world:
+        raise ValueError(
+            f"--batch-tokens {hp.batch_tokens} is {sequences} sequences of --seq-len {hp.seq_len}, which do not split "
+            f"over {world} processes: set --batch-tokens to a multiple of {hp.seq_len} x {world} = "
+            f"{hp.seq_len * world}, e.g. {hp.seq_len * world * max(1, round(sequences / world))}")
+    per_rank = sequences // world
+    micro = max(m for m in range(1, min(hp.micro_batch, per_rank) + 1) if per_rank % m == 0)
+    return micro, per_rank // micro
+
+
+@dataclass
+class Runtime:
+    """Where this process trains: its rank among `world`, its device and autocast dtype, and the per-rank batch
+    layout (micro_batch sequences per pass, grad_accum passes per step; see batch_layout)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    micro_batch: int
+    grad_accum: int
+    autocast_dtype: torch.dtype | None
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else \
+            contextlib.nullcontext()
+
+    @property
+    def dtype_name(self) -> str:
+        """The precision the model computes in: bf16 (autocast) or fp32 (a CPU run, whatever --dtype says)."""
+        return "bf16" if self.autocast_dtype == torch.bfloat16 else "fp32"
+
+    def layout(self) -> dict:
+        """config.json's "layout": what runs, whatever --device and --dtype asked for."""
+        return {"world_size": self.world, "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+                "device": self.device.type, "dtype": self.dtype_name}
+
+    def mfu_per_token_s(self, flops_per_token: float) -> float | None:
+        """The model FLOPs utilisation of one training token per second on all ranks (None: the peak is unknown)."""
+        peak = peak_flops(self.device)
+        return flops_per_token / (peak * self.world) if peak else None
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def setup_process(hp) -> Runtime:
+    """Process group (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), device, autocast and the per-rank batch layout of
+    the training flags `hp` (train_gpt.TrainConfig)."""
+    world = world_size_from_env()
+    use_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    micro_batch, grad_accum = batch_layout(hp, world)
+    if world > 1:
+        init_process_group(backend="nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
+    return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak of the GPU (datasheet) for MFU; None when unknown or on CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)

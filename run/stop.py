@@ -1,0 +1,112 @@
+"""How a run stops: a stop request (SIGINT/SIGTERM) every rank agrees on, the finiteness check of the state a
+checkpoint would save, and what a run that met a non-finite number says it leaves and what to do. Importing this
+module has no side effects."""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from run.checkpoint import run_checkpoints, run_dir_of, step_of
+
+
+# Flags changed on --resume in the direction the non-finite stop advises: lower, longer, clipped (or clipped harder).
+SAFER_ON_RESUME = {"optim.lr": lambda old, new: new < old, "train.warmup_steps": lambda old, new: new > old,
+                   "train.grad_clip": lambda old, new: 0 < new < (old or math.inf)}
+
+
+class TrainingStopped(SystemExit):
+    """A deliberate stop on every rank alike (non-finite state, a signal): the process group can be torn down."""
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every floating-point tensor is finite on every rank (a collective under torchrun; one host sync)."""
+    finite = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
+    bad = (~torch.stack(finite).all()).to(torch.float64).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    return bad.item() == 0
+
+
+def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: int | None, resumed: dict | None,
+                            run_dir: Path) -> str:
+    """The line a run that met a non-finite `what` at `step` stops with: what exists (no checkpoint, the unchanged
+    checkpoint it resumed from, or a finite checkpoint of its own) and what to do in each case. A resumed run that
+    diverged although it followed the advice (a lower --lr, ...) is told that its checkpoint was already on its way
+    and pointed to an earlier step file of that run."""
+    advice = f"a lower --lr (now {lr:g}), more --warmup-steps or --grad-clip"
+    if checkpoint_step is None:
+        kept = (f"no checkpoint was written (the run diverged before its first); start a new run with {advice}"
+                + (" — at the first step, the flags themselves are the likely cause" if step <= 1 else ""))
+    elif resumed and checkpoint_step == resumed["step"]:
+        source = Path(resumed["resumed_from"])
+        safer, others = [], []
+        for key, (old, new) in resumed["changed"].items():
+            (safer if key in SAFER_ON_RESUME and SAFER_ON_RESUME[key](old, new) else others).append(
+                f"{key} {old} -> {new}")
+        kept = f"the checkpoint this run resumed from (step {checkpoint_step}, {source}) is unchanged and finite"
+        if safer:
+            earlier = [p for p in run_checkpoints(run_dir_of(source) or source.parent)
+                       if p.name != "latest.pt" and step_of(p) < checkpoint_step]
+            kept += (f", but the run diverged again with the safer settings given on --resume ({', '.join(safer)}"
+                     + (f"; also changed: {', '.join(others)}" if others else "") + "): that state was probably "
+                     "already diverging; resume from an earlier checkpoint, "
+                     + (f"the newest being --resume {earlier[-1]}" if earlier else "but the run kept none "
+                        f"(--keep-checkpoints K keeps step_XXXXXX.pt): start a new run with {advice}"))
+        else:
+            kept += ("; " + (f"the flags changed on --resume ({', '.join(others)}) are the first suspects; "
+                             if others else "") + f"resume from it again with {advice}, or from an earlier "
+                     "step_XXXXXX.pt")
+    else:
+        kept = (f"the finite checkpoint of step {checkpoint_step} is kept in {run_dir / 'checkpoints'}; continue "
+                f"with --resume {run_dir} and {advice}")
+    return f"step {step}: {what} is not finite; stopping: {kept}."
+
+
+class StopRequest:
+    """SIGINT/SIGTERM ask the run to stop; the loop then writes a checkpoint and exits. `agreed()` is called once
+    per step on every rank: on one process it returns the signal at once; under torchrun each call starts an
+    all-reduce of this rank's signal on a CPU (gloo) group and returns the result of the previous call's, so every
+    rank stops at the same step, one step after the signal, without a GPU sync (torchrun kills its workers 30 s
+    after forwarding a signal). A second SIGINT interrupts at once."""
+
+    def __init__(self, world: int) -> None:
+        self.signum, self.world = 0, world
+        self._previous: dict[int, object] = {}
+        self._group = self._vote = self._pending = None
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if self.world > 1:
+            self._group = dist.new_group(backend="gloo")
+        return self
+
+    def _handle(self, signum: int, frame) -> None:
+        self.signum = signum
+        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+
+    def agreed(self) -> int:
+        """The signal every rank has agreed to stop on, 0 for none (a collective under torchrun)."""
+        if self.world == 1:
+            return self.signum
+        agreed = 0
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = int(self._vote.item())
+        self._vote = torch.tensor([self.signum], dtype=torch.int64)
+        self._pending = dist.all_reduce(self._vote, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        return agreed
+
+    def __exit__(self, *exc_info) -> None:
+        if self._pending is not None:
+            with contextlib.suppress(Exception):
+                self._pending.wait()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

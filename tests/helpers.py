@@ -1,0 +1,192 @@
+"""What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
+the tiny trainer runs on it, torchrun, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 128  # the synthetic corpus' vocabulary
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one thread: bit-exact runs on the CPU
+
+
+def repository_modules() -> list[str]:
+    """Every importable module of the repository (top-level modules and packages' modules, tests left out), as
+    `import` names it: the list that packaging and isolation tests check, derived rather than typed."""
+    modules = []
+    for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("*/*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[0] in ("tests", "build") or (len(parts) == 2 and not (path.parent / "__init__.py").is_file()):
+            continue
+        modules.append(".".join(parts).removesuffix(".__init__"))
+    return modules
+
+
+def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarray:
+    """A learnable toy language: a Zipf-distributed stream of 40 fixed random 'words' of 2-5 tokens each, with ids in
+    [1, vocab)."""
+    vocabulary = np.random.default_rng(1234)  # the same words in every shard
+    words = [vocabulary.integers(1, vocab, size=vocabulary.integers(2, 6)) for _ in range(40)]
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, 41)
+    picks = rng.choice(40, size=num_tokens // 2, p=weights / weights.sum())
+    return np.concatenate([words[i] for i in picks])[:num_tokens].astype(np.uint16)
+
+
+def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
+    """The trainer's flags for a tiny model (2 layers, width 32) on the `corpus` fixture for 8 CPU steps, the run in
+    run_dir/name; `overrides` ({"flag-name": value}, booleans as switches) add to or replace them."""
+    args = {
+        "train-files": str(corpus / "syn_train_*.bin"), "val-files": str(corpus / "syn_val_*.bin"),
+        "vocab-size": VOCAB, "block-size": 32, "n-layer": 2, "n-head": 2, "n-embd": 32,
+        "seq-len": 32, "micro-batch": 4, "batch-tokens": 256, "steps": 8, "lr": 3e-3,
+        "val-every": 4, "val-tokens": 1024, "log-every": 1, "device": "cpu",
+        "run-dir": str(run_dir), "run-name": name,
+    }
+    args.update(overrides)
+    return [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """{step: training loss} of a run's log.jsonl."""
+    from run.log import read_log
+
+    return {r["step"]: r["train_loss"] for r in read_log(run_dir) if "train_loss" in r}
+
+
+def resume_in_new_directory(checkpoint: Path, resumed: Path) -> Path:
+    """Copy `checkpoint` to resumed/checkpoints/latest.pt and continue it there with `--resume` (no other flag)."""
+    import train_gpt
+
+    (resumed / "checkpoints").mkdir(parents=True)
+    (resumed / "checkpoints" / "latest.pt").write_bytes(checkpoint.read_bytes())
+    train_gpt.main(["--resume", str(resumed)])
+    return resumed
+
+
+def train_tiny_run(root: Path, *flags: str) -> Path:
+    """Train a tiny model (2 layers, width 32, vocabulary 64) for 4 CPU steps on a random shard written under `root`
+    and return its run directory `root/tiny`; `flags` add to or override the trainer's flags."""
+    import train_gpt
+    from data.shards import write_shard
+
+    shard = root / "tiny_val_000000.bin"
+    write_shard(shard, np.random.default_rng(0).integers(0, 64, 2048))
+    train_gpt.main(["--train-files", str(shard), "--val-files", str(shard), "--vocab-size", "64",
+                    "--block-size", "32", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
+                    "--batch-tokens", "64", "--micro-batch", "2", "--steps", "4", "--val-every", "0",
+                    "--val-tokens", "64", "--run-dir", str(root), "--run-name", "tiny", "--device", "cpu",
+                    "--no-compile", "--lr", "1e-2", *flags])
+    return root / "tiny"
+
+
+def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    """The trainer under torchrun with `nproc` gloo processes, output captured."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def torchrun_in_background(args: list[str], nproc: int = 2) -> subprocess.Popen:
+    """The trainer under torchrun in a session of its own (so a test can signal the whole job), output piped."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+# Research fields that the oldest v1 layout kept in the train section (it had no research section).
+V1_RESEARCH_IN_TRAIN = ("dynamics_every", "gauge", "gauge_correction", "gauge_every", "gauge_damping",
+                        "gauge_group", "hyperball_lr", "gauge_diagnostic_every")
+
+
+def write_v1_checkpoint(source: Path, target: Path, oldest: bool = False) -> None:
+    """Rewrite the checkpoint `source` (written by today's trainer) in a layout of the first format, v1, at `target`.
+    The newest v1 layout: the optimizer state in a one-element "optimizers" list, with a checksum. The oldest
+    (oldest=True): also no checksum, both names of the tied embedding stored and no "tied" entry, the sampler
+    entry and the gauge's state as "gauge" (no "hooks"), and a config without "preset", "data" or a research
+    section (its fields in train, --gauge-project-velocity unknown), --keep-checkpoints as a switch and
+    --decay-groups as its two switches. Written by hand, as the old trainer wrote them, independently of
+    run.checkpoint.upgrade_v1."""
+    from run.checkpoint import tensor_checksum
+
+    ckpt = torch.load(source, map_location="cpu", weights_only=False)
+    ckpt["format"] = "symgpt-checkpoint-v1"
+    ckpt["optimizers"] = [ckpt.pop("optimizer")]
+    if oldest:
+        for alias, name in ckpt.pop("tied").items():
+            ckpt["model"][alias] = ckpt["model"][name].clone()
+        ckpt.pop("checksum")
+        hooks = ckpt.pop("hooks")
+        if "gauge" in hooks:
+            ckpt["gauge"] = hooks["gauge"]
+        ckpt["sampler"] = {"seed": ckpt["config"]["train"]["seed"], "rule": "SeedSequence([seed, step, layer])"}
+        config = ckpt["config"]
+        research = config.pop("research")
+        assert research["gauge"] != "project" or not research["gauge_project_velocity"], "v1 projected the step only"
+        config.pop("preset"), config.pop("data")
+        config["train"].update({k: research[k] for k in V1_RESEARCH_IN_TRAIN})
+        config["train"]["keep_checkpoints"] = config["train"]["keep_checkpoints"] != 0
+        groups = config["optim"].pop("decay_groups")
+        config["optim"]["decay_embeddings"] = groups in ("matrices+embeddings", "all")
+        config["optim"]["decay_norms_and_biases"] = groups in ("all-but-embeddings", "all")
+    else:
+        ckpt["checksum"] = tensor_checksum(ckpt)
+    torch.save(ckpt, target)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """|a − b| / |b| over all tensors together."""
+    diff = torch.cat([(a[k] - b[k]).flatten() for k in a])
+    return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
+
+
+def patch_triton_interpreter() -> None:
+    """For a TRITON_INTERPRET=1 process: Triton <= 3.6's interpreter converts (1,)-shaped scalars with int(), an
+    error since NumPy 2.4 (triton-lang/triton#9171, fixed upstream by #9172); apply the upstream fix."""
+    import triton.runtime.interpreter as interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def run_in_interpreter(test_file: str, out_dir: Path, timeout: int) -> dict:
+    """Run `python test_file RESULT.json` with TRITON_INTERPRET=1 (kernels on the CPU; the variable must not leak
+    into other tests, so it gets its own process) and return the JSON it writes."""
+    path = out_dir / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, test_file, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0 and path.exists(), f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(path.read_text())
+
+
+def interpreter_results(test_file: str, tmp_path_factory, timeout: int = 900) -> dict:
+    """`run_in_interpreter` for a test module's fixture: its JSON, failing with the subprocess's traceback if any."""
+    data = run_in_interpreter(test_file, tmp_path_factory.mktemp(Path(test_file).stem), timeout=timeout)
+    assert "traceback" not in data, data["traceback"]
+    return data
+
+
+def write_interpreter_results(path: str, **checks) -> None:
+    """The TRITON_INTERPRET=1 subprocess's side: run each check (a function returning a JSON-able dict) and write
+    {name: result}, or {"traceback": ...} if one raises. One torch thread: the checks' products are tiny, and with
+    several threads each waits for cores the interpreter keeps busy."""
+    import traceback
+
+    patch_triton_interpreter()
+    torch.set_num_threads(1)
+    try:
+        results = {name: check() for name, check in checks.items()}
+    except Exception:
+        results = {"traceback": traceback.format_exc()}
+    Path(path).write_text(json.dumps(results))

@@ -1,0 +1,301 @@
+"""The run machinery's contracts (run/, fileio.py; docs/runs.md): the checkpoint format v2 and how v1 files are read
+(they resume bit-exactly, every layout of them), the checksum and the tied embedding, the batch layout, a stop
+request, the lock a run or grid directory holds, atomic writes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import train_gpt
+from fileio import LockHeldError, atomic_write, atomic_writer, dead_temporaries, hold_lock, lock_holder
+from optim import OPTIMIZERS
+from run.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CONFIG_ENTRIES,
+    CheckpointError,
+    Progress,
+    load_checkpoint,
+    model_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+    tensor_checksum,
+    training_checkpoint,
+    upgrade_v1,
+)
+from run.log import format_duration, read_log, record_numbers
+from run.process import batch_layout
+from run.stop import StopRequest
+from tests.helpers import ENV, ROOT, VOCAB, resume_in_new_directory, tiny_args, train_losses, write_v1_checkpoint
+
+# ----- the checkpoint format: v2 written, v1 read through one upgrade -----
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_v1_checkpoint_of_every_optimizer_resumes_bit_exactly(corpus, tmp_path, optimizer):
+    """The newest v1 layout (what the trainer wrote until v2): the next steps' losses equal the straight run's."""
+    train_gpt.main(tiny_args(corpus, tmp_path, "straight", steps=4, optimizer=optimizer,
+                             **{"val-every": 0, "checkpoint-every": 2, "keep-checkpoints": -1}))
+    v1 = tmp_path / "v1.pt"
+    write_v1_checkpoint(tmp_path / "straight" / "checkpoints" / "step_000002.pt", v1)
+    assert torch.load(v1, weights_only=False)["format"] == "symgpt-checkpoint-v1"
+    resumed = train_losses(resume_in_new_directory(v1, tmp_path / "resumed"))
+    straight = train_losses(tmp_path / "straight")
+    assert sorted(resumed) == [3, 4] and all(resumed[step] == straight[step] for step in resumed)
+    assert next(r for r in read_log(tmp_path / "resumed") if "resumed_from" in r)["changed"] == {}
+    again = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "latest.pt", verify=True)  # written as v2
+    assert torch.load(tmp_path / "resumed" / "checkpoints" / "latest.pt", weights_only=False)["format"] == \
+        CHECKPOINT_FORMAT and again["step"] == 4
+
+
+def test_the_oldest_v1_layout_resumes_bit_exactly_with_its_gauge_state_and_preset(corpus, tmp_path):
+    """Both embedding copies, no checksum, the gauge's state as "gauge", a sampler entry, research flags in the train
+    section, --keep-checkpoints and --decay-groups as switches, no preset (the run's config.json has it) and no data
+    record: the run resumes in its directory, keeps its preset, says the data is not checked, and continues the
+    uninterrupted run's trajectory exactly."""
+    flags = {"preset": "smoke", "steps": 4, "val-every": 0, "gauge": "correct", "weight-decay": 0.1,
+             "decay-groups": "matrices+embeddings"}
+    train_gpt.main(tiny_args(corpus, tmp_path, "straight", **flags))
+    train_gpt.main(tiny_args(corpus, tmp_path, "old", **flags, **{"checkpoint-every": 2, "keep-checkpoints": -1}))
+    run = tmp_path / "old"
+    write_v1_checkpoint(run / "checkpoints" / "step_000002.pt", run / "checkpoints" / "latest.pt", oldest=True)
+    raw = torch.load(run / "checkpoints" / "latest.pt", weights_only=False)
+    assert {"gauge", "sampler"} <= set(raw) and not {"tied", "hooks", "checksum"} & set(raw)
+    assert "research" not in raw["config"] and raw["config"]["train"]["keep_checkpoints"] is True
+    (run / "log.jsonl").write_text("")
+    train_gpt.main(["--resume", str(run)])
+    resumed, straight = train_losses(run), train_losses(tmp_path / "straight")
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == straight[s] for s in resumed)
+    record = next(r for r in read_log(run) if "resumed_from" in r)
+    assert record["changed"] == {}  # every setting came back as it was
+    assert "the checkpoint records no data" in (run / "log.txt").read_text()
+    latest = load_checkpoint(run / "checkpoints" / "latest.pt")
+    assert latest["config"]["preset"] == "smoke" and latest["config"]["train"]["keep_checkpoints"] == -1
+    assert latest["hooks"]["gauge"]["mode"] == "correct"
+
+
+@pytest.mark.parametrize("embeddings, rest, meant", [(False, False, "matrices"), (True, False, "matrices+embeddings"),
+                                                     (False, True, "all-but-embeddings"), (True, True, "all")])
+def test_v1_configs_from_before_decay_groups_keep_their_meaning(tmp_path, embeddings, rest, meant):
+    old = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {"optim": {
+        "lr": 1.0, "decay_embeddings": embeddings, "decay_norms_and_biases": rest}}}
+    assert upgrade_v1(old, tmp_path / "x.pt", verify=False)["config"]["optim"]["decay_groups"] == meant
+    unset = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {"optim": {"lr": 1.0}}}
+    assert upgrade_v1(unset, tmp_path / "x.pt", verify=False)["config"]["optim"]["decay_groups"] == "matrices"
+
+
+def test_the_v1_upgrade_fills_every_v2_entry_and_keeps_what_v1_said(tmp_path):
+    old = {"format": "symgpt-checkpoint-v1", "step": 5, "model": {}, "sampler": {"seed": 1}, "metrics": {},
+           "optimizers": [{"state": {}}], "hooks": {}, "loader": {}, "rng": {},
+           "config": {"model": {}, "train": {"keep_checkpoints": False, "gauge": "project", "seed": 3},
+                      "optim": {"decay_groups": "all"}, "research": {"gauge_every": 7}}}
+    new = upgrade_v1(old, tmp_path / "x.pt", verify=False)
+    assert new["format"] == CHECKPOINT_FORMAT and set(CONFIG_ENTRIES) <= set(new["config"])
+    assert new["optimizer"] == {"state": {}} and "optimizers" not in new and "sampler" not in new
+    assert new["config"]["train"] == {"keep_checkpoints": 0, "seed": 3}
+    assert new["config"]["research"] == {"gauge": "project", "gauge_every": 7, "gauge_project_velocity": False}
+    assert new["config"]["data"] is None and new["config"]["preset"] is None and new["hooks"] == {}
+    two = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {}, "optimizers": [{}, {}]}
+    with pytest.raises(CheckpointError, match="2 optimizer states"):
+        upgrade_v1(two, tmp_path / "x.pt", verify=False)
+
+
+def test_a_newer_or_incomplete_format_is_refused_naming_what_is_wrong(tmp_path):
+    torch.save({"format": "symgpt-checkpoint-v3", "step": 1}, tmp_path / "new.pt")
+    with pytest.raises(CheckpointError, match="format symgpt-checkpoint-v3, which this version does not read .* "
+                                              "update the code"):
+        load_checkpoint(tmp_path / "new.pt")
+    torch.save({"format": CHECKPOINT_FORMAT, "step": 1, "model": {}, "tied": {}, "config": {"model": {}}},
+               tmp_path / "cut.pt")
+    with pytest.raises(CheckpointError, match="without metrics, config.train, config.research, config.optim, "
+                                              "config.data, config.preset"):
+        load_checkpoint(tmp_path / "cut.pt")
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ValueError, match="the config has no data, preset"):
+        model_checkpoint(model, {"model": {}, "train": {}, "research": {}, "optim": {}}, 0, {})
+
+
+def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
+    train_gpt.main(tiny_args(corpus, tmp_path, "tied"))
+    path = tmp_path / "tied" / "checkpoints" / "latest.pt"
+    raw = torch.load(path, weights_only=False)
+    assert "lm_head.weight" not in raw["model"] and raw["tied"] == {"lm_head.weight": "transformer.wte.weight"}
+    model = train_gpt.model_from_checkpoint(path)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(model.transformer.wte.weight, raw["model"]["transformer.wte.weight"])
+    assert set(load_checkpoint(path)["model"]) == set(model.state_dict())  # every name, for eval/
+    old = tmp_path / "old.pt"  # the oldest v1 layout stored both copies: one embedding larger, and it loads
+    write_v1_checkpoint(path, old, oldest=True)
+    def stored(file) -> int:  # bytes of tensor storage in torch.save's zip
+        return sum(i.file_size for i in zipfile.ZipFile(file).infolist() if "/data/" in i.filename)
+
+    assert stored(old) - stored(path) == VOCAB * 32 * 4
+    again = train_gpt.model_from_checkpoint(old)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+class Stateful:
+    """A loader or a hook as the checkpoint sees them: a name, a state_dict, a load_state_dict."""
+
+    name = "probe"
+
+    def __init__(self, state: dict | None) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict | None:
+        return self.state
+
+    def load_state_dict(self, state: dict, device: torch.device | None = None) -> None:
+        self.state = state
+
+
+def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings(tmp_path):
+    """What a resumed run continues from: weights, optimizer state, loader position, hook state, RNG and Progress
+    as saved; the optimizer's hyperparameters as this run built them (flags given on --resume take effect)."""
+    def build(seed: int, lr: float):
+        torch.manual_seed(seed)
+        model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    model, opt = build(0, 1e-2)
+    model(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))[1].backward()
+    opt.step()
+    progress = Progress(step=3, tokens=96, train_time_s=1.5, val_loss=4.0, val_step=2)
+    rng = torch.get_rng_state()
+    ckpt = training_checkpoint(model, {key: {} for key in CONFIG_ENTRIES}, dataclasses.asdict(progress),
+                               opt.state_dict(), Stateful({"position": 7}), [Stateful({"mode": "correct"})])
+    save_checkpoint(tmp_path / "a.pt", ckpt)
+    torch.rand(5)  # the RNG moves on; restoring puts it back
+    fresh, fresh_opt = build(1, 5e-4)
+    loader, hook = Stateful(None), Stateful(None)
+    restored = restore_training_state(load_checkpoint(tmp_path / "a.pt"), fresh, fresh_opt,
+                                      [{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups],
+                                      loader, [hook], torch.device("cpu"))
+    assert restored == progress and loader.state == {"position": 7} and hook.state == {"mode": "correct"}
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert fresh_opt.param_groups[0]["lr"] == 5e-4 and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_target_is_reached_once_at_the_first_validation_at_or_below_it():
+    progress = Progress(step=10, tokens=40, train_time_s=2.0, val_loss=3.5)
+    assert not progress.reaches(0.0) and not progress.reaches(3.4)  # off; not yet
+    assert progress.reaches(3.5) and progress.reached_target == {"step": 10, "train_time_s": 2.0, "tokens": 40,
+                                                                 "val_loss": 3.5}
+    progress.step, progress.val_loss = 20, 3.0
+    assert not progress.reaches(3.5) and progress.reached_target["step"] == 10  # the first time only
+
+
+def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_path):
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+    opt.step()
+    config = {key: {} for key in CONFIG_ENTRIES}
+    save_checkpoint(tmp_path / "a.pt", model_checkpoint(model, config, 1, {"tokens": 4}, optimizer=opt.state_dict()))
+    raw = torch.load(tmp_path / "a.pt", weights_only=False)
+    assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
+    assert tensor_checksum(raw) == raw["checksum"]
+    loaded = load_checkpoint(tmp_path / "a.pt", verify=True)
+    assert loaded["model"]["lm_head.weight"] is loaded["model"]["transformer.wte.weight"]  # filled in on load
+    save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
+    assert torch.load(tmp_path / "b.pt", weights_only=False)["checksum"] == raw["checksum"]
+    raw["optimizer"]["state"][0]["exp_avg"].view(-1)[0] += 1e-3  # optimizer state counts too
+    assert tensor_checksum(raw) != raw["checksum"]
+    torch.save(raw, tmp_path / "c.pt")
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        load_checkpoint(tmp_path / "c.pt", verify=True)
+    raw["format"] = "symgpt-checkpoint-v1"  # a v1 file is verified before it is upgraded
+    torch.save(raw, tmp_path / "d.pt")
+    with pytest.raises(CheckpointError, match="do not match the checksum"):
+        load_checkpoint(tmp_path / "d.pt", verify=True)
+    del raw["checksum"]  # v1 files from before checksums: nothing to verify
+    torch.save(raw, tmp_path / "e.pt")
+    assert load_checkpoint(tmp_path / "e.pt", verify=True)["step"] == 1
+
+
+# ----- where a process trains; how it stops; what it reports -----
+
+
+@pytest.mark.parametrize("sequences, bound, world, layout", [
+    (8, 8, 1, (8, 1)), (8, 8, 8, (1, 1)), (8, 8, 2, (4, 1)), (16, 8, 1, (8, 2)), (12, 8, 1, (6, 2)),
+    (12, 5, 1, (4, 3)), (128, 8, 8, (8, 2)), (7, 8, 1, (7, 1)), (7, 4, 1, (1, 7)),
+])
+def test_batch_layout_picks_the_largest_micro_batch_that_splits(sequences, bound, world, layout):
+    hp = train_gpt.TrainConfig(seq_len=64, batch_tokens=64 * sequences, micro_batch=bound)
+    assert batch_layout(hp, world) == layout
+
+
+def test_a_stop_request_on_one_process_is_the_signal_and_the_handlers_come_back():
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest(world=1) as stop:
+        assert stop.agreed() == 0
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.agreed() == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_log_helpers_say_what_trackers_plot_and_how_long():
+    assert record_numbers({"step": 3, "loss": 1.5, "tokens": 9, "summary": True, "note": "x"}) == {"loss": 1.5,
+                                                                                                  "tokens": 9}
+    assert format_duration(59.9) == "0m59s" and format_duration(3725) == "1h02m05s"
+
+
+# ----- fileio: atomic writes, dead writers' temporaries, the lock of a run or grid directory -----
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "f.json"
+    atomic_write(path, b"old")
+    with pytest.raises(OSError, match="disk full"), atomic_writer(path) as f:
+        f.write(b"new, half written")
+        raise OSError("disk full")
+    assert path.read_bytes() == b"old" and list(tmp_path.iterdir()) == [path]
+
+
+def test_dead_temporaries_are_those_of_writers_that_no_longer_run(tmp_path):
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"latest.pt.{ended.stdout.strip()}.tmp"
+    live = tmp_path / f"latest.pt.{os.getppid()}.tmp"
+    other = tmp_path / "notes.tmp"
+    for path in (dead, live, other):
+        path.write_text("x")
+    assert dead_temporaries(tmp_path) == [dead]
+
+
+def test_a_held_lock_names_its_holder_and_dies_with_it(tmp_path):
+    lock = tmp_path / ".lock"
+    assert lock_holder(lock) is None
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from fileio import hold_lock; "
+                               f"held = hold_lock({str(lock)!r}, 'test holder'); print('held', flush=True); time.sleep(600)"],
+                              env=ENV, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lock_holder(lock) == "test holder"
+        with pytest.raises(LockHeldError) as refused:
+            hold_lock(lock, "second")
+        assert refused.value.holder == "test holder"
+    finally:
+        holder.kill()  # SIGKILL: no clean-up code runs
+        holder.wait()
+    assert lock_holder(lock) is None
+    handle = hold_lock(lock, "this process")
+    assert lock.read_text() == "this process\n"
+    handle.close()
+
+
+def test_a_v1_checkpoint_without_a_preset_takes_it_from_its_runs_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"preset": {"name": "smoke"}}))
+    (tmp_path / "checkpoints").mkdir()
+    old = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {}}
+    new = upgrade_v1(old, tmp_path / "checkpoints" / "latest.pt", verify=False)
+    assert new["config"]["preset"] == "smoke"
+    assert json.loads((tmp_path / "config.json").read_text()) == {"preset": {"name": "smoke"}}
