@@ -322,14 +322,13 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
 def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
     """A flag given on --resume that cannot take effect (fixed_on_resume: the model, the data order, the biases,
     the optimizer's parameter groups), phrased as what to do; None when every flag can."""
-    for name, section in cfg.sections().items():
-        old_values = saved_fields(saved[name], type(section))
-        for field_name in fields_where(section, "fixed_on_resume"):
-            old, new = old_values.get(field_name), getattr(section, field_name)
-            if field_name in old_values and old != new:
-                return (f"{option(field_name)} cannot change when resuming (the checkpoint has {old!r}, the flags "
-                        f"give {new!r}): it fixes the model, the data order, the biases or the optimizer state; "
-                        "start a new run instead")
+    fixed = {f"{name}.{field_name}" for name, section in cfg.sections().items()
+             for field_name in fields_where(section, "fixed_on_resume")}
+    for key, (old, new) in changed_settings(cfg, saved).items():
+        if key in fixed:
+            return (f"{option(key.partition('.')[2])} cannot change when resuming (the checkpoint has {old!r}, the "
+                    f"flags give {new!r}): it fixes the model, the data order, the biases or the optimizer state; "
+                    "start a new run instead")
     return None
 
 

@@ -152,13 +152,6 @@ def write_tokenizer(out_dir: Path, config: train_gpt.GPTConfig) -> str | None:
     return None
 
 
-def current_umask() -> int:
-    """The process's umask (os.umask reads it only by setting it, so it is set back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
     """Write `model` to `out_dir` (see the module docstring): model.safetensors, config.json,
     generation_config.json, the tokenizer and, for PReLU, modeling_symgpt.py. The directory appears whole or not
@@ -184,7 +177,8 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
         if config.activation == "prelu":
             shutil.copyfile(MODELING_FILE, staging / MODELING_FILE.name)
         note = write_tokenizer(staging, config)
-        mask = current_umask()
+        mask = os.umask(0o022)  # os.umask reads the umask only by setting it
+        os.umask(mask)
         for path in staging.iterdir():
             path.chmod(0o666 & ~mask)
         staging.chmod(0o777 & ~mask)  # mkdtemp made it 0700

@@ -46,6 +46,9 @@ def batch_layout(hp, world: int) -> tuple[int, int]:
     return micro, per_rank // micro
 
 
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}  # for MFU
+
+
 @dataclass
 class Runtime:
     """Where this process trains: its rank among `world`, its device and autocast dtype, and the per-rank batch
@@ -77,13 +80,11 @@ class Runtime:
                 "device": self.device.type, "dtype": self.dtype_name}
 
     def mfu_per_token_s(self, flops_per_token: float) -> float | None:
-        """The model FLOPs utilisation of one training token per second on all ranks (None: the peak is unknown)."""
-        peak = peak_flops(self.device)
+        """The model FLOPs utilisation of one training token per second on all ranks, from the GPU's datasheet dense
+        bf16 peak (None on a CPU or an unknown GPU)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
         return flops_per_token / (peak * self.world) if peak else None
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def setup_process(hp) -> Runtime:
@@ -100,14 +101,3 @@ def setup_process(hp) -> Runtime:
         torch.cuda.set_device(device)
     autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
     return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
-
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU (datasheet) for MFU; None when unknown or on CPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
