@@ -181,10 +181,6 @@ def iter_documents(
     line ("line") is a document; a file with NUL bytes is binary, skipped. Empty documents are skipped. Every skip is
     counted in `stats`.
     """
-    if utf8_errors not in ("replace", "skip"):
-        raise TokenizeError(f"utf8_errors must be 'replace' or 'skip' (got {utf8_errors!r})")
-    if txt_split not in ("file", "line"):
-        raise TokenizeError(f"txt_split must be 'file' or 'line' (got {txt_split!r})")
     for path in paths:
         stats.files += 1
         if path.stat().st_size == 0:

@@ -19,12 +19,10 @@ import re
 import sys
 from pathlib import Path
 
-
 from cli import ArgumentParser, progress_bar
-from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, cache_root, open_shard, read_shard_header, remember_sha256,
-                         sha256_file, shard_globs)
+from data.shards import (DIGEST_CACHE, GPT2_VOCAB, REPO_ROOT, ShardError, cache_root, open_shard, read_shard_header,
+                         remember_sha256, sha256_file, shard_globs)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REPO = "kjj0/finewebedu10B-gpt2"
 DEFAULT_DEST = REPO_ROOT / "data" / "fineweb_edu"
 VAL_FILE = "finewebedu_val_000000.bin"
@@ -50,8 +48,6 @@ def fineweb_shards_present(dest: str | os.PathLike = DEFAULT_DEST) -> bool:
 
 def shard_names(chunks: int, val_file: str = VAL_FILE, train_format: str = TRAIN_FORMAT) -> list[str]:
     """The val file, then train files 1..chunks."""
-    if chunks < 0:
-        raise ValueError(f"--chunks must be >= 0 (got {chunks})")
     return [val_file] + [train_format % i for i in range(1, chunks + 1)]
 
 

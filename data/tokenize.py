@@ -49,17 +49,15 @@ SMALL_CORPUS_VAL_FRACTION = 0.1  # the default validation share of a corpus smal
 # Parallel, ordered, bounded map (shared with data/embedded.py)
 
 
-def parallel_map(fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None) -> Iterator:
+def parallel_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
     """`map(fn, items)` over `workers` processes, results in input order, at most 2*workers tasks in flight.
 
     Unlike `Pool.imap`, the input is consumed lazily, so a corpus larger than memory streams through.
     """
     if workers <= 1:
-        if initializer is not None:
-            initializer()
         yield from map(fn, items)
         return
-    with multiprocessing.Pool(workers, initializer=initializer) as pool:
+    with multiprocessing.Pool(workers) as pool:
         pending = collections.deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))
@@ -75,10 +73,6 @@ def default_workers() -> int:
 
 # -----------------------------------------------------------------------------
 # Documents -> shards
-
-
-def _init_encoder() -> None:
-    gpt2_tokenizer()
 
 
 def encode_batch(texts: list[str]) -> np.ndarray:
@@ -249,7 +243,7 @@ def documents_to_shards(
     created = not out_dir.exists()
     staging = _staging_dir(out_dir, prefix)
     try:
-        chunks = parallel_map(encode_batch, _batches(documents), workers, initializer=_init_encoder)
+        chunks = parallel_map(encode_batch, _batches(documents), workers)
         bar = progress_bar(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress)
         chunks = _counted(chunks, bar)
         if val_fraction is not None:

@@ -127,7 +127,8 @@ def load_gpt2_ranks(path: Path) -> dict[bytes, int]:
     data = Path(path).read_bytes()
     if _sha256(data) != GPT2_RANKS_SHA256:
         raise TokenizerSetupError(f"{path}: sha256 mismatch; not the GPT-2 rank file — delete it and rerun")
-    return _parse_ranks(data)
+    pairs = (line.split() for line in data.splitlines() if line)  # lines `base64(token) rank`
+    return {base64.b64decode(token): int(rank) for token, rank in pairs}
 
 
 def local_gpt2_ranks_file() -> Path | None:
@@ -135,15 +136,6 @@ def local_gpt2_ranks_file() -> Path | None:
     downloaded: `python -m data.tokenizer` does that)."""
     return next((path for path in (cache_root() / "tiktoken" / RANKS_FILENAME, _tiktoken_cache_path())
                  if path.is_file()), None)
-
-
-def _parse_ranks(data: bytes) -> dict[bytes, int]:
-    ranks = {}
-    for line in data.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
 
 
 def byte_alphabet() -> dict[int, str]:
