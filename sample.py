@@ -54,14 +54,6 @@ def generate(model: train_gpt.GPT, idx: torch.Tensor, max_new_tokens: int, tempe
     return idx
 
 
-def load_model(source: str) -> train_gpt.GPT:
-    """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
-    try:
-        return export.load_model(source)
-    except (export.ExportError, CheckpointError) as exc:
-        raise SystemExit(f"error: {exc}") from None
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
@@ -126,7 +118,10 @@ def sample(args: argparse.Namespace) -> list[str]:
     from data.tokenizer import gpt2_tokenizer
 
     device = resolve_device(args.device)
-    model = load_model(args.checkpoint).to(device)
+    try:
+        model = export.load_model(args.checkpoint).to(device)
+    except (export.ExportError, CheckpointError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     encoding = gpt2_tokenizer()
     prompt = read_prompt(args)
     tokens = encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT_TOKEN]

@@ -158,8 +158,8 @@ def _manifest_is_current(out_dir: Path, expected: dict) -> bool:
 
 
 def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, *,
-                            text: Path = TEXT_FILE, sha256: str = TEXT_SHA256, workers: int | None = None,
-                            progress: bool = True) -> tuple[str, str]:
+                            text: Path = TEXT_FILE, workers: int | None = None, progress: bool = True
+                            ) -> tuple[str, str]:
     """Build (or reuse) the embedded corpus shards; return (train_glob, val_glob) for the trainer.
 
     `cache_dir` defaults to `cache_root()/embedded`. Reuses the cache when its manifest names the same text
@@ -167,10 +167,10 @@ def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float =
     concurrent callers never see a half-written corpus.
     """
     out_dir = Path(cache_dir) if cache_dir is not None else cache_root() / PREFIX
-    expected = {"corpus": PREFIX, "text": Path(text).name, "text_sha256": sha256, "val_fraction": val_fraction}
+    expected = {"corpus": PREFIX, "text": Path(text).name, "text_sha256": TEXT_SHA256, "val_fraction": val_fraction}
     if _manifest_is_current(out_dir, expected):
         return shard_globs(out_dir, PREFIX)
-    docs = read_text(Path(text), sha256)
+    docs = read_text(Path(text))
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     documents_to_shards(docs, tmp_dir, PREFIX, shard_tokens=SHARD_TOKENS, val_fraction=val_fraction,

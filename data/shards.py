@@ -62,10 +62,8 @@ def read_shard_header(path: str | os.PathLike) -> int:
 
 
 def open_shard(path: str | os.PathLike, vocab_size: int | None = None) -> np.memmap:
-    """Memory-map the tokens of a validated shard (read-only uint16 array).
-
-    With `vocab_size`, every id is checked to be < vocab_size (one pass over the file).
-    """
+    """Memory-map the tokens of a validated shard (read-only uint16 array); with `vocab_size`, every id is checked
+    to be < vocab_size (one pass over the file)."""
     num_tokens = read_shard_header(path)
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
     if vocab_size is not None and num_tokens > 0:

@@ -52,9 +52,8 @@ def existing_run_problem(run_dir: Path) -> str | None:
 
 
 class RunDirectory:
-    """The directory of the run this process owns (rank 0 only): created or reopened, locked for as long as the
-    run lasts (an advisory lock on <run>/.lock that the operating system releases when the process ends, however
-    it ends, so a dead owner leaves no stale lock), with the leftovers of earlier crashes cleared."""
+    """The directory of the run this process owns (rank 0 only): created or reopened, locked while the run lasts
+    (<run>/.lock, see fileio.hold_lock), with the leftovers of earlier crashes cleared."""
 
     def __init__(self, path: Path) -> None:
         self.path = path

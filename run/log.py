@@ -135,8 +135,6 @@ class RunLog:
         self.pending: list[str] = []
 
     def attach(self, run_dir: Path, code: str) -> None:
-        if not self.is_master:
-            return
         self.text = open(run_dir / "log.txt", "a")
         torn = cut_torn_line(run_dir / "log.jsonl")
         self.records = open(run_dir / "log.jsonl", "a")
