@@ -174,13 +174,9 @@ def iter_documents(
     utf8_errors: str = "replace",
     txt_split: str = "file",
 ) -> Iterator[str]:
-    """Documents of `paths` in order; problems are counted in `stats`.
-
-    `.jsonl`: one JSON object per line, text in `text_field`; `.parquet`: column `text_field`; any other file is
-    UTF-8 text (`.txt`, `.md`, `.py`, no extension, ...), whose whole content (txt_split="file") or each non-blank
-    line ("line") is a document; a file with NUL bytes is binary, skipped. Empty documents are skipped. Every skip is
-    counted in `stats`.
-    """
+    """Documents of `paths` in order (`.jsonl`: field `text_field` of each line; `.parquet`: column `text_field`; any
+    other file: UTF-8 text, one document per file or per non-blank line by `txt_split`); every skip is counted in
+    `stats`."""
     for path in paths:
         stats.files += 1
         if path.stat().st_size == 0:
@@ -204,11 +200,8 @@ def iter_documents(
 
 def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, revision: str | None = None,
                     endpoint: str | None = None, cache_dir: Path | None = None) -> list[tuple[str, Path]]:
-    """Download the files of Hub dataset `repo` whose names match glob `pattern` (sorted; the first `max_files`);
-    return (name in the repo, local path) pairs.
-
-    Files go to the huggingface_hub cache (`cache_dir`, default ~/.cache/huggingface/hub), which makes reruns free.
-    """
+    """(name in the repo, local path) of the files of Hub dataset `repo` whose names match glob `pattern` (sorted;
+    the first `max_files`), downloaded into the huggingface_hub cache (`cache_dir`), which makes reruns free."""
     from huggingface_hub import HfApi, hf_hub_download
 
     try:

@@ -12,14 +12,10 @@ import torch.distributed as dist
 
 
 def init_process_group(backend: str, **kwargs) -> None:
-    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first.
-
-    torch.optim.Optimizer and torch.compile import torch._dynamo lazily. Imported after the group exists, it keeps
-    references to the group that `destroy_process_group` does not drop (seen with torch 2.13): gloo's worker threads
-    then outlive the group, and one that frees the last reference to a tensor while the interpreter shuts down
-    aborts the process (SIGABRT, "terminate called without an active exception"). Imported first, nothing else
-    holds the group and `destroy_process_group` joins its threads.
-    """
+    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first: imported lazily after the group
+    exists (by torch.optim or torch.compile), it keeps references to the group that `destroy_process_group` does not
+    drop (torch 2.13), so gloo's threads outlive it and abort the process at exit (SIGABRT, "terminate called without
+    an active exception")."""
     importlib.import_module("torch._dynamo")
     dist.init_process_group(backend, **kwargs)
 
