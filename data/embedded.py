@@ -1,15 +1,7 @@
-"""The embedded default corpus: a pinned text shipped in the repository, tokenized into shards (docs/data.md).
-
-It needs no network, so a fresh checkout can train (smoke runs, tests, CI) before any download, and it is the same
-everywhere: the text is `data/embedded_corpus/python-3.11-stdlib.jsonl.gz`, the docstrings and comments of CPython
-3.11.7's standard library modules (tests, IDLE and demos left out; PSF license, `LICENSE` beside it), one module per
-document, 2 MB of text ~ 0.55M tokens, pinned by the sha256 of its uncompressed bytes (TEXT_SHA256). Whatever Python
-runs, every installation builds the same shards (the same sha256), so runs on the default data compare. The
-tokens take a few seconds to build, once.
-
-Shards go to `<cache>/embedded/` (`<repo>/data/cache`, or `$SYMGPT_CACHE`): `embedded_val_000000.bin` (the first
-`val_fraction` of the tokens), `embedded_train_000001.bin` and `embedded_manifest.json`; they are rebuilt when the
-text or the settings change.
+"""The embedded default corpus (docs/data.md#other-corpora): a text shipped in the repository, the docstrings and
+comments of CPython 3.11.7's standard library, pinned by its sha256 (TEXT_SHA256) so that every installation builds
+the same shards, with no network: `<cache>/embedded/` (`data/cache` or `$SYMGPT_CACHE`), rebuilt only when the text
+or the settings change.
 
     python -m data.embedded [--out DIR]
     python -m data.embedded --text notes/*.txt [--out DIR]     # the same kind of shards from your own text files

@@ -1,11 +1,6 @@
-"""Download the pre-tokenized FineWeb-Edu 10B shards (docs/data.md#shard-format) from the Hugging Face Hub.
-
-The dataset repo `kjj0/finewebedu10B-gpt2` holds `finewebedu_val_000000.bin` and `finewebedu_train_000001.bin` ..
-`finewebedu_train_000099.bin` (100M tokens each, the last one shorter; ~200 MB per file). Downloads are idempotent
-(a present file whose header and size check out is kept, without network access) and resumable (huggingface_hub
-continues a partial file; a rerun fetches only what is missing). Every downloaded file is validated before use:
-header, size, token ids < 50257, and sha256 against the Hub's LFS etag. A file that fails is fetched once more, then
-reported by name.
+"""Download the pre-tokenized FineWeb-Edu 10B shards of `kjj0/finewebedu10B-gpt2` from the Hugging Face Hub
+(docs/data.md#fineweb-edu): idempotent, resumable, and every new file validated (header, size, ids, sha256 against
+the Hub's LFS etag) and fetched once more if it fails.
 
     python -m data.fineweb_edu                 # val + all 99 train shards (~20 GB) into data/fineweb_edu/
     python -m data.fineweb_edu --chunks 8      # val + the first 8 train shards (~1.8 GB, 800M tokens)

@@ -1,12 +1,5 @@
-"""The GPT-2 tokenizer (tiktoken `r50k_base`, docs/data.md#shard-format), working without internet access.
-
-tiktoken normally downloads the BPE rank file from a blob store. We keep a verified copy in our cache
-(`<repo>/data/cache/tiktoken/`, or `$SYMGPT_CACHE/tiktoken/`) and fill it from, in order:
-  1. tiktoken's own download cache, if it already holds the file;
-  2. the `openai-whisper` source distribution on PyPI (fetched with `pip download`), which ships the same bytes as
-     `whisper/assets/gpt2.tiktoken`;
-  3. tiktoken's public URL (short timeout).
-Every copy is checked against the sha256 in docs/data.md#shard-format before use.
+"""The GPT-2 tokenizer (tiktoken `r50k_base`) without internet access (docs/data.md#tokenizer): a verified copy of
+the rank file in our cache, filled from tiktoken's cache, the `openai-whisper` sdist on PyPI or tiktoken's URL.
 
     python -m data.tokenizer            # fetch + verify, print the path
 """
