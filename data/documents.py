@@ -1,10 +1,6 @@
 """Documents from files: local text, jsonl and parquet files (any other readable file is plain text), or the
-files of a Hugging Face Hub dataset repo; what was read, skipped or repaired is counted (docs/data.md#other-corpora).
-
-Bad input is never dropped silently: empty files, binary files, invalid UTF-8 (`--utf8-errors replace|skip`), jsonl
-lines without the text field or that are not JSON, and unreadable parquet files are counted, reported and kept in
-the manifest of data.tokenize.
-"""
+files of a Hugging Face Hub dataset repo. Bad input is never dropped silently: what was read, skipped (DROPPED) or
+repaired is counted, reported and kept in data.tokenize's manifest (docs/data.md#other-corpora)."""
 from __future__ import annotations
 
 import dataclasses

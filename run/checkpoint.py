@@ -1,10 +1,6 @@
-"""The checkpoint format (docs/runs.md#checkpoints): writing it atomically with a checksum, reading and verifying it,
-the checkpoints of a run and the one --resume continues from, and --init-from's weights.
-
-A checkpoint is a torch.save'd dict in format CHECKPOINT_FORMAT (v2) with a sha256 of its tensors; writes are atomic
-(fileio.atomic_writer). Files of the first format (v1) are read through `upgrade_v1`, the one place that knows their
-layouts, so every reader sees v2. Importing this module has no side effects.
-"""
+"""The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of its tensors: writing it
+atomically, reading and verifying it (v1 files through `upgrade_v1`, so every reader sees v2), the checkpoints of a
+run and the one --resume continues from, and --init-from's weights. Importing this module has no side effects."""
 from __future__ import annotations
 
 import dataclasses

@@ -45,8 +45,7 @@ def cut_torn_line(path: Path) -> str:
     if not data or data.endswith(b"\n"):
         return ""
     keep = data.rfind(b"\n") + 1
-    with open(path, "r+b") as f:
-        f.truncate(keep)
+    os.truncate(path, keep)
     return data[keep:].decode(errors="replace")
 
 
