@@ -1,10 +1,7 @@
-"""A run's configuration: presets, the command line, the checks, and what a run reproduces of the published runs.
-
-The trainer's flag dataclasses (train_gpt.GPTConfig and TrainConfig), `variants.ResearchConfig` and the chosen
-optimizer's config are the sections of a `RunConfig`; every field is a flag whose metadata (cli.flag) says its
-range, whether it changes a run's numbers and whether a resumed run may change it. Values come from defaults <-
-preset <- the resumed checkpoint's config <- command-line flags (docs/runs.md#configuration).
-"""
+"""A run's configuration (docs/runs.md#configuration): presets, the command line, the checks, and what a run
+reproduces of the published runs. Its sections (`RunConfig`) are the trainer's flag dataclasses, ResearchConfig and
+the optimizer's config, every field a flag (cli.flag); values come from defaults <- preset <- the resumed
+checkpoint's config <- command-line flags."""
 from __future__ import annotations
 
 import argparse

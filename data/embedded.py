@@ -166,7 +166,7 @@ def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float =
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     documents_to_shards(docs, tmp_dir, PREFIX, shard_tokens=SHARD_TOKENS, val_fraction=val_fraction,
-                        workers=workers or default_workers(), metadata=lambda: expected, progress=progress)
+                        workers=workers, metadata=lambda: expected, progress=progress)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     try:

@@ -212,10 +212,8 @@ def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], d
 
 
 def model_checkpoint(model: nn.Module, config: dict, step: int, metrics: dict, **training_state) -> dict:
-    """A checkpoint of `model` at `step` (docs/runs.md#checkpoints): `config` holds CONFIG_ENTRIES (the sections of
-    config.RunConfig.to_dict, the data record, the preset), `metrics` what the run measured; the trainer adds its
-    training state (optimizer, loader, rng, hooks). A checkpoint without "optimizer" holds model weights only
-    (--init-from takes it, --resume does not)."""
+    """A checkpoint of `model` at `step` (docs/runs.md#checkpoints) with `config` (CONFIG_ENTRIES) and `metrics`;
+    without the trainer's `training_state` (optimizer, loader, rng, hooks) it holds weights only (for --init-from)."""
     missing = [key for key in CONFIG_ENTRIES if key not in config]
     if missing:
         raise ValueError(f"model_checkpoint: the config has no {', '.join(missing)}")
