@@ -65,8 +65,7 @@ def value_problem(name: str, value: object, bounds: str | None) -> str | None:
 def field_problem(config: object) -> str | None:
     """The first field of dataclass instance `config` whose value is outside its declared range; None if none."""
     for f in dataclasses.fields(config):
-        problem = value_problem(f.name, getattr(config, f.name), f.metadata.get("bounds"))
-        if problem:
+        if problem := value_problem(f.name, getattr(config, f.name), f.metadata.get("bounds")):
             return problem
     return None
 

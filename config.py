@@ -87,7 +87,7 @@ class RunConfig:
     optim: OptimizerConfig
     preset: str | None = None
     continue_in: Path | None = None  # a resumed run's own directory, when the run goes on there (see resume_home)
-    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see run.checkpoint.resolve_resume)
+    resume_from: Path | None = None  # the verified checkpoint --resume continues from (run.checkpoint.resolve_resume)
     notes: list[str] = field(default_factory=list)  # what resolving --resume passed over, for the log
 
     def sections(self) -> dict[str, object]:
@@ -239,8 +239,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
                 base[section].update(saved_fields(saved[section], cls))
     base["train"]["optimizer"] = optimizer
     parser = build_arg_parser(classes, optimizer, base)
-    foreign = _foreign_optimizer_flag(argv, classes, optimizer)
-    if foreign:
+    if foreign := _foreign_optimizer_flag(argv, classes, optimizer):
         parser.error(foreign)
     args = vars(parser.parse_args(argv))
     cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), preset,
@@ -251,8 +250,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
         cfg.notes += [note] * bool(note)
         if cfg.continue_in is None and "run_name" not in given:
             cfg.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
-    problem = config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None)
-    if problem:
+    if problem := config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None):
         parser.error(problem)
     return cfg
 
@@ -275,8 +273,7 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     """The first value outside its flag's range or inconsistency between flags, phrased as what to change; None
     when the config is valid."""
     for section in cfg.sections().values():
-        problem = field_problem(section)
-        if problem:
+        if problem := field_problem(section):
             return problem
     model, hp = cfg.model, cfg.train
     if model.n_embd % model.n_head:
@@ -291,8 +288,7 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
             load_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), mmap=True, verify=True)
         except CheckpointError as exc:
             return str(exc) if str(exc).startswith("--init-from") else f"--init-from {exc}"
-    problem = variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len)
-    if problem:
+    if problem := variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len):
         return problem
     if hp.profile_steps:
         try:

@@ -144,8 +144,7 @@ def sample(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> list[str]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = input_problem(args)
-    if problem:
+    if problem := input_problem(args):
         parser.error(problem)
     texts = sample(args)
     prompt = read_prompt(args)
