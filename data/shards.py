@@ -7,6 +7,7 @@ followed by N little-endian uint16 token ids. Every reader here validates the he
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 from pathlib import Path
@@ -157,8 +158,6 @@ def shard_name(prefix: str, split: str, index: int) -> str:
 
 def find_shards(pattern: str) -> list[Path]:
     """Sorted shard paths matching a glob `pattern`; an error naming the pattern when none match."""
-    import glob
-
     paths = sorted(Path(p) for p in glob.glob(pattern))
     if not paths:
         raise ShardError(f"no shard files match {pattern!r}; check --train-files/--val-files or create shards first")
