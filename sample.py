@@ -9,7 +9,6 @@ by `python -m export to-hf` (model.safetensors + config.json). Generation keeps 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from pathlib import Path
@@ -134,8 +133,7 @@ def sample(args: argparse.Namespace) -> list[str]:
     idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     use_bf16 = device.type == "cuda" and args.dtype in ("auto", "bf16")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    with autocast:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
         out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                        vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
     return [encoding.decode(row[len(tokens):].tolist()) for row in out]
