@@ -443,13 +443,10 @@ def _bias_arg(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return bias, (bias.shape[-1] if bias.dim() == 2 else 0)
 
 
-def _launch_meta(q: torch.Tensor) -> dict:
-    return {"HEAD_DIM": q.shape[-1], "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
-
-
 def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, grid, args: tuple, meta: dict) -> None:
     """Run one pass: the shipped tile (tile_for) or, with SYMGPT_ATTENTION_AUTOTUNE=1, the autotuned kernel.
     `grid(block_m, block_n)` is the launch grid."""
+    meta = dict(meta, HEAD_DIM=q.shape[-1], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if os.environ.get(AUTOTUNE_ENV) == "1":
         tuned[lambda cfg: grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
     else:
@@ -460,7 +457,8 @@ def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, grid, args: tuple, m
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
              b_v: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, stats): stats[0] is lse2 and, with b_Q, stats[1] the keys' logit biases c, one fp32 allocation."""
+    """(O, stats): stats[0] is lse2 and, with b_Q, stats[1] the keys' logit biases c (one fp32 allocation), which
+    the backward reuses."""
     q, k, v = _shared_layout(q, k, v)
     B, H, T, D = q.shape
     qk_scale = LOG2_E / math.sqrt(D)
@@ -472,7 +470,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tenso
         _key_logit_bias[(triton.cdiv(T, _ROWS_BLOCK), B * H)](k, bq, c, *q.stride()[:3], stride_bqh, H, T, qk_scale,
                                                              HEAD_DIM=D, BLOCK=_ROWS_BLOCK)
     bv, stride_bvh = _bias_arg(b_v, q)
-    meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
+    meta = dict(CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
     _launch(_attn_fwd, _attn_fwd_tuned, "fwd", q, lambda m, n: (triton.cdiv(T, m), B * H),
             (q, k, v, c, bv, o, lse, *q.stride()[:3], stride_bvh, H, T, qk_scale), meta)
     return o, stats
@@ -481,6 +479,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tenso
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               stats: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); dq is also the gradient of q + b_Q."""
     q, k, v = _shared_layout(q, k, v)
     do, o = _as_token_major(do), _as_token_major(o)
     B, H, T, D = q.shape
@@ -494,7 +493,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _attn_bwd_preprocess[(triton.cdiv(T, _ROWS_BLOCK), B * H)](o, do, bv, delta, stride_bvh, H, T, HEAD_DIM=D,
                                                                HAS_BV=b_v is not None, BLOCK_M=_ROWS_BLOCK)
     dq, dk, dv = _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
-    meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None)
+    meta = dict(CAUSAL=causal, HAS_BQ=b_q is not None)
     _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", q, lambda m, n: (triton.cdiv(T, n), B * H),
             (q, k, v, bq, c, do, lse, delta, dk, dv, *q.stride()[:3], stride_bqh, H, T, qk_scale, sm_scale), meta)
     _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", q, lambda m, n: (triton.cdiv(T, m), B * H),
@@ -502,25 +501,14 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return dq, dk, dv
 
 
-@torch.library.custom_op("symgpt::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
-                      b_v: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, stats): lse2 and, with b_Q, the keys' logit biases c, which the backward reuses."""
-    return _forward(q, k, v, b_q, b_v, causal)
+_attention_fwd_op = torch.library.custom_op("symgpt::attention_fwd", _forward, mutates_args=())
+_attention_bwd_op = torch.library.custom_op("symgpt::attention_bwd", _backward, mutates_args=())
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, b_q, b_v, causal):
     B, H, T, _ = q.shape
     return _token_major_empty(q), q.new_empty((1 if b_q is None else 2, B, H, T), dtype=torch.float32)
-
-
-@torch.library.custom_op("symgpt::attention_bwd", mutates_args=())
-def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      stats: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv); dq is also the gradient of q + b_Q."""
-    return _backward(do, q, k, v, o, stats, b_q, b_v, causal)
 
 
 @_attention_bwd_op.register_fake
