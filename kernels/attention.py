@@ -1,24 +1,18 @@
 """The Triton attention kernel with the symmetry-breaking biases b_Q, b_V
-(docs/model.md#the-exact-rewrites-in-the-kernel).
+(docs/model.md#the-exact-rewrites-in-the-kernel: b_Q as the per-key logit bias c_j = b_Q·k_j/√d, b_V added in the
+epilogue).
 
 `attention_triton(q, k, v, b_q, b_v, causal)` computes softmax((q + b_Q)·kᵀ/√d, causal mask)·(v + b_V) for q, k, v
 of shape (B, H, T, d) in fp16, bf16 or fp32 and d in {64, 128}, with b_q, b_v None, (d,) shared across heads or
-(H, d) per head. Its reference is kernels.attention_paths.attention_reference (SDPA), which the model calls through
-kernels.attention_paths.attention; that module imports this one only when the kernel runs, so a CPU run never
-imports Triton.
+(H, d) per head. Its reference is attention_reference (SDPA) in kernels/attention_paths.py, which chooses the path.
 
 A FlashAttention-2 style kernel with the structure of Triton's fused-attention tutorial: tiled online softmax in
 fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over key blocks and a separate dQ
-pass over query blocks, so no atomics. b_Q enters only as a per-key logit bias, (q + b_Q)·k = q·k + b_Q·k: c_j =
-b_Q·k_j/√d is computed once per (batch, head) in fp32 by a small kernel before the forward, added to each score
-tile (no q tile is ever modified) and returned by the forward with the log-sum-exp, so the backward reuses it; the
-dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is added to the output in
-the epilogue (and subtracted again where the backward needs softmax·v alone). It is registered as the custom ops
-`symgpt::attention_fwd` / `symgpt::attention_bwd`, so torch.compile traces it without a graph break. Gradients of
-b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time (dQ is also the gradient of q + b_Q).
-The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
-model's `y.transpose(1, 2).contiguous()` is free. Tests: tests/test_attention_kernel.py (CPU through Triton's
-interpreter, CUDA in-process); benchmark: bench/attention.py.
+pass over query blocks, so no atomics. c is computed once per (batch, head) by a small kernel before the forward and
+returned with the log-sum-exp, so the backward reuses it. The custom ops `symgpt::attention_fwd` /
+`symgpt::attention_bwd` let torch.compile trace it without a graph break. Outputs and gradients are token-major,
+(B, T, H, d) memory viewed as (B, H, T, d), so the model's `y.transpose(1, 2).contiguous()` is free.
+Tests: tests/test_attention_kernel.py; benchmark: bench/attention.py.
 """
 from __future__ import annotations
 
@@ -151,8 +145,7 @@ def _query_block(H, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 def _key_logit_bias(K, BQ, C, stride_b, stride_h, stride_t, stride_bqh, H, T, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """C[b, h, t] = (b_Q · k_t) · log2(e)/√d in fp32 for BLOCK keys of one (batch, head): b_Q's whole effect on the
-    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases). Runs before the forward,
-    which returns C for the backward to reuse."""
+    base-2 scores (docs/model.md#the-exact-rewrites-in-the-kernel)."""
     off_bh = tl.program_id(1)
     off_b, off_h = off_bh // H, off_bh % H
     offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -39,11 +39,14 @@ class BlockTable(NamedTuple):
     align: int
 
 
-def block_table(ranges: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK) -> BlockTable:
-    """The blocks covering the (key, lo, hi) ranges of a chunk, each block inside one range. When every lo and hi
-    is a multiple of ALIGN (all GPT-2 tensors have multiples of 16 elements), so is every block's start and length:
-    the kernels then load and store 16 bytes at a time."""
-    rows = [(lo, min(block, hi - lo), key) for key, start, hi in ranges for lo in range(start, hi, block)]
+def block_table(ranges: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK,
+                element_keys: bool = False) -> BlockTable:
+    """The blocks covering the (key, lo, hi) ranges of a chunk, each block inside one range, its key the range's
+    (with `element_keys`, kernels/soap.py's, plus the block's offset in the range). When every lo and hi is a multiple
+    of ALIGN (all GPT-2 tensors have multiples of 16 elements), so is every block's start and length: the kernels then
+    load and store 16 bytes at a time."""
+    rows = [(lo, min(block, hi - lo), key + (lo - start if element_keys else 0))
+            for key, start, hi in ranges for lo in range(start, hi, block)]
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous()
     aligned = block % ALIGN == 0 and all(lo % ALIGN == 0 and hi % ALIGN == 0 for _, lo, hi in ranges)
     return BlockTable(table[0].to(device), table[1].to(device), table[2].to(device), ALIGN if aligned else 1)

@@ -16,21 +16,19 @@ torch ops; tests/test_soap_kernels.py shows they agree.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels import ecd
 from kernels.bf16 import as_kernel_arg, bf16_bits, copy_back, load_fp32, nearest_even_bits
-from kernels.ecd import ALIGN, BLOCK, BlockTable
+from kernels.ecd import BLOCK, BlockTable
 
 
-def block_table(pieces: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK) -> BlockTable:
-    """The blocks covering the (key, lo, hi) pieces of a chunk, each inside one piece, its key the piece's key plus
-    the block's offset in the piece; aligned to ALIGN elements when every lo and hi is (as kernels/ecd.py's)."""
-    rows = [(lo, min(block, hi - lo), key + lo - start) for key, start, hi in pieces for lo in range(start, hi, block)]
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous()
-    aligned = block % ALIGN == 0 and all(lo % ALIGN == 0 and hi % ALIGN == 0 for _, lo, hi in pieces)
-    return BlockTable(table[0].to(device), table[1].to(device), table[2].to(device), ALIGN if aligned else 1)
+# The blocks of a chunk's (key, lo, hi) pieces; a block's key is its first element's.
+block_table = functools.partial(ecd.block_table, element_keys=True)
 
 
 @triton.jit
