@@ -25,11 +25,6 @@ from optim import OPTIMIZERS
 from gauge.updates import GaugeUpdates
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, args, device) -> float:
     """Median seconds of one step (gradients fixed) with the gauge's post-processing after it."""
     times = []
@@ -37,13 +32,13 @@ def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, 
         with torch.no_grad():
             for p, g in grads.items():
                 p.grad.copy_(g)
-        synchronize(device)
+        torch.get_device_module(device).synchronize(device)
         start = time.perf_counter()
         before = gauge.snapshot(model) if gauge else None
         optimizer.step(loss) if spec.needs_loss else optimizer.step()
         if gauge:
             gauge.after_step(model, [optimizer], before, step=i + 1)
-        synchronize(device)
+        torch.get_device_module(device).synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[args.warmup:])
 

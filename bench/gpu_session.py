@@ -24,6 +24,8 @@ steps run under the interpreter the environment check chose.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import shutil
@@ -265,9 +267,7 @@ class Session:
             targets = left
         if not tests:
             tests["(collection)"] = {"verdict": status if rounds else "not run: no time left in the budget"}
-        counts: dict[str, int] = {}
-        for r in tests.values():
-            counts[r["verdict"].split(":")[0]] = counts.get(r["verdict"].split(":")[0], 0) + 1
+        counts = collections.Counter(r["verdict"].split(":")[0] for r in tests.values())
         summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
         self.report["steps"]["cuda_tests"] = {"status": summary, "seconds": round(time.monotonic() - start, 1),
                                               "limit_s": first_limit}
@@ -297,19 +297,13 @@ class Session:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End a step's whole process group: SIGTERM, then SIGKILL after 5 s."""
-    if proc.poll() is None:
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # what the step left running in its group
-    except (ProcessLookupError, PermissionError):
-        pass
+    """End a step's whole process group: SIGTERM to a step still running, then, after at most 5 s, SIGKILL to what
+    is left in its group."""
+    for sig in ((signal.SIGTERM,) if proc.poll() is None else ()) + (signal.SIGKILL,):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
 
 # -- Markdown ---------------------------------------------------------------------------------------------------

@@ -70,12 +70,10 @@ def copy_bandwidth(device: torch.device) -> float:
     dst = torch.empty_like(src)
     times = []
     for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
 
@@ -218,13 +216,11 @@ def build_variant(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.de
         with torch.no_grad():
             for p, g in grads:  # the same gradient every step (a step may consume it): only the optimizer is timed
                 p.grad.copy_(g)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         start = time.perf_counter()
         for opt in optimizers:
             opt.step(loss) if spec.needs_loss and variant not in PEERS else opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         return time.perf_counter() - start
 
     num_params = model.get_num_params()

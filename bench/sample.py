@@ -57,14 +57,12 @@ def main(argv: list[str] | None = None) -> None:
             times, digests = [], set()
             for _ in range(args.repeats):
                 generator = torch.Generator(device).manual_seed(1337)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                torch.get_device_module(device).synchronize(device)
                 start = time.perf_counter()
                 with autocast:
                     out = sample.generate(model, idx, args.max_new_tokens, temperature=0.8, top_k=200,
                                           vocab_limit=GPT2_VOCAB, generator=generator, use_cache=use_cache)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                torch.get_device_module(device).synchronize(device)
                 times.append(time.perf_counter() - start)
                 digests.add(hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:12])
             rate = args.num_samples * args.max_new_tokens / statistics.median(times)
