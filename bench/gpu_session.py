@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from cli import ArgumentParser
+from fileio import atomic_write  # standard library only, as this driver must be
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 570  # for `timeout 590`: the steps end by then and the report follows
@@ -59,15 +60,6 @@ FIRST_TESTS = ["tests/test_ecd_kernels.py"]  # the fused ECD kernels' correctnes
 
 class SessionStopped(Exception):
     """SIGTERM reached the driver."""
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """A whole file or the old one, never a torn one (stdlib only: this driver runs under any python3)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> object:
@@ -277,9 +269,9 @@ class Session:
 
     def write_report(self) -> str:
         self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
-        write_atomically(self.out / "report.json", json.dumps(self.report, indent=1))
+        atomic_write(self.out / "report.json", json.dumps(self.report, indent=1).encode())
         text = markdown(self.report)
-        write_atomically(self.out / "report.md", text)
+        atomic_write(self.out / "report.md", text.encode())
         return text
 
     def finish(self) -> None:
