@@ -135,20 +135,19 @@ class Session:
         finally:
             _stop(proc)
 
-    def step(self, name: str, argv: list[str], cap_s: float) -> bool:
-        """Run one step under min(cap, what is left); record and print its status; False if it could not start."""
+    def step(self, name: str, argv: list[str], cap_s: float) -> None:
+        """Run one step under min(cap, what is left); record and print its status."""
         limit = min(cap_s, self.remaining() - 2)
         if limit < 5:
             self.report["steps"][name] = {"status": "not run: no time left in the budget", "limit_s": cap_s}
             self.say(f"{name}: not run, no time left")
-            return False
+            return
         start = time.monotonic()
         self.report["steps"][name] = {"status": "running", "limit_s": round(limit)}
         status = self.run(name, argv, limit)
         self.report["steps"][name] = {"status": status, "seconds": round(time.monotonic() - start, 1),
                                       "limit_s": round(limit)}
         self.say(f"{name}: {status} ({self.report['steps'][name]['seconds']} s)")
-        return True
 
     # -- the steps ----------------------------------------------------------------------------------------------
 

@@ -160,7 +160,8 @@ def captured(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Laun
     launches += autotune_launches(arch) if autotune_tiles else []
     unique: dict[str, Launch] = {}
     for launch in launches:
-        unique.setdefault(build_key(launch, TARGETS[f"sm_{arch}"]), launch)
+        source, options = specialise(launch, TARGETS[f"sm_{arch}"])
+        unique.setdefault(f"{source.hash()} {options['num_warps']} {options['num_stages']}", launch)
     return list(unique.values())
 
 
@@ -173,11 +174,6 @@ def specialise(launch: Launch, target: GPUTarget) -> tuple[ASTSource, dict]:
     options, signature, constexprs, attrs = launch.kernel._pack_args(backend, launch.kwargs, bound, specialization,
                                                                      options)
     return ASTSource(launch.kernel, signature, constexprs, attrs), options.__dict__
-
-
-def build_key(launch: Launch, target: GPUTarget) -> str:
-    source, options = specialise(launch, target)
-    return f"{source.hash()} {options['num_warps']} {options['num_stages']}"
 
 
 def build(launch: Launch, target: GPUTarget) -> dict:
