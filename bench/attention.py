@@ -236,7 +236,6 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(), "shapes": []}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(shape: dict) -> None:
         report["shapes"][-1] = shape
