@@ -33,16 +33,15 @@ from data.shards import GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
 from eval.common import (
     add_target_args,
-    load_model,
     markdown_table,
     open_target,
     record_outputs,
     run_hyperparameters,
     validation_files,
     write_json,
-    write_text,
 )
 from eval.figures import pyplot, save_figure
+from fileio import atomic_write
 
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")
@@ -358,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = open_target(args)
     run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
     step = target.identity["step"]
-    model = load_model(ckpt, device)
+    model = train_gpt.model_from_checkpoint(ckpt).to(device)
     if model.config.attention != "standard":
         raise SystemExit(f"error: {target.checkpoint_path} has --attention {model.config.attention}: b_Q alignment "
                          "needs the keys of standard attention")
@@ -383,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"checkpoint": target.identity, "step": step, "bias_mode": model.config.bias_mode,
                "modes": {r["mode"]: r for r in results}}
     write_json(out / "alignment.json", summary)
-    write_text(out / "alignment.md", markdown_summary(results, f"{run_dir.name}, step {step}"))
+    atomic_write(out / "alignment.md", markdown_summary(results, f"{run_dir.name}, step {step}").encode())
     record_outputs(out, "alignment", target.identity,
                    ["alignment.json", "alignment.md"] + [f"alignment_{mode}.png" for mode in args.modes])
     return summary

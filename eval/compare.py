@@ -24,9 +24,10 @@ from pathlib import Path
 
 import train_gpt
 from cli import ArgumentParser
-from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json, write_text
+from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json
 from eval.figures import pyplot, save_figure
 from eval.curves import runs_loss_figure, validation_losses
+from fileio import atomic_write
 from optim import OPTIMIZERS
 from run.checkpoint import run_dir_of
 from run.log import read_log
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures = ["![loss curves](compare_loss.png)", ""]
     if enrichment.name in written:
         figures += ["![enrichment vs delta top-5](compare_enrichment.png)", ""]
-    write_text(args.out / "compare.md", "\n".join(["# Run comparison", "", *sections, *figures]))
+    atomic_write(args.out / "compare.md", "\n".join(["# Run comparison", "", *sections, *figures]).encode())
     for r in rows:
         if len(set(r["steps"].values())) > 1:
             print(f"warning: {r['run']}: evaluations from different steps ({step_label(r['steps'])}); "
