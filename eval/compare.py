@@ -41,15 +41,11 @@ AVERAGED = {"seed", "bias_mode", "optimizer"}  # averaged over, the columns, the
 def pearson(x: list[float], y: list[float]) -> dict:
     """Pearson r with its 95% Fisher-z interval (None where n is too small or a variable is constant)."""
     n = len(x)
-    if n < 3:
-        return {"r": None, "ci": None, "n": n}
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    if sxx == 0 or syy == 0:
-        return {"r": None, "ci": None, "n": n}
-    r = sum((a - mx) * (b - my) for a, b in zip(x, y)) / math.sqrt(sxx * syy)
-    if n < 4 or abs(r) >= 1:
+    try:
+        r = statistics.correlation(x, y) if n >= 3 else None
+    except statistics.StatisticsError:  # a constant variable
+        r = None
+    if r is None or n < 4 or abs(r) >= 1:
         return {"r": r, "ci": None, "n": n}
     z, half = math.atanh(r), 1.96 / math.sqrt(n - 3)
     return {"r": r, "ci": [math.tanh(z - half), math.tanh(z + half)], "n": n}
