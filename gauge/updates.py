@@ -37,10 +37,6 @@ GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
 
 
-def _eye(x: Tensor) -> Tensor:
-    return torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Pure tensor math on factor pairs: a (..., n, d), b (..., m, d), increments u_a, u_b of the same shapes.
 
@@ -53,7 +49,7 @@ def opposite_gram_correction(a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, dam
     if diagonal:
         return (u_a / (h_b.diagonal(dim1=-2, dim2=-1) + damping).unsqueeze(-2),
                 u_b / (h_a.diagonal(dim1=-2, dim2=-1) + damping).unsqueeze(-2))
-    eye = damping * _eye(a)
+    eye = damping * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     # X (H + λI)⁻¹ = ((H + λI)⁻¹ Xᵀ)ᵀ for symmetric H; cholesky_solve would sync on failure, solve does not.
     return (torch.linalg.solve(h_b + eye, u_a.mT).mT, torch.linalg.solve(h_a + eye, u_b.mT).mT)
 

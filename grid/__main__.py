@@ -69,13 +69,6 @@ def run_parser() -> ArgumentParser:
     return parser
 
 
-def _plan_record(runs) -> list[dict]:
-    """The runs as grid.jsonl's start record keeps them (what `status` and `report` read)."""
-    return [{"name": r.name, "values": r.values, "path": str(r.path), "steps": r.steps,
-             "batch_tokens": r.batch_tokens, "stop_at_target": r.stop_at_target, "device": r.device,
-             "problem": r.problem} for r in runs]
-
-
 def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:
     """--dry-run: every run, its state, where the first wave goes, and its command with the slot's environment."""
     sizes = " × ".join(f"{a.flag} {len(a.values)}" for a in spec.axes)
@@ -148,7 +141,7 @@ def run_grid(argv: list[str]) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.print_slurm:
-        print(slurm_script(spec, runs, args.gpus_per_run, None), end="")
+        print(slurm_script(spec, runs, args.gpus_per_run), end="")
         return 0
     slots = make_slots(gpus, args.gpus_per_run, args.workers, len(os.sched_getaffinity(0)),
                        {r.device for r in runs if r.problem is None})
@@ -159,7 +152,7 @@ def run_grid(argv: list[str]) -> int:
         print_plan(spec, runs, states, slots, args.gpus_per_run)
         return 0
     journal.append({"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
-                    "runs": _plan_record(runs), "slots": [s.label for s in slots]})
+                    "runs": [r.record() for r in runs], "slots": [s.label for s in slots]})
     for run in runs:
         if states[run.name] == "invalid" and previous.get(run.name, {}).get("error") != run.problem:
             journal.append({"run": run.name, "state": "invalid", "error": run.problem})
