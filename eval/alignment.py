@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -319,15 +318,10 @@ def alignment_figure(result: dict, title: str = ""):
     return fig
 
 
-def plot_alignment(result: dict, path: Path, title: str = "") -> None:
-    save_figure(alignment_figure(result, title), path)
-
-
 def markdown_summary(results: list[dict], title: str, example_heads: int = 2) -> str:
     lines = [f"# b_Q alignment — {title}", "",
              "cos(k(x), E[b_Q]) per head (docs/evaluation.md). Null threshold: the 99% quantile of the maximum of V "
-             "random "
-             "cosines in d dims.", ""]
+             "random cosines in d dims.", ""]
     rows = [[r["mode"], r["vocab"], f"{r['mean_top']:.3f}", f"{r['max_top']:.3f}", f"{r['null_threshold']:.3f}",
              f"{100 * r['frac_above_null']:.1f}"] for r in results]
     lines += [markdown_table(["keys", "tokens", "mean top", "max top", "null", "% heads > null"], rows), ""]
@@ -374,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for mode in args.modes:
         result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len, hp.micro_batch)
-        plot_alignment(result, out / f"alignment_{mode}.png", title=f"{run_dir.name} — step {step}")
+        save_figure(alignment_figure(result, f"{run_dir.name} — step {step}"), out / f"alignment_{mode}.png")
         results.append(result)
         print(f"{mode}: mean top {result['mean_top']:.3f}  max {result['max_top']:.3f}  "
               f"{100 * result['frac_above_null']:.1f}% heads > {result['null_threshold']:.3f}  punctuation "
