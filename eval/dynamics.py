@@ -35,7 +35,6 @@ from fileio import atomic_write
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 from optim import OPTIMIZERS
 
-LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
 LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
           "f_rot_QK": "rotational fraction of QK", "f_rot_VO": "rotational fraction of VO",
           "f_rot_QK_approx": "rotational fraction of QK (eq. 24)",
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
             drifts.append({"from_step": previous["step"], "to_step": ckpt["step"], **drift(previous, ckpt)})
         previous = ckpt
     log = read_log(run_dir)
-    online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
+    online = [{k: r[k] for k in ("step", *LABELS) if k in r} for r in log if "J_QK" in r]
     identity = checkpoint_identity(ckpt_path, results[-1]["step"])
     summary = {"checkpoint": identity, "step": identity["step"], "checkpoints": results, "weight_drift": drifts,
                "online": online}

@@ -131,15 +131,11 @@ def finish_grid(args, spec, runs, scheduler: Scheduler, states: dict[str, str]) 
 def run_grid(argv: list[str]) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = run_parser().parse_args(argv[:cut])
-    try:
-        spec, known, gpus = plan_grid(args, argv[cut + 1:])
-        lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
-        runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
-        if all(r.problem for r in runs):
-            raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
-    except GridError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    spec, known, gpus = plan_grid(args, argv[cut + 1:])
+    lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
+    runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
+    if all(r.problem for r in runs):
+        raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
     if args.print_slurm:
         print(slurm_script(spec, runs, args.gpus_per_run), end="")
         return 0
@@ -183,9 +179,6 @@ def grid_status(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     journal = Journal(args.directory)
     plan = journal.plan()
-    if plan is None:
-        print(f"error: {args.directory}: no {journal.path.name} here: not a grid directory", file=sys.stderr)
-        return 2
     states = journal.states()
     rows = [run_row(p, states.get(p["name"], {"state": "invalid"} if p.get("problem") else {}))
             for p in plan["runs"]]
@@ -212,13 +205,7 @@ def grid_report(argv: list[str]) -> int:
                         "(default: every visible GPU)")
     args = parser.parse_args(argv)
     plan = Journal(args.directory).plan()
-    try:
-        if plan is None:
-            raise GridError(f"{args.directory}: no grid.jsonl here: not a grid directory")
-        lock = claim(args.directory)
-    except GridError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    lock = claim(args.directory)
     done = [p for p in plan["runs"] if run_finished(Path(p["path"]), p["steps"], p.get("stop_at_target", False))]
     others = [p["name"] for p in plan["runs"] if p not in done]
     gpus = visible_gpus(args.gpus)
@@ -236,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])
         return run_grid(argv)
+    except GridError as exc:  # a grid that cannot run as given: one line naming what to change
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before any run started (while planning), or in a report of its own
         print("\ngrid: interrupted; the same command continues", file=sys.stderr)
         return 130

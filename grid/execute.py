@@ -67,9 +67,12 @@ class Journal:
         """The last transition of every run."""
         return {r["run"]: r for r in self.records() if "run" in r}
 
-    def plan(self) -> dict | None:
-        """The last invocation's plan record."""
-        return next((r for r in reversed(self.records()) if r.get("event") == "start"), None)
+    def plan(self) -> dict:
+        """The last invocation's plan record; GridError where there is none (not a grid directory)."""
+        plan = next((r for r in reversed(self.records()) if r.get("event") == "start"), None)
+        if plan is None:
+            raise GridError(f"{self.path.parent}: no {self.path.name} here: not a grid directory")
+        return plan
 
 
 @dataclass
