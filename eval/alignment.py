@@ -30,15 +30,8 @@ import train_gpt
 from data.loader import validation_batches, validation_capacity
 from data.shards import GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import (
-    add_target_args,
-    markdown_table,
-    open_target,
-    record_outputs,
-    run_hyperparameters,
-    validation_files,
-    write_json,
-)
+from eval.common import (add_target_args, markdown_table, open_target, record_outputs, run_hyperparameters,
+                         validation_files, write_json)
 from eval.figures import pyplot, save_figure
 from fileio import atomic_write
 

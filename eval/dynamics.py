@@ -19,16 +19,8 @@ from cli import ArgumentParser
 import export
 from run.checkpoint import run_checkpoints
 from run.log import read_log
-from eval.common import (
-    add_target_args,
-    checkpoint_identity,
-    load_target_checkpoint,
-    markdown_table,
-    output_dir,
-    record_outputs,
-    resolve_target,
-    write_json,
-)
+from eval.common import (add_target_args, checkpoint_identity, load_target_checkpoint, markdown_table, output_dir,
+                         record_outputs, resolve_target, write_json)
 from eval.curves import MARKERS_BELOW
 from eval.figures import head_maps_figure, pyplot, save_figure, step_axis
 from fileio import atomic_write

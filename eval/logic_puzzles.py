@@ -31,16 +31,8 @@ from cli import ArgumentParser
 import train_gpt
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import (
-    add_target_args,
-    error_bars,
-    markdown_table,
-    mean_interval,
-    open_target,
-    record_outputs,
-    wilson_interval,
-    write_json,
-)
+from eval.common import (add_target_args, error_bars, markdown_table, mean_interval, open_target, record_outputs,
+                         wilson_interval, write_json)
 from eval.figures import pyplot, save_figure
 from fileio import atomic_write
 

@@ -29,19 +29,8 @@ from pathlib import Path
 from cli import ArgumentParser
 import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
-from eval.common import (
-    add_target_args,
-    annotate_output,
-    checkpoint_identity,
-    load_target_checkpoint,
-    markdown_table,
-    output_dir,
-    read_config,
-    read_manifest,
-    resolve_target,
-    stale_reason,
-    write_json,
-)
+from eval.common import (add_target_args, annotate_output, checkpoint_identity, load_target_checkpoint, markdown_table,
+                         output_dir, read_config, read_manifest, resolve_target, stale_reason, write_json)
 from eval.curves import loss_figure, validation_losses
 from eval.figures import save_figure
 from fileio import atomic_write

@@ -19,14 +19,7 @@ import torch
 import train_gpt
 from cli import ArgumentParser
 from data.shards import ShardError
-from eval.common import (
-    add_target_args,
-    open_target,
-    record_outputs,
-    run_hyperparameters,
-    validation_files,
-    write_json,
-)
+from eval.common import add_target_args, open_target, record_outputs, run_hyperparameters, validation_files, write_json
 from eval.curves import loss_figure, loss_series
 from eval.figures import save_figure
 from fileio import atomic_write

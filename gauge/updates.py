@@ -25,13 +25,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from gauge.dynamics import (
-    factor_tensors,
-    head_factors,
-    num_attention_layers,
-    plain_name,
-    solve_rotation_generator,
-)
+from gauge.dynamics import factor_tensors, head_factors, num_attention_layers, plain_name, solve_rotation_generator
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
