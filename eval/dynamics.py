@@ -4,8 +4,8 @@
     python -m eval.dynamics --checkpoint FILE        # one checkpoint
 
 From a checkpoint's optimizer state (the velocity u: ECD Π/‖Π‖; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε), each
-scaled to global norm 1: each optimizer's `saved_velocity`) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
-paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
+scaled to global norm 1: each optimizer's `saved_velocity`) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per
+sector and the paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
 `--dynamics-every N` writes the same quantities (means over heads) into log.jsonl; they are plotted over training.
 Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`,
 recorded with the target checkpoint (with `--run`: latest.pt) in `manifest.json`
