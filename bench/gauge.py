@@ -75,7 +75,8 @@ def main() -> None:
         gauge = GaugeUpdates(mode, cfg.n_head, every=1, **kwargs)
         total = time_steps(model, optimizer, spec, grads, loss, gauge, args, device)
         overhead = total - bare
-        line = f"{variant:>18}: {1e3 * total:9.1f} ms | overhead {1e3 * overhead:8.1f} ms = {overhead / bare:6.2f}x bare"
+        line = (f"{variant:>18}: {1e3 * total:9.1f} ms | overhead {1e3 * overhead:8.1f} ms = "
+                f"{overhead / bare:6.2f}x bare")
         if mode == "dress":
             amortised = overhead / args.gauge_every
             line += f" | every {args.gauge_every} steps: {1e3 * amortised:.1f} ms/step = {amortised / bare:.2f}x"

@@ -25,8 +25,8 @@ synchronised around each step). The variants are interleaved: each of --rounds r
 --steps consecutive steps (20 steps hold two of SOAP's refreshes at its frequency 10), in alternating order, and a
 variant's figure is the median over rounds of its mean step, with the fastest and slowest round beside it. Each
 variant is then compared with the references of its own optimizer in the run (--ratio-to) and with --baseline: the
-median of its per-round ratios, with their range. The 1-minute load average is printed at the start and the end: on a shared machine compare only
-figures measured together.
+median of its per-round ratios, with their range. The 1-minute load average is printed at the start and the end:
+on a shared machine compare only figures measured together.
 
 For the elementwise optimizers (ECD, SGDM, AdamW) it also prints the memory floor: the bytes a step must move at
 least (read θ and g, write θ, read and write each state vector) over the copy bandwidth measured in the same run
