@@ -29,7 +29,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Callable
@@ -39,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 from triton.testing import do_bench
 
+from bench.gpu_session import commit
 from cli import ArgumentParser
 import kernels.attention as attn
 import kernels.attention_paths as paths
@@ -68,16 +68,12 @@ def _sdpa_on(backend: SDPBackend, q, k, v, b_q, b_v, causal):
         return paths.attention_reference(q, k, v, b_q, b_v, causal)
 
 
-def _bind(fn, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool) -> Variant:
-    return lambda q, k, v: fn(q, k, v, b_q, b_v, causal)
-
-
 def make_variants(causal: bool, biases: dict[str, tuple]) -> dict[str, Variant]:
     """Every implementation with every bias setting it is timed with, as f(q, k, v) -> (B, H, T, d) output;
     `biases` maps each of BIASES to its (b_q, b_v)."""
     fns = {**IMPLEMENTATIONS, **{f"sdpa-{name}": functools.partial(_sdpa_on, backend)
                                  for name, backend in SDPA_BACKENDS.items()}}
-    return {name + suffix: _bind(fn, *biases[suffix], causal)
+    return {name + suffix: functools.partial(fn, b_q=biases[suffix][0], b_v=biases[suffix][1], causal=causal)
             for name, fn in fns.items() for suffix in (BIASES if name in IMPLEMENTATIONS else BIASES[:2])}
 
 
@@ -110,8 +106,7 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
             with torch.no_grad():
                 err = relative_error(fn(q, k, v), ref_bias if "+" in name else ref_plain)
             torch.autograd.grad(fn(q, k, v), inputs, grad_out)  # compile / autotune the backward too
-            if q.is_cuda:
-                torch.cuda.synchronize()  # surface asynchronous launch errors here, inside the try
+            torch.get_device_module(q.device).synchronize()  # asynchronous launch errors surface here, in the try
             first_s = time.perf_counter() - start
         except Exception as exc:  # a backend this GPU or build lacks: report it, keep going
             rows[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
@@ -194,15 +189,6 @@ def table_rows(report: dict, commit: str) -> list[dict]:
     return rows
 
 
-def _commit() -> str:
-    """The commit measured: $SYMGPT_COMMIT where the tree travels without .git, else git's."""
-    if os.environ.get("SYMGPT_COMMIT"):
-        return os.environ["SYMGPT_COMMIT"]
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent)
-    return git.stdout.strip() or "unknown"
-
-
 def _ratio(x: float | None) -> str:
     return f"{x:6.2f}" if x is not None else "   n/a"
 
@@ -250,7 +236,6 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "cuda": torch.version.cuda, "python": platform.python_version(), "shapes": []}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(shape: dict) -> None:
         report["shapes"][-1] = shape
@@ -266,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.write_table:
         if args.non_causal:
             raise SystemExit("--write-table records causal attention (the model's): drop --non-causal")
-        rows = table_rows(report, _commit())
+        rows = table_rows(report, commit())
         atomic_write(paths.TABLE, paths.table_text(rows).encode())
         for row in rows:
             print(f"{paths.TABLE.name}: {row['gpu']}, head dim {row['head_dim']}, {row['dtype']} -> {row['impl']}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -108,11 +109,9 @@ def steady_intervals(records: list[dict], warmup: int, profiled: list[int] | Non
     """The training log records after the first `warmup`, less any whose interval (the steps since the record
     before) overlaps the profiled steps [first, last]."""
     training = [r for r in records if "tokens_per_s" in r and not r.get("summary")]
-    kept = []
-    for before, record in zip([{"step": -1}] + training, training):
-        if profiled is None or record["step"] < profiled[0] or before["step"] >= profiled[1]:
-            kept.append(record)
-    return [r for r in kept if r in training[warmup:]]
+    intervals = list(zip([{"step": -1}] + training, training))[warmup:]
+    return [record for before, record in intervals
+            if profiled is None or record["step"] < profiled[0] or before["step"] >= profiled[1]]
 
 
 def count_parameters(model_cfg: train_gpt.GPTConfig) -> int:
@@ -121,8 +120,6 @@ def count_parameters(model_cfg: train_gpt.GPTConfig) -> int:
 
 
 def summary_device() -> str:
-    import platform
-
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

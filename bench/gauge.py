@@ -25,11 +25,6 @@ from optim import OPTIMIZERS
 from gauge.updates import GaugeUpdates
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, args, device) -> float:
     """Median seconds of one step (gradients fixed) with the gauge's post-processing after it."""
     times = []
@@ -37,13 +32,13 @@ def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, 
         with torch.no_grad():
             for p, g in grads.items():
                 p.grad.copy_(g)
-        synchronize(device)
+        torch.get_device_module(device).synchronize(device)
         start = time.perf_counter()
         before = gauge.snapshot(model) if gauge else None
         optimizer.step(loss) if spec.needs_loss else optimizer.step()
         if gauge:
             gauge.after_step(model, [optimizer], before, step=i + 1)
-        synchronize(device)
+        torch.get_device_module(device).synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[args.warmup:])
 
@@ -80,7 +75,8 @@ def main() -> None:
         gauge = GaugeUpdates(mode, cfg.n_head, every=1, **kwargs)
         total = time_steps(model, optimizer, spec, grads, loss, gauge, args, device)
         overhead = total - bare
-        line = f"{variant:>18}: {1e3 * total:9.1f} ms | overhead {1e3 * overhead:8.1f} ms = {overhead / bare:6.2f}x bare"
+        line = (f"{variant:>18}: {1e3 * total:9.1f} ms | overhead {1e3 * overhead:8.1f} ms = "
+                f"{overhead / bare:6.2f}x bare")
         if mode == "dress":
             amortised = overhead / args.gauge_every
             line += f" | every {args.gauge_every} steps: {1e3 * amortised:.1f} ms/step = {amortised / bare:.2f}x"

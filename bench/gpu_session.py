@@ -24,6 +24,8 @@ steps run under the interpreter the environment check chose.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
 import shutil
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from cli import ArgumentParser
+from fileio import atomic_write  # standard library only, as this driver must be
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 570  # for `timeout 590`: the steps end by then and the report follows
@@ -57,15 +60,6 @@ FIRST_TESTS = ["tests/test_ecd_kernels.py"]  # the fused ECD kernels' correctnes
 
 class SessionStopped(Exception):
     """SIGTERM reached the driver."""
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """A whole file or the old one, never a torn one (stdlib only: this driver runs under any python3)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def read_json(path: Path) -> object:
@@ -141,20 +135,19 @@ class Session:
         finally:
             _stop(proc)
 
-    def step(self, name: str, argv: list[str], cap_s: float) -> bool:
-        """Run one step under min(cap, what is left); record and print its status; False if it could not start."""
+    def step(self, name: str, argv: list[str], cap_s: float) -> None:
+        """Run one step under min(cap, what is left); record and print its status."""
         limit = min(cap_s, self.remaining() - 2)
         if limit < 5:
             self.report["steps"][name] = {"status": "not run: no time left in the budget", "limit_s": cap_s}
             self.say(f"{name}: not run, no time left")
-            return False
+            return
         start = time.monotonic()
         self.report["steps"][name] = {"status": "running", "limit_s": round(limit)}
         status = self.run(name, argv, limit)
         self.report["steps"][name] = {"status": status, "seconds": round(time.monotonic() - start, 1),
                                       "limit_s": round(limit)}
         self.say(f"{name}: {status} ({self.report['steps'][name]['seconds']} s)")
-        return True
 
     # -- the steps ----------------------------------------------------------------------------------------------
 
@@ -265,9 +258,7 @@ class Session:
             targets = left
         if not tests:
             tests["(collection)"] = {"verdict": status if rounds else "not run: no time left in the budget"}
-        counts: dict[str, int] = {}
-        for r in tests.values():
-            counts[r["verdict"].split(":")[0]] = counts.get(r["verdict"].split(":")[0], 0) + 1
+        counts = collections.Counter(r["verdict"].split(":")[0] for r in tests.values())
         summary = ", ".join(f"{n} {v}" for v, n in sorted(counts.items()))
         self.report["steps"]["cuda_tests"] = {"status": summary, "seconds": round(time.monotonic() - start, 1),
                                               "limit_s": first_limit}
@@ -277,9 +268,9 @@ class Session:
 
     def write_report(self) -> str:
         self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
-        write_atomically(self.out / "report.json", json.dumps(self.report, indent=1))
+        atomic_write(self.out / "report.json", json.dumps(self.report, indent=1).encode())
         text = markdown(self.report)
-        write_atomically(self.out / "report.md", text)
+        atomic_write(self.out / "report.md", text.encode())
         return text
 
     def finish(self) -> None:
@@ -297,19 +288,13 @@ class Session:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """End a step's whole process group: SIGTERM, then SIGKILL after 5 s."""
-    if proc.poll() is None:
-        for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # what the step left running in its group
-    except (ProcessLookupError, PermissionError):
-        pass
+    """End a step's whole process group: SIGTERM to a step still running, then, after at most 5 s, SIGKILL to what
+    is left in its group."""
+    for sig in ((signal.SIGTERM,) if proc.poll() is None else ()) + (signal.SIGKILL,):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
 
 
 # -- Markdown ---------------------------------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import subprocess
 import tempfile
 import time
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -53,7 +52,7 @@ B, T, C = 8, 512, 768  # the paper's batch: 8 sequences of 512 tokens, width 768
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
+@dataclasses.dataclass
 class Launch:
     """One captured kernel launch: what it is (label) and the arguments the host code passed."""
 
@@ -161,7 +160,8 @@ def captured(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Laun
     launches += autotune_launches(arch) if autotune_tiles else []
     unique: dict[str, Launch] = {}
     for launch in launches:
-        unique.setdefault(build_key(launch, TARGETS[f"sm_{arch}"]), launch)
+        source, options = specialise(launch, TARGETS[f"sm_{arch}"])
+        unique.setdefault(f"{source.hash()} {options['num_warps']} {options['num_stages']}", launch)
     return list(unique.values())
 
 
@@ -174,11 +174,6 @@ def specialise(launch: Launch, target: GPUTarget) -> tuple[ASTSource, dict]:
     options, signature, constexprs, attrs = launch.kernel._pack_args(backend, launch.kwargs, bound, specialization,
                                                                      options)
     return ASTSource(launch.kernel, signature, constexprs, attrs), options.__dict__
-
-
-def build_key(launch: Launch, target: GPUTarget) -> str:
-    source, options = specialise(launch, target)
-    return f"{source.hash()} {options['num_warps']} {options['num_stages']}"
 
 
 def build(launch: Launch, target: GPUTarget) -> dict:
@@ -260,12 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                            "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
                     print(f"{name:>6} {row['kernel']:<20} {row['config']:<28} build error: {row['error']}",
                           flush=True)
-                    failed += launch.shipped
-                    rows.append(row)
-                    continue
-                row["problems"] = problems(row)
-                failed += bool(row["problems"]) and launch.shipped
-                print_row(row)
+                else:
+                    row["problems"] = problems(row)
+                    print_row(row)
+                failed += launch.shipped and bool("error" in row or row["problems"])
                 rows.append(row)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -25,8 +25,8 @@ synchronised around each step). The variants are interleaved: each of --rounds r
 --steps consecutive steps (20 steps hold two of SOAP's refreshes at its frequency 10), in alternating order, and a
 variant's figure is the median over rounds of its mean step, with the fastest and slowest round beside it. Each
 variant is then compared with the references of its own optimizer in the run (--ratio-to) and with --baseline: the
-median of its per-round ratios, with their range. The 1-minute load average is printed at the start and the end: on a shared machine compare only
-figures measured together.
+median of its per-round ratios, with their range. The 1-minute load average is printed at the start and the end:
+on a shared machine compare only figures measured together.
 
 For the elementwise optimizers (ECD, SGDM, AdamW) it also prints the memory floor: the bytes a step must move at
 least (read θ and g, write θ, read and write each state vector) over the copy bandwidth measured in the same run
@@ -70,12 +70,10 @@ def copy_bandwidth(device: torch.device) -> float:
     dst = torch.empty_like(src)
     times = []
     for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         times.append(time.perf_counter() - start)
     return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
 
@@ -218,13 +216,11 @@ def build_variant(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.de
         with torch.no_grad():
             for p, g in grads:  # the same gradient every step (a step may consume it): only the optimizer is timed
                 p.grad.copy_(g)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         start = time.perf_counter()
         for opt in optimizers:
             opt.step(loss) if spec.needs_loss and variant not in PEERS else opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        torch.get_device_module(device).synchronize(device)
         return time.perf_counter() - start
 
     num_params = model.get_num_params()

@@ -15,7 +15,6 @@ With the cache, tokens past the block size rerun the whole window (positions are
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import statistics
 import time
@@ -30,10 +29,8 @@ from data.shards import EOT_TOKEN, GPT2_VOCAB
 
 
 def preset_model(name: str) -> train_gpt.GPT:
-    fields = {f.name for f in dataclasses.fields(train_gpt.GPTConfig)}
     torch.manual_seed(0)
-    cfg = train_gpt.GPTConfig(**{k: v for k, v in config.PRESETS[name].items() if k in fields})
-    return train_gpt.GPT(cfg).eval()
+    return train_gpt.GPT(config.config_from_dict(config.PRESETS[name], train_gpt.GPTConfig)).eval()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,14 +54,12 @@ def main(argv: list[str] | None = None) -> None:
             times, digests = [], set()
             for _ in range(args.repeats):
                 generator = torch.Generator(device).manual_seed(1337)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                torch.get_device_module(device).synchronize(device)
                 start = time.perf_counter()
                 with autocast:
                     out = sample.generate(model, idx, args.max_new_tokens, temperature=0.8, top_k=200,
                                           vocab_limit=GPT2_VOCAB, generator=generator, use_cache=use_cache)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                torch.get_device_module(device).synchronize(device)
                 times.append(time.perf_counter() - start)
                 digests.add(hashlib.sha256(out.cpu().numpy().tobytes()).hexdigest()[:12])
             rate = args.num_samples * args.max_new_tokens / statistics.median(times)

@@ -1,9 +1,9 @@
 """Benchmark: data.tokenize (documents -> shards, N processes) vs single-process tiktoken encode_ordinary_batch.
 
-Text: the documents of the embedded corpus (built once and cached by data.embedded), repeated up to --mb. Ours is
-timed end to end (tokenize, assemble, write shards, sha256 for the manifest); the baseline only encodes. Best of --repeats (by wall
-time). Mtok/CPU-s divides by the CPU time of this process and its workers: on a shared machine it shows per-core
-efficiency even when the wall time is inflated by other load.
+Text: the documents of the embedded corpus (data.embedded), repeated up to --mb. Ours is timed end to end (tokenize,
+assemble, write shards, sha256 for the manifest); the baseline only encodes. Best of --repeats (by wall time).
+Mtok/CPU-s divides by the CPU time of this process and its workers: on a shared machine it shows per-core efficiency
+even when the wall time is inflated by other load.
 
     python -m bench.tokenize [--mb 16] [--repeats 3]     # run as a module: as a script, this file would shadow
                                                          # the standard library's `tokenize`
@@ -16,25 +16,16 @@ import resource
 import tempfile
 import time
 
-import numpy as np
-
 from cli import ArgumentParser
-from data.embedded import prepare_embedded_corpus
-from data.shards import EOT_TOKEN, find_shards, open_shard
+from data.embedded import read_text
 from data.tokenize import default_workers, documents_to_shards
 from data.tokenizer import gpt2_tokenizer
 
 
 def corpus_documents(max_bytes: int) -> list[str]:
-    """Documents of the embedded corpus, decoded back from its shards, repeated in order up to `max_bytes` of text
-    (the corpus holds about 2 MB)."""
-    train_glob, val_glob = prepare_embedded_corpus()
-    tokens = np.concatenate([np.asarray(open_shard(p)) for p in find_shards(val_glob) + find_shards(train_glob)])
-    enc = gpt2_tokenizer()
-    corpus = [text for segment in np.split(tokens, np.flatnonzero(tokens == EOT_TOKEN))
-              if (text := enc.decode(segment[segment != EOT_TOKEN].tolist()))]
+    """Documents of the embedded corpus repeated in order up to `max_bytes` of text (the corpus holds about 2 MB)."""
     docs, size = [], 0
-    for text in itertools.cycle(corpus):
+    for text in itertools.cycle(read_text()):
         if size >= max_bytes:
             return docs
         docs.append(text)

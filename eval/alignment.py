@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,18 +30,10 @@ import train_gpt
 from data.loader import validation_batches, validation_capacity
 from data.shards import GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import (
-    add_target_args,
-    load_model,
-    markdown_table,
-    open_target,
-    record_outputs,
-    run_hyperparameters,
-    validation_files,
-    write_json,
-    write_text,
-)
+from eval.common import (add_target_args, markdown_table, open_target, record_outputs, run_hyperparameters,
+                         validation_files, write_json)
 from eval.figures import pyplot, save_figure
+from fileio import atomic_write
 
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")
@@ -320,15 +311,10 @@ def alignment_figure(result: dict, title: str = ""):
     return fig
 
 
-def plot_alignment(result: dict, path: Path, title: str = "") -> None:
-    save_figure(alignment_figure(result, title), path)
-
-
 def markdown_summary(results: list[dict], title: str, example_heads: int = 2) -> str:
     lines = [f"# b_Q alignment — {title}", "",
              "cos(k(x), E[b_Q]) per head (docs/evaluation.md). Null threshold: the 99% quantile of the maximum of V "
-             "random "
-             "cosines in d dims.", ""]
+             "random cosines in d dims.", ""]
     rows = [[r["mode"], r["vocab"], f"{r['mean_top']:.3f}", f"{r['max_top']:.3f}", f"{r['null_threshold']:.3f}",
              f"{100 * r['frac_above_null']:.1f}"] for r in results]
     lines += [markdown_table(["keys", "tokens", "mean top", "max top", "null", "% heads > null"], rows), ""]
@@ -358,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = open_target(args)
     run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
     step = target.identity["step"]
-    model = load_model(ckpt, device)
+    model = train_gpt.model_from_checkpoint(ckpt).to(device)
     if model.config.attention != "standard":
         raise SystemExit(f"error: {target.checkpoint_path} has --attention {model.config.attention}: b_Q alignment "
                          "needs the keys of standard attention")
@@ -375,7 +361,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for mode in args.modes:
         result = evaluate_alignment(model, mode, device, files, residual_tokens, seq_len, hp.micro_batch)
-        plot_alignment(result, out / f"alignment_{mode}.png", title=f"{run_dir.name} — step {step}")
+        save_figure(alignment_figure(result, f"{run_dir.name} — step {step}"), out / f"alignment_{mode}.png")
         results.append(result)
         print(f"{mode}: mean top {result['mean_top']:.3f}  max {result['max_top']:.3f}  "
               f"{100 * result['frac_above_null']:.1f}% heads > {result['null_threshold']:.3f}  punctuation "
@@ -383,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"checkpoint": target.identity, "step": step, "bias_mode": model.config.bias_mode,
                "modes": {r["mode"]: r for r in results}}
     write_json(out / "alignment.json", summary)
-    write_text(out / "alignment.md", markdown_summary(results, f"{run_dir.name}, step {step}"))
+    atomic_write(out / "alignment.md", markdown_summary(results, f"{run_dir.name}, step {step}").encode())
     record_outputs(out, "alignment", target.identity,
                    ["alignment.json", "alignment.md"] + [f"alignment_{mode}.png" for mode in args.modes])
     return summary

@@ -156,11 +156,6 @@ def stale_reason(out: Path, name: str, identity: dict) -> str | None:
     return f"missing {', '.join(missing)}" if missing else None
 
 
-def write_text(path: Path, text: str) -> None:
-    """Write a text file (Markdown) atomically."""
-    atomic_write(path, text.encode())
-
-
 def validation_files(config: dict) -> str:
     """The run's validation shard glob (config "train" section; empty means the trainer's default data)."""
     hp = run_hyperparameters(config)
@@ -170,11 +165,6 @@ def validation_files(config: dict) -> str:
 def run_hyperparameters(config: dict) -> train_gpt.TrainConfig:
     """The run's TrainConfig (config "train" section over the trainer's defaults)."""
     return config_from_dict(config.get("train", {}), train_gpt.TrainConfig)
-
-
-def load_model(checkpoint: dict, device: torch.device) -> train_gpt.GPT:
-    """The checkpoint's model in eval mode on `device` (mean biases at inference, docs/model.md)."""
-    return train_gpt.model_from_checkpoint(checkpoint).to(device)
 
 
 def write_json(path: Path, obj: object) -> None:

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import train_gpt
 from cli import ArgumentParser
-from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json, write_text
+from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json
 from eval.figures import pyplot, save_figure
 from eval.curves import runs_loss_figure, validation_losses
+from fileio import atomic_write
 from optim import OPTIMIZERS
 from run.checkpoint import run_dir_of
 from run.log import read_log
@@ -40,15 +41,11 @@ AVERAGED = {"seed", "bias_mode", "optimizer"}  # averaged over, the columns, the
 def pearson(x: list[float], y: list[float]) -> dict:
     """Pearson r with its 95% Fisher-z interval (None where n is too small or a variable is constant)."""
     n = len(x)
-    if n < 3:
-        return {"r": None, "ci": None, "n": n}
-    mx, my = sum(x) / n, sum(y) / n
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    if sxx == 0 or syy == 0:
-        return {"r": None, "ci": None, "n": n}
-    r = sum((a - mx) * (b - my) for a, b in zip(x, y)) / math.sqrt(sxx * syy)
-    if n < 4 or abs(r) >= 1:
+    try:
+        r = statistics.correlation(x, y) if n >= 3 else None
+    except statistics.StatisticsError:  # a constant variable
+        r = None
+    if r is None or n < 4 or abs(r) >= 1:
         return {"r": r, "ci": None, "n": n}
     z, half = math.atanh(r), 1.96 / math.sqrt(n - 3)
     return {"r": r, "ci": [math.tanh(z - half), math.tanh(z + half)], "n": n}
@@ -289,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     figures = ["![loss curves](compare_loss.png)", ""]
     if enrichment.name in written:
         figures += ["![enrichment vs delta top-5](compare_enrichment.png)", ""]
-    write_text(args.out / "compare.md", "\n".join(["# Run comparison", "", *sections, *figures]))
+    atomic_write(args.out / "compare.md", "\n".join(["# Run comparison", "", *sections, *figures]).encode())
     for r in rows:
         if len(set(r["steps"].values())) > 1:
             print(f"warning: {r['run']}: evaluations from different steps ({step_label(r['steps'])}); "

@@ -8,9 +8,8 @@ its checkpoint) replace the interrupted attempt's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from eval.figures import pyplot, save_figure
+from eval.figures import pyplot
 
 # A series with fewer points than this is drawn with markers, so that one logged point is visible.
 MARKERS_BELOW = 50
@@ -94,11 +93,6 @@ def loss_figure(log: list[dict], marker: tuple[float, float] | None = None, titl
     ax.legend()
     fig.tight_layout()
     return fig
-
-
-def plot_loss_curves(log: list[dict], path: Path, marker: tuple[float, float] | None = None, title: str = "") -> None:
-    """loss_figure written atomically as a PNG."""
-    save_figure(loss_figure(log, marker, title), path)
 
 
 def runs_loss_figure(named_logs: list[tuple[str, list[dict]]], title: str = "loss curves"):

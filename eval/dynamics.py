@@ -4,8 +4,8 @@
     python -m eval.dynamics --checkpoint FILE        # one checkpoint
 
 From a checkpoint's optimizer state (the velocity u: ECD Π/‖Π‖; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε), each
-scaled to global norm 1: each optimizer's `saved_velocity`) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per sector and the
-paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
+scaled to global norm 1: each optimizer's `saved_velocity`) per layer and head: |J̃_QK|, |J̃_VO|, the exact f_rot per
+sector and the paper's approximation (eq. 24); between consecutive checkpoints the weight drift ratio. The trainer's
 `--dynamics-every N` writes the same quantities (means over heads) into log.jsonl; they are plotted over training.
 Writes `dynamics.json`, `dynamics.png` (per-head maps of the last checkpoint), `dynamics_training.png`, `dynamics.md`,
 recorded with the target checkpoint (with `--run`: latest.pt) in `manifest.json`
@@ -13,31 +13,20 @@ recorded with the target checkpoint (with `--run`: latest.pt) in `manifest.json`
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from cli import ArgumentParser
 import export
 from run.checkpoint import run_checkpoints
 from run.log import read_log
-from eval.common import (
-    add_target_args,
-    checkpoint_identity,
-    load_target_checkpoint,
-    markdown_table,
-    output_dir,
-    record_outputs,
-    resolve_target,
-    write_json,
-    write_text,
-)
+from eval.common import (add_target_args, checkpoint_identity, load_target_checkpoint, markdown_table, output_dir,
+                         record_outputs, resolve_target, write_json)
 from eval.curves import MARKERS_BELOW
-from eval.figures import plot_head_maps, pyplot, save_figure, step_axis
+from eval.figures import head_maps_figure, pyplot, save_figure, step_axis
+from fileio import atomic_write
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
 from optim import OPTIMIZERS
 
-LOG_KEYS = ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO", "f_rot_QK_approx", "f_rot_VO_approx")
 LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
           "f_rot_QK": "rotational fraction of QK", "f_rot_VO": "rotational fraction of VO",
           "f_rot_QK_approx": "rotational fraction of QK (eq. 24)",
@@ -65,11 +54,6 @@ def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
     """Mean over heads of the weight drift ratio between two checkpoints (docs/evaluation.md)."""
     ratios = weight_drift_ratio(_params(ckpt0), _params(ckpt1), ckpt1["config"]["model"]["n_head"])
     return {key: float(value.mean()) for key, value in ratios.items()}
-
-
-def plot_heads(result: dict, path: Path, title: str) -> None:
-    plot_head_maps(result, {key: LABELS[key] for key in ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO")}, path,
-                   f"{title} — step {result['step']}")
 
 
 ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "
@@ -105,10 +89,6 @@ def training_figure(log: list[dict], checkpoints: list[dict], title: str):
     return fig
 
 
-def plot_training(log: list[dict], checkpoints: list[dict], path: Path, title: str) -> None:
-    save_figure(training_figure(log, checkpoints, title), path)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.dynamics", description=__doc__)
     add_target_args(parser)
@@ -131,13 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
             drifts.append({"from_step": previous["step"], "to_step": ckpt["step"], **drift(previous, ckpt)})
         previous = ckpt
     log = read_log(run_dir)
-    online = [{k: r[k] for k in ("step", *LOG_KEYS) if k in r} for r in log if "J_QK" in r]
+    online = [{k: r[k] for k in ("step", *LABELS) if k in r} for r in log if "J_QK" in r]
     identity = checkpoint_identity(ckpt_path, results[-1]["step"])
     summary = {"checkpoint": identity, "step": identity["step"], "checkpoints": results, "weight_drift": drifts,
                "online": online}
     write_json(out / "dynamics.json", summary)
-    plot_heads(results[-1], out / "dynamics.png", run_dir.name)
-    plot_training(log, results, out / "dynamics_training.png", run_dir.name)
+    heads = {key: LABELS[key] for key in ("J_QK", "J_VO", "f_rot_QK", "f_rot_VO")}
+    title = f"{run_dir.name} — step {results[-1]['step']}"
+    save_figure(head_maps_figure(results[-1], heads, title), out / "dynamics.png")
+    save_figure(training_figure(log, results, run_dir.name), out / "dynamics_training.png")
     rows = [[r["step"], r["tokens"] if r["tokens"] is not None else "-"] +
             [f"{r['summary'][k]:.4g}" for k in ("J_QK", "J_VO", "J_QK_total", "J_VO_total")] +
             [f"{100 * r['summary'][k]:.2f}" for k in ("f_rot_QK", "f_rot_QK_approx", "f_rot_VO", "f_rot_VO_approx")]
@@ -153,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 [[d["from_step"], d["to_step"], f"{d['drift_QK']:.3g}", f"{d['drift_VO']:.3g}"]
                                  for d in drifts]), ""]
     text += ["![per-head dynamics](dynamics.png)", "", "![dynamics over training](dynamics_training.png)", ""]
-    write_text(out / "dynamics.md", "\n".join(text))
+    atomic_write(out / "dynamics.md", "\n".join(text).encode())
     record_outputs(out, "dynamics", identity, ["dynamics.json", "dynamics.png", "dynamics_training.png", "dynamics.md"])
     last = results[-1]["summary"]
     print(f"step {results[-1]['step']}: |J_QK| {last['J_QK']:.3g}  |J_VO| {last['J_VO']:.3g}  "

@@ -56,8 +56,3 @@ def head_maps_figure(result: dict, labels: dict[str, str], suptitle: str):
     fig.suptitle(suptitle)
     fig.tight_layout()
     return fig
-
-
-def plot_head_maps(result: dict, labels: dict[str, str], path: Path, suptitle: str) -> None:
-    """head_maps_figure written atomically as a PNG."""
-    save_figure(head_maps_figure(result, labels, suptitle), path)

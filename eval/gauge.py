@@ -34,7 +34,7 @@ from config import config_from_dict
 from data.loader import validation_batches
 from fileio import atomic_write
 from eval.common import add_target_args, markdown_table, open_target, run_hyperparameters, validation_files, write_json
-from eval.figures import plot_head_maps
+from eval.figures import head_maps_figure, save_figure
 from optim import OPTIMIZERS
 from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 
@@ -59,8 +59,8 @@ def plot(result: dict, path: Path, title: str) -> None:
     labels = {**{f"relative_difference_{s}": f"relative change of one step's ΔM_{s}" for s in SECTORS},
               **{f"gram_imbalance_gauged_{s}": f"Gram imbalance of the gauged {s} factors" for s in SECTORS}}
     condition = f", condition {result['condition']:g}" if result["gauge"] == "gl" else ""
-    plot_head_maps(result, labels, path,
-                   f"{title}: {result['optimizer']} step, {result['samples']} {result['gauge']} gauges{condition}")
+    suptitle = f"{title}: {result['optimizer']} step, {result['samples']} {result['gauge']} gauges{condition}"
+    save_figure(head_maps_figure(result, labels, suptitle), path)
 
 
 def report(result: dict, run_name: str) -> str:

@@ -31,19 +31,10 @@ from cli import ArgumentParser
 import train_gpt
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import (
-    add_target_args,
-    error_bars,
-    load_model,
-    markdown_table,
-    mean_interval,
-    open_target,
-    record_outputs,
-    wilson_interval,
-    write_json,
-    write_text,
-)
+from eval.common import (add_target_args, error_bars, markdown_table, mean_interval, open_target, record_outputs,
+                         wilson_interval, write_json)
 from eval.figures import pyplot, save_figure
+from fileio import atomic_write
 
 CATEGORIES = ("pattern_numeric", "pattern_alpha", "retrieval_near", "retrieval_far", "simple_inference", "copy")
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
@@ -363,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     target = open_target(args)
     run_dir, ckpt, out, device = target.run_dir, target.checkpoint, target.out, target.device
-    model = load_model(ckpt, device)
+    model = train_gpt.model_from_checkpoint(ckpt).to(device)
     default = "paper" if args.protocol == "paper" else "fixed"
     suites = [load_suite(BUILTIN_SUITES.get(name, name)) for name in (args.suite or [default])]
     if not args.no_generated:
@@ -374,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"checkpoint": target.identity, "step": target.identity["step"], "suites": results}
     write_json(out / "logic_puzzles.json", summary)
     plot_suites(results, out / "logic_puzzles.png", title=f"{run_dir.name} — step {summary['step']}")
-    write_text(out / "logic_puzzles.md", markdown_summary(results, run_dir.name, summary["step"]))
+    atomic_write(out / "logic_puzzles.md", markdown_summary(results, run_dir.name, summary["step"]).encode())
     record_outputs(out, "logic_puzzles", target.identity, ["logic_puzzles.json", "logic_puzzles.png",
                                                            "logic_puzzles.md"]
                    + ([] if args.no_generated else ["logic_generated_suite.json"]))

@@ -29,21 +29,11 @@ from pathlib import Path
 from cli import ArgumentParser
 import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
-from eval.common import (
-    add_target_args,
-    annotate_output,
-    checkpoint_identity,
-    load_target_checkpoint,
-    markdown_table,
-    output_dir,
-    read_config,
-    read_manifest,
-    resolve_target,
-    stale_reason,
-    write_json,
-    write_text,
-)
-from eval.curves import plot_loss_curves, validation_losses
+from eval.common import (add_target_args, annotate_output, checkpoint_identity, load_target_checkpoint, markdown_table,
+                         output_dir, read_config, read_manifest, resolve_target, stale_reason, write_json)
+from eval.curves import loss_figure, validation_losses
+from eval.figures import save_figure
+from fileio import atomic_write
 from run.log import read_log
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
@@ -138,7 +128,7 @@ class Page:
         self.log = read_log(run_dir)
         self.summary = training_summary(self.log)
         if self.log:
-            plot_loss_curves(self.log, eval_dir / "report_loss.png", title=run_dir.name)
+            save_figure(loss_figure(self.log, title=run_dir.name), eval_dir / "report_loss.png")
 
     def settle(self, name: str, reason: str | None, skip_missing: bool) -> None:
         """Take evaluation `name`'s outputs as they are: current, stale (shown with --skip-missing) or absent."""
@@ -184,7 +174,7 @@ class Page:
             lines += _section(name, results[name]) + [""]
             lines += [f"Details: [{f}]({rel}/{f})" for f in files if f.endswith(".md")] + [""]
             lines += [f"![{Path(f).stem}]({rel}/{f})" for f in files if f.endswith(".png")] + [""]
-        write_text(run_dir / "report.md", "\n".join(lines))
+        atomic_write(run_dir / "report.md", "\n".join(lines).encode())
         index = {"run": str(run_dir), "checkpoint": self.identity, "step": step, "training": self.summary,
                  "budget": self.budget[0],
                  "evaluations": {name: {"status": status.get(name, "not reached"),

@@ -19,23 +19,14 @@ step, and the per-layer scores of the last checkpoint).
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import Tensor
 
 from cli import ArgumentParser
 from run.checkpoint import run_checkpoints
-from eval.common import (
-    add_target_args,
-    load_target_checkpoint,
-    markdown_table,
-    output_dir,
-    resolve_device,
-    resolve_target,
-    write_json,
-)
+from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, resolve_device,
+                         resolve_target, write_json)
 from eval.figures import pyplot, save_figure, step_axis
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 from fileio import atomic_write
@@ -157,10 +148,6 @@ def structure_figure(results: list[dict], title: str, convention: str):
     return fig
 
 
-def plot(results: list[dict], path: Path, title: str, convention: str) -> None:
-    save_figure(structure_figure(results, title, convention), path)
-
-
 CONVENTION_NOTES = {
     "figures": "Symmetry in [−1, 1] (+1 symmetric, −1 skew); directionality (row − column excess over the thresholds) "
                "> 0: rows dominate, < 0: columns dominate. The sign and scale of the paper's figures and tables.",
@@ -216,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = f"structure_{args.convention}"
     summary = {"convention": args.convention, "gamma": args.gamma, "checkpoints": results}
     write_json(out / f"{stem}.json", summary)
-    plot(results, out / f"{stem}.png", run_dir.name, args.convention)
+    save_figure(structure_figure(results, run_dir.name, args.convention), out / f"{stem}.png")
     atomic_write(out / f"{stem}.md", report(results, run_dir.name, args.convention, args.gamma, stem).encode())
     print(f"wrote {out / stem}.json, .md, .png")
     return summary

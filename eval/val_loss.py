@@ -19,17 +19,10 @@ import torch
 import train_gpt
 from cli import ArgumentParser
 from data.shards import ShardError
-from eval.common import (
-    add_target_args,
-    load_model,
-    open_target,
-    record_outputs,
-    run_hyperparameters,
-    validation_files,
-    write_json,
-    write_text,
-)
-from eval.curves import loss_series, plot_loss_curves
+from eval.common import add_target_args, open_target, record_outputs, run_hyperparameters, validation_files, write_json
+from eval.curves import loss_figure, loss_series
+from eval.figures import save_figure
+from fileio import atomic_write
 from run.log import read_log
 
 
@@ -58,7 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              target.device)
     hp = run_hyperparameters(ckpt["config"])
     files = args.val_files or validation_files(ckpt["config"])
-    model = load_model(ckpt, device)
+    model = train_gpt.model_from_checkpoint(ckpt).to(device)
     block_size = model.config.block_size  # an exported model records no run, hence no seq_len of its own
     seq_len, micro_batch = args.seq_len or min(hp.seq_len, block_size), args.micro_batch or hp.micro_batch
     num_tokens = args.val_tokens or hp.val_tokens
@@ -81,15 +74,15 @@ def main(argv: list[str] | None = None) -> dict:
     log = read_log(run_dir)
     tokens = ckpt["metrics"]["tokens"]
     x = tokens if loss_series(log).x == "tokens" and tokens is not None else result["step"] or 0
-    plot_loss_curves(log, out / "val_loss.png", (x, result["val_loss"]),
-                     title=f"{run_dir.name} — step {result['step']}")
-    write_text(
+    save_figure(loss_figure(log, (x, result["val_loss"]), f"{run_dir.name} — step {result['step']}"),
+                out / "val_loss.png")
+    atomic_write(
         out / "val_loss.md",
-        f"# Validation loss — {run_dir.name}, step {result['step']}\n\n"
+        (f"# Validation loss — {run_dir.name}, step {result['step']}\n\n"
         f"- checkpoint `{ckpt_path}` (step {result['step']})\n"
         f"- **val loss {result['val_loss']:.4f}** (perplexity {result['perplexity']:.2f}) on the first "
         f"{result['tokens']:,} tokens of `{files}` (seq_len {seq_len}, {result['dtype']}, mean biases)\n\n"
-        "![loss curves](val_loss.png)\n")
+        "![loss curves](val_loss.png)\n").encode())
     record_outputs(out, "val_loss", target.identity, ["val_loss.json", "val_loss.png", "val_loss.md"])
     print(f"val_loss {result['val_loss']:.4f} on {result['tokens']:,} tokens -> {out / 'val_loss.json'}")
     return result

@@ -25,20 +25,10 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from gauge.dynamics import (
-    factor_tensors,
-    head_factors,
-    num_attention_layers,
-    plain_name,
-    solve_rotation_generator,
-)
+from gauge.dynamics import factor_tensors, head_factors, num_attention_layers, plain_name, solve_rotation_generator
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
-
-
-def _eye(x: Tensor) -> Tensor:
-    return torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,7 +43,7 @@ def opposite_gram_correction(a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, dam
     if diagonal:
         return (u_a / (h_b.diagonal(dim1=-2, dim2=-1) + damping).unsqueeze(-2),
                 u_b / (h_a.diagonal(dim1=-2, dim2=-1) + damping).unsqueeze(-2))
-    eye = damping * _eye(a)
+    eye = damping * torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
     # X (H + λI)⁻¹ = ((H + λI)⁻¹ Xᵀ)ᵀ for symmetric H; cholesky_solve would sync on failure, solve does not.
     return (torch.linalg.solve(h_b + eye, u_a.mT).mT, torch.linalg.solve(h_a + eye, u_b.mT).mT)
 

@@ -69,13 +69,6 @@ def run_parser() -> ArgumentParser:
     return parser
 
 
-def _plan_record(runs) -> list[dict]:
-    """The runs as grid.jsonl's start record keeps them (what `status` and `report` read)."""
-    return [{"name": r.name, "values": r.values, "path": str(r.path), "steps": r.steps,
-             "batch_tokens": r.batch_tokens, "stop_at_target": r.stop_at_target, "device": r.device,
-             "problem": r.problem} for r in runs]
-
-
 def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:
     """--dry-run: every run, its state, where the first wave goes, and its command with the slot's environment."""
     sizes = " × ".join(f"{a.flag} {len(a.values)}" for a in spec.axes)
@@ -138,17 +131,13 @@ def finish_grid(args, spec, runs, scheduler: Scheduler, states: dict[str, str]) 
 def run_grid(argv: list[str]) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = run_parser().parse_args(argv[:cut])
-    try:
-        spec, known, gpus = plan_grid(args, argv[cut + 1:])
-        lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
-        runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
-        if all(r.problem for r in runs):
-            raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
-    except GridError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    spec, known, gpus = plan_grid(args, argv[cut + 1:])
+    lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
+    runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
+    if all(r.problem for r in runs):
+        raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
     if args.print_slurm:
-        print(slurm_script(spec, runs, args.gpus_per_run, None), end="")
+        print(slurm_script(spec, runs, args.gpus_per_run), end="")
         return 0
     slots = make_slots(gpus, args.gpus_per_run, args.workers, len(os.sched_getaffinity(0)),
                        {r.device for r in runs if r.problem is None})
@@ -159,7 +148,7 @@ def run_grid(argv: list[str]) -> int:
         print_plan(spec, runs, states, slots, args.gpus_per_run)
         return 0
     journal.append({"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
-                    "runs": _plan_record(runs), "slots": [s.label for s in slots]})
+                    "runs": [r.record() for r in runs], "slots": [s.label for s in slots]})
     for run in runs:
         if states[run.name] == "invalid" and previous.get(run.name, {}).get("error") != run.problem:
             journal.append({"run": run.name, "state": "invalid", "error": run.problem})
@@ -190,9 +179,6 @@ def grid_status(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     journal = Journal(args.directory)
     plan = journal.plan()
-    if plan is None:
-        print(f"error: {args.directory}: no {journal.path.name} here: not a grid directory", file=sys.stderr)
-        return 2
     states = journal.states()
     rows = [run_row(p, states.get(p["name"], {"state": "invalid"} if p.get("problem") else {}))
             for p in plan["runs"]]
@@ -219,13 +205,7 @@ def grid_report(argv: list[str]) -> int:
                         "(default: every visible GPU)")
     args = parser.parse_args(argv)
     plan = Journal(args.directory).plan()
-    try:
-        if plan is None:
-            raise GridError(f"{args.directory}: no grid.jsonl here: not a grid directory")
-        lock = claim(args.directory)
-    except GridError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    lock = claim(args.directory)
     done = [p for p in plan["runs"] if run_finished(Path(p["path"]), p["steps"], p.get("stop_at_target", False))]
     others = [p["name"] for p in plan["runs"] if p not in done]
     gpus = visible_gpus(args.gpus)
@@ -243,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv and argv[0] in commands:
             return commands[argv[0]](argv[1:])
         return run_grid(argv)
+    except GridError as exc:  # a grid that cannot run as given: one line naming what to change
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before any run started (while planning), or in a report of its own
         print("\ngrid: interrupted; the same command continues", file=sys.stderr)
         return 130

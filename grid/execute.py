@@ -67,9 +67,12 @@ class Journal:
         """The last transition of every run."""
         return {r["run"]: r for r in self.records() if "run" in r}
 
-    def plan(self) -> dict | None:
-        """The last invocation's plan record."""
-        return next((r for r in reversed(self.records()) if r.get("event") == "start"), None)
+    def plan(self) -> dict:
+        """The last invocation's plan record; GridError where there is none (not a grid directory)."""
+        plan = next((r for r in reversed(self.records()) if r.get("event") == "start"), None)
+        if plan is None:
+            raise GridError(f"{self.path.parent}: no {self.path.name} here: not a grid directory")
+        return plan
 
 
 @dataclass
@@ -125,7 +128,6 @@ class Active:
     slot: Slot
     process: subprocess.Popen
     output: Path
-    resume: bool
     started: float
 
 
@@ -150,9 +152,7 @@ class Scheduler:
             self.display.event(f"grid: {run.name}: {line}")
 
     def rows(self) -> list[str]:
-        planned = [{"name": r.name, "path": str(r.path), "steps": r.steps, "batch_tokens": r.batch_tokens}
-                   for r in self.runs]
-        lines = table([run_row(p, self.states.get(p["name"], {})) for p in planned])
+        lines = table([run_row(r.record(), self.states.get(r.name, {})) for r in self.runs])
         return [summary_line(self.name, [self.states.get(r.name, {}).get("state", "queued") for r in self.runs],
                              self.started)] + lines
 
@@ -174,7 +174,7 @@ class Scheduler:
                                        env={**os.environ, **slot.env, "PYTHONUNBUFFERED": "1"})
         self.transition(run, "running", f"{'resumed' if resume else 'started'} on {slot.label} (pid {process.pid})",
                         placement=slot.label, pid=process.pid, resume=resume, command=command)
-        return Active(run, slot, process, output, resume, time.time())
+        return Active(run, slot, process, output, time.time())
 
     def settle(self, active: Active, code: int) -> None:
         run, took = active.run, format_duration(time.time() - active.started)

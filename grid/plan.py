@@ -188,6 +188,12 @@ class Run:
     stop_at_target: bool = False
     train_files: str = ""
 
+    def record(self) -> dict:
+        """The run as grid.jsonl's start record keeps it (what `status`, `report` and the progress table read)."""
+        return {"name": self.name, "values": self.values, "path": str(self.path), "steps": self.steps,
+                "batch_tokens": self.batch_tokens, "stop_at_target": self.stop_at_target, "device": self.device,
+                "problem": self.problem}
+
 
 def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
     """(train_gpt.py's refusal of `flags`, or None; the parsed RunConfig) with the batch split over `world`
@@ -242,7 +248,7 @@ def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.e
     return launcher + [str(TRAIN_SCRIPT)] + run.flags + where
 
 
-def slurm_script(spec: GridSpec, runs: list[Run], gpus_per_run: int, cpus_per_task: int | None) -> str:
+def slurm_script(spec: GridSpec, runs: list[Run], gpus_per_run: int) -> str:
     """A Slurm job-array script with one array task per valid run: the run's command, or its --resume command
     when the run holds a checkpoint, skipped when its log ends with the summary (finished)."""
     valid = [r for r in runs if r.problem is None]
@@ -251,7 +257,6 @@ def slurm_script(spec: GridSpec, runs: list[Run], gpus_per_run: int, cpus_per_ta
              f"#SBATCH --job-name=grid-{spec.name}", f"#SBATCH --array=0-{max(len(valid) - 1, 0)}",
              f"#SBATCH --output={spec.directory.absolute()}/logs/slurm-%A_%a.log", "#SBATCH --ntasks=1"]
     lines += [f"#SBATCH --gpus-per-task={gpus_per_run}"] if uses_gpus else []
-    lines += [f"#SBATCH --cpus-per-task={cpus_per_task}"] if cpus_per_task else []
     lines += [f"# not run: {r.name}: {r.problem}" for r in runs if r.problem is not None]
     lines += ["set -euo pipefail", f"cd {shlex.quote(str(TRAIN_SCRIPT.parent))}",
               f"mkdir -p {shlex.quote(str(spec.directory.absolute() / 'logs'))}",

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from eval import compare
-from eval.common import write_text
+from fileio import atomic_write
 from grid.execute import Slot, output_tail
 from grid.plan import TRAIN_SCRIPT
 from run.log import format_duration
@@ -76,9 +76,9 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     compare.main([arg for run in run_dirs for arg in ("--run", str(run))] + ["--out", str(directory)])
     if failed:
         page = directory / "compare.md"
-        write_text(page, page.read_text() + "Runs of the grid that did not finish (not in the tables): "
-                   + ", ".join(f"`{name}`" for name in failed) + f" (`python -m grid status {directory}` says "
-                   "why).\n")
+        atomic_write(page, (page.read_text() + "Runs of the grid that did not finish (not in the tables): "
+                            + ", ".join(f"`{name}`" for name in failed) + f" (`python -m grid status {directory}` "
+                            "says why).\n").encode())
     for failure in failures:
         print(f"grid: report incomplete: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -1,24 +1,18 @@
 """The Triton attention kernel with the symmetry-breaking biases b_Q, b_V
-(docs/model.md#the-exact-rewrites-in-the-kernel).
+(docs/model.md#the-exact-rewrites-in-the-kernel: b_Q as the per-key logit bias c_j = b_Q·k_j/√d, b_V added in the
+epilogue).
 
 `attention_triton(q, k, v, b_q, b_v, causal)` computes softmax((q + b_Q)·kᵀ/√d, causal mask)·(v + b_V) for q, k, v
 of shape (B, H, T, d) in fp16, bf16 or fp32 and d in {64, 128}, with b_q, b_v None, (d,) shared across heads or
-(H, d) per head. Its reference is kernels.attention_paths.attention_reference (SDPA), which the model calls through
-kernels.attention_paths.attention; that module imports this one only when the kernel runs, so a CPU run never
-imports Triton.
+(H, d) per head. Its reference is attention_reference (SDPA) in kernels/attention_paths.py, which chooses the path.
 
 A FlashAttention-2 style kernel with the structure of Triton's fused-attention tutorial: tiled online softmax in
 fp32 with the log-sum-exp saved, recomputation in the backward pass, a dK/dV pass over key blocks and a separate dQ
-pass over query blocks, so no atomics. b_Q enters only as a per-key logit bias, (q + b_Q)·k = q·k + b_Q·k: c_j =
-b_Q·k_j/√d is computed once per (batch, head) in fp32 by a small kernel before the forward, added to each score
-tile (no q tile is ever modified) and returned by the forward with the log-sum-exp, so the backward reuses it; the
-dQ pass needs no bias, and dK_j gains b_Q Σ_i dS_ij/√d, one rank-1 term per key block. b_V is added to the output in
-the epilogue (and subtracted again where the backward needs softmax·v alone). It is registered as the custom ops
-`symgpt::attention_fwd` / `symgpt::attention_bwd`, so torch.compile traces it without a graph break. Gradients of
-b_Q and b_V (learned mode only) are sums of dQ and dO over batch and time (dQ is also the gradient of q + b_Q).
-The op returns its outputs and gradients in token-major layout, (B, T, H, d) memory viewed as (B, H, T, d), so the
-model's `y.transpose(1, 2).contiguous()` is free. Tests: tests/test_attention_kernel.py (CPU through Triton's
-interpreter, CUDA in-process); benchmark: bench/attention.py.
+pass over query blocks, so no atomics. c is computed once per (batch, head) by a small kernel before the forward and
+returned with the log-sum-exp, so the backward reuses it. The custom ops `symgpt::attention_fwd` /
+`symgpt::attention_bwd` let torch.compile trace it without a graph break. Outputs and gradients are token-major,
+(B, T, H, d) memory viewed as (B, H, T, d), so the model's `y.transpose(1, 2).contiguous()` is free.
+Tests: tests/test_attention_kernel.py; benchmark: bench/attention.py.
 """
 from __future__ import annotations
 
@@ -151,8 +145,7 @@ def _query_block(H, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
 def _key_logit_bias(K, BQ, C, stride_b, stride_h, stride_t, stride_bqh, H, T, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """C[b, h, t] = (b_Q · k_t) · log2(e)/√d in fp32 for BLOCK keys of one (batch, head): b_Q's whole effect on the
-    base-2 scores, since (q + b_Q)·k = q·k + b_Q·k (docs/model.md#symmetry-breaking-biases). Runs before the forward,
-    which returns C for the backward to reuse."""
+    base-2 scores (docs/model.md#the-exact-rewrites-in-the-kernel)."""
     off_bh = tl.program_id(1)
     off_b, off_h = off_bh // H, off_bh % H
     offs_t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -443,13 +436,10 @@ def _bias_arg(bias: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Ten
     return bias, (bias.shape[-1] if bias.dim() == 2 else 0)
 
 
-def _launch_meta(q: torch.Tensor) -> dict:
-    return {"HEAD_DIM": q.shape[-1], "INPUT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
-
-
 def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, grid, args: tuple, meta: dict) -> None:
     """Run one pass: the shipped tile (tile_for) or, with SYMGPT_ATTENTION_AUTOTUNE=1, the autotuned kernel.
     `grid(block_m, block_n)` is the launch grid."""
+    meta = dict(meta, HEAD_DIM=q.shape[-1], INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if os.environ.get(AUTOTUNE_ENV) == "1":
         tuned[lambda cfg: grid(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
     else:
@@ -460,7 +450,8 @@ def _launch(kernel, tuned, pass_name: str, q: torch.Tensor, grid, args: tuple, m
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
              b_v: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O, stats): stats[0] is lse2 and, with b_Q, stats[1] the keys' logit biases c, one fp32 allocation."""
+    """(O, stats): stats[0] is lse2 and, with b_Q, stats[1] the keys' logit biases c (one fp32 allocation), which
+    the backward reuses."""
     q, k, v = _shared_layout(q, k, v)
     B, H, T, D = q.shape
     qk_scale = LOG2_E / math.sqrt(D)
@@ -472,7 +463,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tenso
         _key_logit_bias[(triton.cdiv(T, _ROWS_BLOCK), B * H)](k, bq, c, *q.stride()[:3], stride_bqh, H, T, qk_scale,
                                                              HEAD_DIM=D, BLOCK=_ROWS_BLOCK)
     bv, stride_bvh = _bias_arg(b_v, q)
-    meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
+    meta = dict(CAUSAL=causal, HAS_BQ=b_q is not None, HAS_BV=b_v is not None)
     _launch(_attn_fwd, _attn_fwd_tuned, "fwd", q, lambda m, n: (triton.cdiv(T, m), B * H),
             (q, k, v, c, bv, o, lse, *q.stride()[:3], stride_bvh, H, T, qk_scale), meta)
     return o, stats
@@ -481,6 +472,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tenso
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               stats: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); dq is also the gradient of q + b_Q."""
     q, k, v = _shared_layout(q, k, v)
     do, o = _as_token_major(do), _as_token_major(o)
     B, H, T, D = q.shape
@@ -494,7 +486,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _attn_bwd_preprocess[(triton.cdiv(T, _ROWS_BLOCK), B * H)](o, do, bv, delta, stride_bvh, H, T, HEAD_DIM=D,
                                                                HAS_BV=b_v is not None, BLOCK_M=_ROWS_BLOCK)
     dq, dk, dv = _token_major_empty(q), _token_major_empty(k), _token_major_empty(v)
-    meta = dict(_launch_meta(q), CAUSAL=causal, HAS_BQ=b_q is not None)
+    meta = dict(CAUSAL=causal, HAS_BQ=b_q is not None)
     _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", q, lambda m, n: (triton.cdiv(T, n), B * H),
             (q, k, v, bq, c, do, lse, delta, dk, dv, *q.stride()[:3], stride_bqh, H, T, qk_scale, sm_scale), meta)
     _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", q, lambda m, n: (triton.cdiv(T, m), B * H),
@@ -502,25 +494,14 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return dq, dk, dv
 
 
-@torch.library.custom_op("symgpt::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.Tensor | None,
-                      b_v: torch.Tensor | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, stats): lse2 and, with b_Q, the keys' logit biases c, which the backward reuses."""
-    return _forward(q, k, v, b_q, b_v, causal)
+_attention_fwd_op = torch.library.custom_op("symgpt::attention_fwd", _forward, mutates_args=())
+_attention_bwd_op = torch.library.custom_op("symgpt::attention_bwd", _backward, mutates_args=())
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, b_q, b_v, causal):
     B, H, T, _ = q.shape
     return _token_major_empty(q), q.new_empty((1 if b_q is None else 2, B, H, T), dtype=torch.float32)
-
-
-@torch.library.custom_op("symgpt::attention_bwd", mutates_args=())
-def _attention_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                      stats: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, causal: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv); dq is also the gradient of q + b_Q."""
-    return _backward(do, q, k, v, o, stats, b_q, b_v, causal)
 
 
 @_attention_bwd_op.register_fake

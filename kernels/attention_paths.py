@@ -125,11 +125,10 @@ def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str |
     if device_type != "cuda":
         return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"the Triton kernel is used for float16 and bfloat16 (this call is {str(dtype).removeprefix('torch.')})"
+        return f"the Triton kernel is used for float16 and bfloat16 (this call is {dtype_name(dtype)})"
     if head_dim not in HEAD_DIMS:
         return f"the Triton kernel handles head dims {HEAD_DIMS} (this model's is {head_dim})"
     return None
-
 
 
 def attention(
@@ -158,7 +157,6 @@ def attention(
 
 # -----------------------------------------------------------------------------
 # Which path a run takes
-
 
 class AttentionChoiceError(ValueError):
     """A forced path that cannot run here, or an unreadable table: a refusal that names the fix."""

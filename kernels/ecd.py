@@ -8,12 +8,8 @@ projection="per_tensor"). Then:
 2. the optimizer derives the step's scalars from those sums on the device (no host synchronisation);
 3. `apply_update`: per element, Π ← A·Π − k·(g + λθ); θ ← θ + hΠ; with noise Π ← Π/s + ν̂z, reading the scalars
    from device memory (one read of θ, g, Π [, z], one write of θ, Π).
-Π may be stored in bf16 (kernels/bf16.py: raw 16-bit patterns, read by widening, written with stochastic rounding —
-unbiased, so small updates are not lost on average — or round-to-nearest-even).
-
-Each kernel has its PyTorch reference beside it (`*_reference`), which is also the optimizer's own path wherever the
-kernels do not run (CPU, float64, --no-fused): one implementation of the update in torch ops, one in Triton.
-tests/test_ecd_kernels.py compares them kernel by kernel and over whole optimizer runs.
+Π may be stored in bf16 (kernels/bf16.py). Each kernel's PyTorch reference beside it (`*_reference`) is the
+optimizer's own path where the kernels do not run (CPU, float64, --no-fused); tests/test_ecd_kernels.py compares them.
 """
 from __future__ import annotations
 
@@ -39,11 +35,14 @@ class BlockTable(NamedTuple):
     align: int
 
 
-def block_table(ranges: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK) -> BlockTable:
-    """The blocks covering the (key, lo, hi) ranges of a chunk, each block inside one range. When every lo and hi
-    is a multiple of ALIGN (all GPT-2 tensors have multiples of 16 elements), so is every block's start and length:
-    the kernels then load and store 16 bytes at a time."""
-    rows = [(lo, min(block, hi - lo), key) for key, start, hi in ranges for lo in range(start, hi, block)]
+def block_table(ranges: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK,
+                element_keys: bool = False) -> BlockTable:
+    """The blocks covering the (key, lo, hi) ranges of a chunk, each block inside one range, its key the range's
+    (with `element_keys`, kernels/soap.py's, plus the block's offset in the range). When every lo and hi is a multiple
+    of ALIGN (all GPT-2 tensors have multiples of 16 elements), so is every block's start and length: the kernels then
+    load and store 16 bytes at a time."""
+    rows = [(lo, min(block, hi - lo), key + (lo - start if element_keys else 0))
+            for key, start, hi in ranges for lo in range(start, hi, block)]
     table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous()
     aligned = block % ALIGN == 0 and all(lo % ALIGN == 0 and hi % ALIGN == 0 for _, lo, hi in ranges)
     return BlockTable(table[0].to(device), table[1].to(device), table[2].to(device), ALIGN if aligned else 1)
@@ -98,8 +97,7 @@ def partial_dots(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, tabl
 
 def partial_dots_reference(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Tensor, table: BlockTable
                            ) -> torch.Tensor:
-    """partial_dots in torch ops, computed in the parameters' dtype widened to at least fp32 (float64 stays float64);
-    the optimizer's path wherever the kernel does not run (docs/optimizers.md#ecd)."""
+    """partial_dots in torch ops, in the parameters' dtype widened to at least fp32 (float64 stays float64)."""
     compute = torch.promote_types(theta.dtype, torch.float32)
     rows = []
     for start, length in zip(table.starts.tolist(), table.lengths.tolist()):
@@ -151,8 +149,7 @@ def apply_update_reference(theta: torch.Tensor, grad: torch.Tensor, pi: torch.Te
                            table: BlockTable, coef: dict[str, torch.Tensor], lam: torch.Tensor | None,
                            seed: int = 0, base: int = 0, stochastic: bool = False) -> None:
     """apply_update in torch ops, in the parameters' dtype widened to at least fp32, a bf16 Π rounded to nearest
-    (seed, base and stochastic are the kernel's and unused here); the optimizer's path wherever the kernel does not
-    run (docs/optimizers.md#ecd)."""
+    (seed, base and stochastic are the kernel's and unused here)."""
     compute = torch.promote_types(theta.dtype, torch.float32)
     neg_k, h, inv_s, nu = (coef[name].to(compute) for name in ("neg_k", "h", "inv_s", "nu"))
     for start, length, key in zip(table.starts.tolist(), table.lengths.tolist(), table.keys.tolist()):

@@ -5,32 +5,28 @@ Per element of the chunk (g′ is the gradient in the eigenbasis, or the gradien
     m ← β1·m + (1−β1)·g′;   v ← β2·v + (1−β2)·g′²;   d = m / (√v + ε)
 reading g′, m, v once and writing m, v, d once (d may be g′'s own buffer). The bias correction and the learning
 rate are applied by the optimizer where d meets the parameters (folded into the back-projection's GEMM). m and v are
-stored in fp32 or in bf16 (kernels/bf16.py); in bf16 they are rounded stochastically with the random bits of
-(seed, element key), one 32-bit draw per element (the low half for m, the high half for v). The element key is the
-element's index among all the model's parameters, so the bits do not depend on how the elements are sharded or laid
-out, and a resumed run draws the same bits.
+stored in fp32 or in bf16 (kernels/bf16.py), a bf16 pair rounded stochastically with one 32-bit draw per element (the
+low half for m, the high half for v) keyed by the element's index among all the model's parameters
+(docs/optimizers.md#soap, bf16 moments).
 
-`moments_reference` is the same step in torch ops and the optimizer's own path wherever the kernel does not run
-(CPU, float64, --no-fused), and the AdamW part of Muon's: one implementation of the formula in Triton and one in
-torch ops; tests/test_soap_kernels.py shows they agree.
+`moments_reference`, the same step in torch ops, is the optimizer's path where the kernel does not run (CPU, float64,
+--no-fused) and the AdamW part of Muon's; tests/test_soap_kernels.py shows they agree.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import ecd
 from kernels.bf16 import as_kernel_arg, bf16_bits, copy_back, load_fp32, nearest_even_bits
-from kernels.ecd import ALIGN, BLOCK, BlockTable
+from kernels.ecd import BLOCK, BlockTable
 
 
-def block_table(pieces: list[tuple[int, int, int]], device: torch.device, block: int = BLOCK) -> BlockTable:
-    """The blocks covering the (key, lo, hi) pieces of a chunk, each inside one piece, its key the piece's key plus
-    the block's offset in the piece; aligned to ALIGN elements when every lo and hi is (as kernels/ecd.py's)."""
-    rows = [(lo, min(block, hi - lo), key + lo - start) for key, start, hi in pieces for lo in range(start, hi, block)]
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).T.contiguous()
-    aligned = block % ALIGN == 0 and all(lo % ALIGN == 0 and hi % ALIGN == 0 for _, lo, hi in pieces)
-    return BlockTable(table[0].to(device), table[1].to(device), table[2].to(device), ALIGN if aligned else 1)
+# The blocks of a chunk's (key, lo, hi) pieces; a block's key is its first element's.
+block_table = functools.partial(ecd.block_table, element_keys=True)
 
 
 @triton.jit
@@ -76,8 +72,7 @@ def moments_reference(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torc
                       table: BlockTable | None, beta1: float, beta2: float, eps: float, seed: int = 0,
                       stochastic: bool = False) -> None:
     """`moments` in torch ops over the whole chunk, computed in g's dtype widened to at least fp32, a bf16 m, v
-    rounded to nearest (table, seed and stochastic are the kernel's and unused here); the optimizer's path wherever
-    the kernel does not run (docs/optimizers.md#soap)."""
+    rounded to nearest (table, seed and stochastic are the kernel's and unused here)."""
     compute = torch.promote_types(g.dtype, torch.float32)
     g = g.to(compute)
     m_c, v_c = m.to(compute), v.to(compute)

@@ -10,13 +10,8 @@ from __future__ import annotations
 
 from optim.ecd import ECD_SPEC
 from optim.muon import MUON_SPEC
-from optim.registry import (
-    OptimizerConfig,
-    OptimizerSpec,
-    optimizer_state_bytes,
-    optimizer_state_tensors,
-    parameter_groups,
-)
+from optim.registry import (OptimizerConfig, OptimizerSpec, optimizer_state_bytes, optimizer_state_tensors,
+                            parameter_groups)
 from optim.soap import SOAP_SPEC
 from optim.torch_optimizers import ADAMW_SPEC, SGDM_SPEC
 

@@ -419,12 +419,7 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
                 state[i][name] = value.clone()
         for i in range(len(self.params_in_order)):
             state[i].update(self._tensor_state(i))
-        groups, start = [], 0
-        for group in self.param_groups:
-            saved = {k: v for k, v in group.items() if k != "params"}
-            saved["params"] = list(range(start, start + len(group["params"])))
-            start += len(group["params"])
-            groups.append(saved)
+        groups = super().state_dict()["param_groups"]  # torch's packing: parameter indices in group order
         return {"state": state, "param_groups": groups, "global": self._global_state()}
 
     @torch.no_grad()

@@ -92,12 +92,9 @@ class _DeferredFlag:
 class ECD(ShardedOptimizer):
     """ECD q=1 (docs/optimizers.md). `step(loss)` with the global-batch mean loss as a 0-dim tensor, or `step(closure)`.
 
-    lr is the user's ℓ (the position step is h = ℓ/√η); weight_decay λ enters the loss, F̃ = F + ½λ‖θ‖²;
-    ecd_projection "global" takes Π·g̃ over all parameters (the Hamiltonian's), "per_tensor" per parameter tensor
-    (the published implementation). optim_state_dtype "bf16" stores Π in bf16 and computes in fp32 (the kernels
-    round it stochastically, the PyTorch path to nearest). fused: the Triton kernels where they run (fp32 parameters
-    on CUDA, or any device under Triton's interpreter, TRITON_INTERPRET=1); False: the PyTorch path everywhere.
-    The keyword arguments are ECDConfig's fields (the flags of the same names).
+    The keyword arguments are ECDConfig's fields (the flags of the same names, whose help says what each does). A
+    bf16 Π is computed in fp32 and rounded stochastically by the kernels, to nearest by the PyTorch path; the kernels
+    also run under Triton's interpreter (TRITON_INTERPRET=1).
     """
 
     def __init__(

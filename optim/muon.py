@@ -17,14 +17,8 @@ from torch import Tensor, nn
 from cli import flag
 from optim.base import adam_scale, check_arguments
 from optim.distributed import ShardedOptimizer
-from optim.registry import (
-    DECAY_GROUPS,
-    EMBEDDING_PREFIXES,
-    OptimizerSpec,
-    ShardedOptimizerConfig,
-    parameter_groups,
-    state_dtype,
-)
+from optim.registry import (DECAY_GROUPS, EMBEDDING_PREFIXES, OptimizerSpec, ShardedOptimizerConfig, parameter_groups,
+                            state_dtype)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 

@@ -145,10 +145,8 @@ class Batch:
 
 
 class SOAP(ShardedOptimizer):
-    """SOAP (docs/optimizers.md). Groups carry lr and weight_decay; betas, eps and the preconditioner settings are
-    global. fused: the elementwise step in kernels/soap.py's Triton kernel where it runs (fp32 parameters on CUDA,
-    or Triton's interpreter), m and v in bf16 (optim_state_dtype) then rounded stochastically with optim_seed's bits;
-    False: its PyTorch reference everywhere (a bf16 m, v rounded to nearest)."""
+    """SOAP (docs/optimizers.md); the keyword arguments are SOAPConfig's fields. Groups carry lr and weight_decay;
+    betas, eps and the preconditioner settings are global. bf16 m, v round to nearest in the PyTorch reference."""
 
     def __init__(
         self,
