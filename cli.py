@@ -1,13 +1,6 @@
-"""The command line of every tool: one parser class, flags from dataclass fields, progress bars.
-
-`ArgumentParser` is the parser of every CLI (train_gpt.py, sample, export, data.*, eval.*, bench.*): usage names
-`python -m <module>`, --help shows each flag's default, an abbreviated or misspelt flag is refused with the flag it
-resembles, and every refusal is one line (no usage block before it). `flag()` declares a field's default, help,
-choices and what the rest of the code needs to know about it (its allowed range, whether it changes a run's numbers,
-whether a resumed run may change it) in one place; `add_flags()` turns every field of a config dataclass into
-`--field-name` (booleans also get `--no-field-name`), and `field_problem()` checks every value against its declared
-range. `progress_bar()` is tqdm on a terminal and plain periodic lines in a log file or a pipe.
-"""
+"""The command line of every tool (train_gpt.py, sample, export, data.*, eval.*, bench.*): one parser class
+(`ArgumentParser`), flags declared once as dataclass fields (`flag`, `add_flags`, `field_problem`; booleans also get
+`--no-field-name`), and progress bars (`progress_bar`)."""
 from __future__ import annotations
 
 import argparse
@@ -72,8 +65,7 @@ def value_problem(name: str, value: object, bounds: str | None) -> str | None:
 def field_problem(config: object) -> str | None:
     """The first field of dataclass instance `config` whose value is outside its declared range; None if none."""
     for f in dataclasses.fields(config):
-        problem = value_problem(f.name, getattr(config, f.name), f.metadata.get("bounds"))
-        if problem:
+        if problem := value_problem(f.name, getattr(config, f.name), f.metadata.get("bounds")):
             return problem
     return None
 

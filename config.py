@@ -1,10 +1,7 @@
-"""A run's configuration: presets, the command line, the checks, and what a run reproduces of the published runs.
-
-The trainer's flag dataclasses (train_gpt.GPTConfig and TrainConfig), `variants.ResearchConfig` and the chosen
-optimizer's config are the sections of a `RunConfig`; every field is a flag whose metadata (cli.flag) says its
-range, whether it changes a run's numbers and whether a resumed run may change it. Values come from defaults <-
-preset <- the resumed checkpoint's config <- command-line flags (docs/runs.md#configuration).
-"""
+"""A run's configuration (docs/runs.md#configuration): presets, the command line, the checks, and what a run
+reproduces of the published runs. Its sections (`RunConfig`) are the trainer's flag dataclasses, ResearchConfig and
+the optimizer's config, every field a flag (cli.flag); values come from defaults <- preset <- the resumed
+checkpoint's config <- command-line flags."""
 from __future__ import annotations
 
 import argparse
@@ -90,7 +87,7 @@ class RunConfig:
     optim: OptimizerConfig
     preset: str | None = None
     continue_in: Path | None = None  # a resumed run's own directory, when the run goes on there (see resume_home)
-    resume_from: Path | None = None  # the verified checkpoint --resume continues from (see run.checkpoint.resolve_resume)
+    resume_from: Path | None = None  # the verified checkpoint --resume continues from (run.checkpoint.resolve_resume)
     notes: list[str] = field(default_factory=list)  # what resolving --resume passed over, for the log
 
     def sections(self) -> dict[str, object]:
@@ -242,8 +239,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
                 base[section].update(saved_fields(saved[section], cls))
     base["train"]["optimizer"] = optimizer
     parser = build_arg_parser(classes, optimizer, base)
-    foreign = _foreign_optimizer_flag(argv, classes, optimizer)
-    if foreign:
+    if foreign := _foreign_optimizer_flag(argv, classes, optimizer):
         parser.error(foreign)
     args = vars(parser.parse_args(argv))
     cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), preset,
@@ -254,8 +250,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
         cfg.notes += [note] * bool(note)
         if cfg.continue_in is None and "run_name" not in given:
             cfg.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
-    problem = config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None)
-    if problem:
+    if problem := config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None):
         parser.error(problem)
     return cfg
 
@@ -278,8 +273,7 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     """The first value outside its flag's range or inconsistency between flags, phrased as what to change; None
     when the config is valid."""
     for section in cfg.sections().values():
-        problem = field_problem(section)
-        if problem:
+        if problem := field_problem(section):
             return problem
     model, hp = cfg.model, cfg.train
     if model.n_embd % model.n_head:
@@ -294,8 +288,7 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
             load_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), mmap=True, verify=True)
         except CheckpointError as exc:
             return str(exc) if str(exc).startswith("--init-from") else f"--init-from {exc}"
-    problem = variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len)
-    if problem:
+    if problem := variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len):
         return problem
     if hp.profile_steps:
         try:
@@ -322,14 +315,13 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
 def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
     """A flag given on --resume that cannot take effect (fixed_on_resume: the model, the data order, the biases,
     the optimizer's parameter groups), phrased as what to do; None when every flag can."""
-    for name, section in cfg.sections().items():
-        old_values = saved_fields(saved[name], type(section))
-        for field_name in fields_where(section, "fixed_on_resume"):
-            old, new = old_values.get(field_name), getattr(section, field_name)
-            if field_name in old_values and old != new:
-                return (f"{option(field_name)} cannot change when resuming (the checkpoint has {old!r}, the flags "
-                        f"give {new!r}): it fixes the model, the data order, the biases or the optimizer state; "
-                        "start a new run instead")
+    fixed = {f"{name}.{field_name}" for name, section in cfg.sections().items()
+             for field_name in fields_where(section, "fixed_on_resume")}
+    for key, (old, new) in changed_settings(cfg, saved).items():
+        if key in fixed:
+            return (f"{option(key.partition('.')[2])} cannot change when resuming (the checkpoint has {old!r}, the "
+                    f"flags give {new!r}): it fixes the model, the data order, the biases or the optimizer state; "
+                    "start a new run instead")
     return None
 
 

@@ -152,13 +152,6 @@ def write_tokenizer(out_dir: Path, config: train_gpt.GPTConfig) -> str | None:
     return None
 
 
-def current_umask() -> int:
-    """The process's umask (os.umask reads it only by setting it, so it is set back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
     """Write `model` to `out_dir` (see the module docstring): model.safetensors, config.json,
     generation_config.json, the tokenizer and, for PReLU, modeling_symgpt.py. The directory appears whole or not
@@ -184,7 +177,8 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
         if config.activation == "prelu":
             shutil.copyfile(MODELING_FILE, staging / MODELING_FILE.name)
         note = write_tokenizer(staging, config)
-        mask = current_umask()
+        mask = os.umask(0o022)  # os.umask reads the umask only by setting it
+        os.umask(mask)
         for path in staging.iterdir():
             path.chmod(0o666 & ~mask)
         staging.chmod(0o777 & ~mask)  # mkdtemp made it 0700
@@ -300,16 +294,16 @@ def load_exported(source: str | os.PathLike) -> train_gpt.GPT:
     return model_from_hf_state_dict(state, config)
 
 
-def model_file(source: str | os.PathLike, flag: str = "--checkpoint") -> Path:
+def model_file(source: str | os.PathLike) -> Path:
     """The file behind a --checkpoint value: a run directory's checkpoints/latest.pt, a checkpoint file, or the
     model.safetensors of a directory written by `python -m export to-hf` (or any GPT-2 directory)."""
     path = Path(source)
     if path.is_dir() and (path / WEIGHTS_FILE).is_file():
         return path / WEIGHTS_FILE
     try:
-        return resolve_checkpoint_path(path, flag=flag)
+        return resolve_checkpoint_path(path, flag="--checkpoint")
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc}. {flag} takes a run directory, a checkpoint file, or a directory written "
+        raise CheckpointError(f"{exc}. --checkpoint takes a run directory, a checkpoint file, or a directory written "
                               "by `python -m export to-hf` (model.safetensors + config.json)") from None
 
 
@@ -318,9 +312,9 @@ def is_exported(file: Path) -> bool:
     return file.suffix == ".safetensors"
 
 
-def load_model(source: str | os.PathLike, flag: str = "--checkpoint") -> train_gpt.GPT:
+def load_model(source: str | os.PathLike) -> train_gpt.GPT:
     """The model a --checkpoint value names (see model_file), in eval mode on the CPU."""
-    file = model_file(source, flag)
+    file = model_file(source)
     if is_exported(file):
         return load_exported(file.parent)
     return train_gpt.model_from_checkpoint(load_as_checkpoint(file))
@@ -367,7 +361,6 @@ def main(argv: list[str] | None = None) -> None:
             if args.out.exists():
                 raise ExportError(f"--out {args.out} exists; choose a new file")
             model = load_exported(args.source)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
             save_checkpoint(args.out, checkpoint_of(model, args.source))
             print(f"wrote {args.out}: {model.get_num_params():,} parameters from {args.source}")
     except (ExportError, CheckpointError) as exc:

@@ -1,13 +1,5 @@
-"""Files that are never half written and directories one process owns: the I/O every tool shares.
-
-- `atomic_writer` / `atomic_write`: a file is replaced whole or not at all (temporary file, fsync, rename), so a
-  crash or a full disk leaves the previous version; `dead_temporaries` finds what writers killed mid-write left.
-- `hold_lock` / `lock_holder`: an advisory lock file naming its holder, released by the operating system when the
-  holding process ends, however it ends (a run directory, a grid directory).
-- `process_alive`, `sha256_file`.
-
-Standard library only; importing this module has no side effects.
-"""
+"""Files that are never half written (`atomic_writer`) and directories one process owns (`hold_lock`): the I/O
+every tool shares. Standard library only; importing this module has no side effects."""
 from __future__ import annotations
 
 import contextlib

@@ -9,7 +9,6 @@ by `python -m export to-hf` (model.safetensors + config.json). Generation keeps 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import sys
 from pathlib import Path
@@ -52,14 +51,6 @@ def generate(model: train_gpt.GPT, idx: torch.Tensor, max_new_tokens: int, tempe
             next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         idx = torch.cat((idx, next_token), dim=1)
     return idx
-
-
-def load_model(source: str) -> train_gpt.GPT:
-    """The model of a run directory, a checkpoint file or an exported directory, in eval mode on the CPU."""
-    try:
-        return export.load_model(source)
-    except (export.ExportError, CheckpointError) as exc:
-        raise SystemExit(f"error: {exc}") from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,7 +117,10 @@ def sample(args: argparse.Namespace) -> list[str]:
     from data.tokenizer import gpt2_tokenizer
 
     device = resolve_device(args.device)
-    model = load_model(args.checkpoint).to(device)
+    try:
+        model = export.load_model(args.checkpoint).to(device)
+    except (export.ExportError, CheckpointError) as exc:
+        raise SystemExit(f"error: {exc}") from None
     encoding = gpt2_tokenizer()
     prompt = read_prompt(args)
     tokens = encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT_TOKEN]
@@ -139,8 +133,7 @@ def sample(args: argparse.Namespace) -> list[str]:
     idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     use_bf16 = device.type == "cuda" and args.dtype in ("auto", "bf16")
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    with autocast:
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
         out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                        vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
     return [encoding.decode(row[len(tokens):].tolist()) for row in out]
@@ -149,8 +142,7 @@ def sample(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> list[str]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = input_problem(args)
-    if problem:
+    if problem := input_problem(args):
         parser.error(problem)
     texts = sample(args)
     prompt = read_prompt(args)

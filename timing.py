@@ -1,11 +1,5 @@
-"""How the training loop measures itself without making the host wait for the device (docs/runs.md#timing).
-
-- `TrainingClock`: training time on the device's own timeline (CUDA events; the host clock on a CPU), read
-  only once the device has passed the marks, and log records whose scalars (the loss, the gradient norm) travel to
-  pinned host memory behind an event and are read one step later, when the device is done with them.
-- `ProfileWindow`: `--profile-steps A:B`, a torch.profiler trace of the steps after step A up to step B, and a
-  summary of their host time (issuing the work), device time (the kernels) and the top entries.
-"""
+"""How the training loop measures itself without making the host wait for the device (docs/runs.md#timing): the
+training clock and its delayed log records (`TrainingClock`), and --profile-steps (`ProfileWindow`)."""
 from __future__ import annotations
 
 import time
@@ -22,10 +16,8 @@ class TrainingClock:
 
     Time is read between marks in stream order: CUDA events on a GPU (the device's own timeline, gaps where it
     waited for the host included), time.perf_counter on a CPU (where the work is done when a call returns). The
-    clock runs from `start` or `resume` to `pause`; `pause` waits for the device, and so does `ready` when the device
-    has not passed the record's mark yet. `later` holds a log
-    record whose scalars (the loss, the gradient norm) are copied into pinned host memory behind an event; `ready`
-    returns it one step later with the scalars, the training time at its mark and the rates since the last one.
+    clock runs from `start` or `resume` to `pause`, which waits for the device. `later` holds a log record whose
+    scalars (the loss, the gradient norm) go to pinned host memory behind an event; `ready` returns it a step later.
     """
 
     def __init__(self, device: torch.device, mfu_per_token_s: float | None = None) -> None:

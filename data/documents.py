@@ -1,10 +1,6 @@
 """Documents from files: local text, jsonl and parquet files (any other readable file is plain text), or the
-files of a Hugging Face Hub dataset repo; what was read, skipped or repaired is counted (docs/data.md#other-corpora).
-
-Bad input is never dropped silently: empty files, binary files, invalid UTF-8 (`--utf8-errors replace|skip`), jsonl
-lines without the text field or that are not JSON, and unreadable parquet files are counted, reported and kept in
-the manifest of data.tokenize.
-"""
+files of a Hugging Face Hub dataset repo. Bad input is never dropped silently: what was read, skipped (DROPPED) or
+repaired is counted, reported and kept in data.tokenize's manifest (docs/data.md#other-corpora)."""
 from __future__ import annotations
 
 import dataclasses
@@ -174,17 +170,9 @@ def iter_documents(
     utf8_errors: str = "replace",
     txt_split: str = "file",
 ) -> Iterator[str]:
-    """Documents of `paths` in order; problems are counted in `stats`.
-
-    `.jsonl`: one JSON object per line, text in `text_field`; `.parquet`: column `text_field`; any other file is
-    UTF-8 text (`.txt`, `.md`, `.py`, no extension, ...), whose whole content (txt_split="file") or each non-blank
-    line ("line") is a document; a file with NUL bytes is binary, skipped. Empty documents are skipped. Every skip is
-    counted in `stats`.
-    """
-    if utf8_errors not in ("replace", "skip"):
-        raise TokenizeError(f"utf8_errors must be 'replace' or 'skip' (got {utf8_errors!r})")
-    if txt_split not in ("file", "line"):
-        raise TokenizeError(f"txt_split must be 'file' or 'line' (got {txt_split!r})")
+    """Documents of `paths` in order (`.jsonl`: field `text_field` of each line; `.parquet`: column `text_field`; any
+    other file: UTF-8 text, one document per file or per non-blank line by `txt_split`); every skip is counted in
+    `stats`."""
     for path in paths:
         stats.files += 1
         if path.stat().st_size == 0:
@@ -208,11 +196,8 @@ def iter_documents(
 
 def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, revision: str | None = None,
                     endpoint: str | None = None, cache_dir: Path | None = None) -> list[tuple[str, Path]]:
-    """Download the files of Hub dataset `repo` whose names match glob `pattern` (sorted; the first `max_files`);
-    return (name in the repo, local path) pairs.
-
-    Files go to the huggingface_hub cache (`cache_dir`, default ~/.cache/huggingface/hub), which makes reruns free.
-    """
+    """(name in the repo, local path) of the files of Hub dataset `repo` whose names match glob `pattern` (sorted;
+    the first `max_files`), downloaded into the huggingface_hub cache (`cache_dir`), which makes reruns free."""
     from huggingface_hub import HfApi, hf_hub_download
 
     try:

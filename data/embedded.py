@@ -1,15 +1,7 @@
-"""The embedded default corpus: a pinned text shipped in the repository, tokenized into shards (docs/data.md).
-
-It needs no network, so a fresh checkout can train (smoke runs, tests, CI) before any download, and it is the same
-everywhere: the text is `data/embedded_corpus/python-3.11-stdlib.jsonl.gz`, the docstrings and comments of CPython
-3.11.7's standard library modules (tests, IDLE and demos left out; PSF license, `LICENSE` beside it), one module per
-document, 2 MB of text ~ 0.55M tokens, pinned by the sha256 of its uncompressed bytes (TEXT_SHA256). Whatever Python
-runs, every installation builds the same shards (the same sha256), so runs on the default data compare. The
-tokens take a few seconds to build, once.
-
-Shards go to `<cache>/embedded/` (`<repo>/data/cache`, or `$SYMGPT_CACHE`): `embedded_val_000000.bin` (the first
-`val_fraction` of the tokens), `embedded_train_000001.bin` and `embedded_manifest.json`; they are rebuilt when the
-text or the settings change.
+"""The embedded default corpus (docs/data.md#other-corpora): a text shipped in the repository, the docstrings and
+comments of CPython 3.11.7's standard library, pinned by its sha256 (TEXT_SHA256) so that every installation builds
+the same shards, with no network: `<cache>/embedded/` (`data/cache` or `$SYMGPT_CACHE`), rebuilt only when the text
+or the settings change.
 
     python -m data.embedded [--out DIR]
     python -m data.embedded --text notes/*.txt [--out DIR]     # the same kind of shards from your own text files
@@ -158,8 +150,8 @@ def _manifest_is_current(out_dir: Path, expected: dict) -> bool:
 
 
 def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float = DEFAULT_VAL_FRACTION, *,
-                            text: Path = TEXT_FILE, sha256: str = TEXT_SHA256, workers: int | None = None,
-                            progress: bool = True) -> tuple[str, str]:
+                            text: Path = TEXT_FILE, workers: int | None = None, progress: bool = True
+                            ) -> tuple[str, str]:
     """Build (or reuse) the embedded corpus shards; return (train_glob, val_glob) for the trainer.
 
     `cache_dir` defaults to `cache_root()/embedded`. Reuses the cache when its manifest names the same text
@@ -167,14 +159,14 @@ def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float =
     concurrent callers never see a half-written corpus.
     """
     out_dir = Path(cache_dir) if cache_dir is not None else cache_root() / PREFIX
-    expected = {"corpus": PREFIX, "text": Path(text).name, "text_sha256": sha256, "val_fraction": val_fraction}
+    expected = {"corpus": PREFIX, "text": Path(text).name, "text_sha256": TEXT_SHA256, "val_fraction": val_fraction}
     if _manifest_is_current(out_dir, expected):
         return shard_globs(out_dir, PREFIX)
-    docs = read_text(Path(text), sha256)
+    docs = read_text(Path(text))
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     documents_to_shards(docs, tmp_dir, PREFIX, shard_tokens=SHARD_TOKENS, val_fraction=val_fraction,
-                        workers=workers or default_workers(), metadata=lambda: expected, progress=progress)
+                        workers=workers, metadata=lambda: expected, progress=progress)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     try:

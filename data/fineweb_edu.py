@@ -1,11 +1,6 @@
-"""Download the pre-tokenized FineWeb-Edu 10B shards (docs/data.md#shard-format) from the Hugging Face Hub.
-
-The dataset repo `kjj0/finewebedu10B-gpt2` holds `finewebedu_val_000000.bin` and `finewebedu_train_000001.bin` ..
-`finewebedu_train_000099.bin` (100M tokens each, the last one shorter; ~200 MB per file). Downloads are idempotent
-(a present file whose header and size check out is kept, without network access) and resumable (huggingface_hub
-continues a partial file; a rerun fetches only what is missing). Every downloaded file is validated before use:
-header, size, token ids < 50257, and sha256 against the Hub's LFS etag. A file that fails is fetched once more, then
-reported by name.
+"""Download the pre-tokenized FineWeb-Edu 10B shards of `kjj0/finewebedu10B-gpt2` from the Hugging Face Hub
+(docs/data.md#fineweb-edu): idempotent, resumable, and every new file validated (header, size, ids, sha256 against
+the Hub's LFS etag) and fetched once more if it fails.
 
     python -m data.fineweb_edu                 # val + all 99 train shards (~20 GB) into data/fineweb_edu/
     python -m data.fineweb_edu --chunks 8      # val + the first 8 train shards (~1.8 GB, 800M tokens)
@@ -19,12 +14,10 @@ import re
 import sys
 from pathlib import Path
 
-
 from cli import ArgumentParser, progress_bar
-from data.shards import (DIGEST_CACHE, GPT2_VOCAB, ShardError, cache_root, open_shard, read_shard_header, remember_sha256,
-                         sha256_file, shard_globs)
+from data.shards import (DIGEST_CACHE, GPT2_VOCAB, REPO_ROOT, ShardError, cache_root, open_shard, read_shard_header,
+                         remember_sha256, sha256_file, shard_globs)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_REPO = "kjj0/finewebedu10B-gpt2"
 DEFAULT_DEST = REPO_ROOT / "data" / "fineweb_edu"
 VAL_FILE = "finewebedu_val_000000.bin"
@@ -50,8 +43,6 @@ def fineweb_shards_present(dest: str | os.PathLike = DEFAULT_DEST) -> bool:
 
 def shard_names(chunks: int, val_file: str = VAL_FILE, train_format: str = TRAIN_FORMAT) -> list[str]:
     """The val file, then train files 1..chunks."""
-    if chunks < 0:
-        raise ValueError(f"--chunks must be >= 0 (got {chunks})")
     return [val_file] + [train_format % i for i in range(1, chunks + 1)]
 
 

@@ -294,8 +294,7 @@ class DistributedTokenLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly after the batches consumed when `state` was taken; clear errors on any mismatch."""
-        missing = {"epoch", "shard", "batch", "micro_step", "world_size", "micro_batch", "files", "num_files",
-                   "geometry"} - set(state)
+        missing = set(self.state_dict()) - set(state)
         if missing:
             raise ValueError(f"not a DistributedTokenLoader state: missing {sorted(missing)}")
         if state["files"] != self._files_fingerprint:

@@ -98,7 +98,7 @@ def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
     if saved is None:
         return None, ["the checkpoint records no data (config.data is None): the data is not checked"]
     problem, warnings = None, []
-    for split in ("train", "val"):
+    for split in SPLITS:
         old, new = saved[split]["files"], now[split]["files"]
         if [(f["tokens"], f["sha256"]) for f in old] == [(f["tokens"], f["sha256"]) for f in new]:
             continue

@@ -7,6 +7,7 @@ followed by N little-endian uint16 token ids. Every reader here validates the he
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 from pathlib import Path
@@ -62,10 +63,8 @@ def read_shard_header(path: str | os.PathLike) -> int:
 
 
 def open_shard(path: str | os.PathLike, vocab_size: int | None = None) -> np.memmap:
-    """Memory-map the tokens of a validated shard (read-only uint16 array).
-
-    With `vocab_size`, every id is checked to be < vocab_size (one pass over the file).
-    """
+    """Memory-map the tokens of a validated shard (read-only uint16 array); with `vocab_size`, every id is checked
+    to be < vocab_size (one pass over the file)."""
     num_tokens = read_shard_header(path)
     tokens = np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(num_tokens,))
     if vocab_size is not None and num_tokens > 0:
@@ -102,16 +101,16 @@ def _stat_key(path: Path) -> list[int]:
     return [stat.st_size, stat.st_mtime_ns]
 
 
-def _read_digests(cache_file: Path | None) -> dict[str, list]:
+def _read_digests(cache_file: str | os.PathLike) -> dict[str, list]:
     """The digest cache {absolute path: [size, mtime_ns, sha256]}; empty when absent or unreadable."""
     try:
-        cache = json.loads(cache_file.read_text()) if cache_file is not None else {}
+        cache = json.loads(Path(cache_file).read_text())
     except (OSError, ValueError):
         return {}
     return cache if isinstance(cache, dict) else {}
 
 
-def _write_digests(cache_file: Path, cache: dict[str, list]) -> None:
+def _write_digests(cache_file: str | os.PathLike, cache: dict[str, list]) -> None:
     """Write the cache atomically, dropping entries of files that are gone; an unwritable cache only costs time."""
     live = {path: entry for path, entry in cache.items() if Path(path).is_file()}
     with contextlib.suppress(OSError):
@@ -120,18 +119,16 @@ def _write_digests(cache_file: Path, cache: dict[str, list]) -> None:
 
 def remember_sha256(path: str | os.PathLike, sha256: str, cache_file: str | os.PathLike) -> None:
     """Store a digest computed elsewhere (e.g. a verified download) in the cache of `sha256_shards`."""
-    cache_file = Path(cache_file)
     path = Path(path).resolve()
     cache = _read_digests(cache_file)
     cache[str(path)] = [*_stat_key(path), sha256]
     _write_digests(cache_file, cache)
 
 
-def sha256_shards(paths: list[Path], cache_file: str | os.PathLike | None, progress: bool = True) -> list[str]:
+def sha256_shards(paths: list[Path], cache_file: str | os.PathLike, progress: bool = True) -> list[str]:
     """The sha256 of each file. A file whose size and mtime_ns match its entry in `cache_file` (JSON: absolute path
     -> [size, mtime_ns, sha256]) is not read again; the others are hashed (with a progress bar on stderr) and added,
-    so a run hashes a 200 MB shard once, not at every start. Without `cache_file`, every file is hashed."""
-    cache_file = Path(cache_file) if cache_file is not None else None
+    so a run hashes a 200 MB shard once, not at every start."""
     cache = _read_digests(cache_file)
     keys = [str(Path(p).resolve()) for p in paths]
     stale = [(path, key) for path, key in zip(paths, keys)
@@ -139,12 +136,11 @@ def sha256_shards(paths: list[Path], cache_file: str | os.PathLike | None, progr
     for path, key in progress_bar(stale, desc="sha256 of new or changed shards", unit="shard",
                                   disable=not progress or not stale):
         cache[key] = [*_stat_key(Path(path)), sha256_file(path)]
-        if cache_file is not None:
-            _write_digests(cache_file, cache)  # after every file: an interrupted first start keeps what it did
+        _write_digests(cache_file, cache)  # after every file: an interrupted first start keeps what it did
     return [cache[key][2] for key in keys]
 
 
-def describe_shards(pattern: str, cache_file: str | os.PathLike | None, progress: bool = True) -> dict:
+def describe_shards(pattern: str, cache_file: str | os.PathLike, progress: bool = True) -> dict:
     """What a glob of shards holds: {"pattern", "files": [{"path", "tokens", "bytes", "sha256"}], "tokens"}, the
     token counts from the headers (read_shard_header) and the digests from sha256_shards."""
     paths = find_shards(pattern)
@@ -162,8 +158,6 @@ def shard_name(prefix: str, split: str, index: int) -> str:
 
 def find_shards(pattern: str) -> list[Path]:
     """Sorted shard paths matching a glob `pattern`; an error naming the pattern when none match."""
-    import glob
-
     paths = sorted(Path(p) for p in glob.glob(pattern))
     if not paths:
         raise ShardError(f"no shard files match {pattern!r}; check --train-files/--val-files or create shards first")

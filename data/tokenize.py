@@ -1,17 +1,9 @@
-"""Raw text corpora -> GPT-2 token shards (docs/data.md#shard-format), on all cores.
+"""Raw text corpora (data/documents.py) -> GPT-2 token shards (docs/data.md#shard-format), on all cores; what it
+writes, and that a failed run leaves earlier outputs as they were: docs/data.md#other-corpora.
 
-Sources (data/documents.py): local files or globs — `.jsonl` and `.parquet` records, any other readable file as plain
-text (`.txt`, `.md`, `.py`, no extension ...) — or the files of a Hugging Face Hub dataset repo (e.g. FineWeb-Edu's
-`sample/10BT/*.parquet`). Layout, as in llm.c's `fineweb.py` (so our shards mix with the published
-FineWeb-Edu ones): every document is <|endoftext|> followed by its tokens; the stream is cut into consecutive shards,
-the first `val_tokens` tokens being `<prefix>_val_000000.bin` (default: one shard's worth, or a tenth of a corpus
-smaller than that) and then `shard_tokens` per `<prefix>_train_%06d.bin` (a document may straddle two shards). Output
-depends only on the input (not on the number of workers), and a manifest `<prefix>_manifest.json` (sources,
-counts, tokenizer, sha256 of every shard) is written last: a directory without it is an interrupted run. Shards are written to a staging directory inside the output directory and replace earlier
-outputs of the prefix (--overwrite) only once the whole corpus is tokenized: a failed run leaves them as they were.
-
-Bad input is never dropped silently (data/documents.py counts it, the manifest keeps the counts); a corpus of which
-nothing is left is an error that gives the counts per reason and the first problems.
+Layout, as in llm.c's `fineweb.py` (so our shards mix with the published FineWeb-Edu ones): every document is
+<|endoftext|> followed by its tokens; the stream is cut into consecutive shards, `<prefix>_val_000000.bin` first,
+then `<prefix>_train_%06d.bin` (a document may straddle two shards); the manifest `<prefix>_manifest.json` is last.
 
     python -m data.tokenize 'notes/**/*.md' --out data/notes --prefix notes
     python -m data.tokenize corpus/*.txt --out data/mycorpus --prefix mycorpus --val-tokens 1000000
@@ -49,17 +41,15 @@ SMALL_CORPUS_VAL_FRACTION = 0.1  # the default validation share of a corpus smal
 # Parallel, ordered, bounded map (shared with data/embedded.py)
 
 
-def parallel_map(fn: Callable, items: Iterable, workers: int, initializer: Callable | None = None) -> Iterator:
+def parallel_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
     """`map(fn, items)` over `workers` processes, results in input order, at most 2*workers tasks in flight.
 
     Unlike `Pool.imap`, the input is consumed lazily, so a corpus larger than memory streams through.
     """
     if workers <= 1:
-        if initializer is not None:
-            initializer()
         yield from map(fn, items)
         return
-    with multiprocessing.Pool(workers, initializer=initializer) as pool:
+    with multiprocessing.Pool(workers) as pool:
         pending = collections.deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))
@@ -75,10 +65,6 @@ def default_workers() -> int:
 
 # -----------------------------------------------------------------------------
 # Documents -> shards
-
-
-def _init_encoder() -> None:
-    gpt2_tokenizer()
 
 
 def encode_batch(texts: list[str]) -> np.ndarray:
@@ -221,13 +207,10 @@ def documents_to_shards(
 ) -> dict:
     """Tokenize `documents` into shards in `out_dir` and write `<prefix>_manifest.json`; return the manifest.
 
-    The validation shard holds the first `val_tokens` tokens (default: one shard's worth, as llm.c, or a tenth of a
-    corpus smaller than that), or, with `val_fraction`, that fraction of all tokens (this keeps the whole token
-    stream in memory: small corpora only).
-    `metadata()` (sources, counts, ...), called after the last document is read, is stored in the manifest. Earlier
-    outputs with this prefix are an error unless `overwrite`, which replaces them once the new shards are complete
-    (written to a staging directory in `out_dir` first: for a while both take disk space); a run that fails leaves
-    them untouched and removes what it wrote.
+    The validation shard holds the first `val_tokens` tokens (default: see _ShardWriter), or `val_fraction` of all
+    tokens (the whole stream in memory: small corpora only). `metadata()`, called after the last document, goes into
+    the manifest. Earlier outputs with this prefix are an error unless `overwrite` (replaced once the new shards are
+    complete; a failed run leaves them untouched and removes what it wrote).
     """
     out_dir = Path(out_dir)
     if shard_tokens < 1:
@@ -249,7 +232,7 @@ def documents_to_shards(
     created = not out_dir.exists()
     staging = _staging_dir(out_dir, prefix)
     try:
-        chunks = parallel_map(encode_batch, _batches(documents), workers, initializer=_init_encoder)
+        chunks = parallel_map(encode_batch, _batches(documents), workers)
         bar = progress_bar(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress)
         chunks = _counted(chunks, bar)
         if val_fraction is not None:

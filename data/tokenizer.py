@@ -1,12 +1,5 @@
-"""The GPT-2 tokenizer (tiktoken `r50k_base`, docs/data.md#shard-format), working without internet access.
-
-tiktoken normally downloads the BPE rank file from a blob store. We keep a verified copy in our cache
-(`<repo>/data/cache/tiktoken/`, or `$SYMGPT_CACHE/tiktoken/`) and fill it from, in order:
-  1. tiktoken's own download cache, if it already holds the file;
-  2. the `openai-whisper` source distribution on PyPI (fetched with `pip download`), which ships the same bytes as
-     `whisper/assets/gpt2.tiktoken`;
-  3. tiktoken's public URL (short timeout).
-Every copy is checked against the sha256 in docs/data.md#shard-format before use.
+"""The GPT-2 tokenizer (tiktoken `r50k_base`) without internet access (docs/data.md#tokenizer): a verified copy of
+the rank file in our cache, filled from tiktoken's cache, the `openai-whisper` sdist on PyPI or tiktoken's URL.
 
     python -m data.tokenizer            # fetch + verify, print the path
 """
@@ -127,7 +120,8 @@ def load_gpt2_ranks(path: Path) -> dict[bytes, int]:
     data = Path(path).read_bytes()
     if _sha256(data) != GPT2_RANKS_SHA256:
         raise TokenizerSetupError(f"{path}: sha256 mismatch; not the GPT-2 rank file — delete it and rerun")
-    return _parse_ranks(data)
+    pairs = (line.split() for line in data.splitlines() if line)  # lines `base64(token) rank`
+    return {base64.b64decode(token): int(rank) for token, rank in pairs}
 
 
 def local_gpt2_ranks_file() -> Path | None:
@@ -135,15 +129,6 @@ def local_gpt2_ranks_file() -> Path | None:
     downloaded: `python -m data.tokenizer` does that)."""
     return next((path for path in (cache_root() / "tiktoken" / RANKS_FILENAME, _tiktoken_cache_path())
                  if path.is_file()), None)
-
-
-def _parse_ranks(data: bytes) -> dict[bytes, int]:
-    ranks = {}
-    for line in data.splitlines():
-        if line:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    return ranks
 
 
 def byte_alphabet() -> dict[int, str]:

@@ -1,10 +1,6 @@
-"""The checkpoint format (docs/runs.md#checkpoints): writing it atomically with a checksum, reading and verifying it,
-the checkpoints of a run and the one --resume continues from, and --init-from's weights.
-
-A checkpoint is a torch.save'd dict in format CHECKPOINT_FORMAT (v2) with a sha256 of its tensors; writes are atomic
-(fileio.atomic_writer). Files of the first format (v1) are read through `upgrade_v1`, the one place that knows their
-layouts, so every reader sees v2. Importing this module has no side effects.
-"""
+"""The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of its tensors: writing it
+atomically, reading and verifying it (v1 files through `upgrade_v1`, so every reader sees v2), the checkpoints of a
+run and the one --resume continues from, and --init-from's weights. Importing this module has no side effects."""
 from __future__ import annotations
 
 import dataclasses
@@ -216,10 +212,8 @@ def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], d
 
 
 def model_checkpoint(model: nn.Module, config: dict, step: int, metrics: dict, **training_state) -> dict:
-    """A checkpoint of `model` at `step` (docs/runs.md#checkpoints): `config` holds CONFIG_ENTRIES (the sections of
-    config.RunConfig.to_dict, the data record, the preset), `metrics` what the run measured; the trainer adds its
-    training state (optimizer, loader, rng, hooks). A checkpoint without "optimizer" holds model weights only
-    (--init-from takes it, --resume does not)."""
+    """A checkpoint of `model` at `step` (docs/runs.md#checkpoints) with `config` (CONFIG_ENTRIES) and `metrics`;
+    without the trainer's `training_state` (optimizer, loader, rng, hooks) it holds weights only (for --init-from)."""
     missing = [key for key in CONFIG_ENTRIES if key not in config]
     if missing:
         raise ValueError(f"model_checkpoint: the config has no {', '.join(missing)}")
@@ -281,19 +275,15 @@ def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:
     checkpoint intact and no temporary file; the error names the file and the free space."""
     checkpoint["checksum"] = tensor_checksum(checkpoint)
     for path in map(Path, paths if isinstance(paths, list) else [paths]):
-        _write_checkpoint(path, checkpoint)
-
-
-def _write_checkpoint(path: Path, checkpoint: dict) -> None:
-    try:
-        with atomic_writer(path) as f:
-            torch.save(checkpoint, f)
-    except (OSError, RuntimeError) as exc:
-        free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
-        os_error = exc if isinstance(exc, OSError) else exc.__context__  # torch wraps the file's own error
-        reason = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else str(exc).strip()
-        raise OSError(f"could not write checkpoint {path}: {reason} ({free / 2**20:,.0f} MiB free there); the "
-                      "previous checkpoint, if any, is intact") from exc
+        try:
+            with atomic_writer(path) as f:
+                torch.save(checkpoint, f)
+        except (OSError, RuntimeError) as exc:
+            free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
+            os_error = exc if isinstance(exc, OSError) else exc.__context__  # torch wraps the file's own error
+            reason = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else str(exc).strip()
+            raise OSError(f"could not write checkpoint {path}: {reason} ({free / 2**20:,.0f} MiB free there); the "
+                          "previous checkpoint, if any, is intact") from exc
 
 
 def load_initial_weights(model: nn.Module, source: str | os.PathLike) -> str:
@@ -332,7 +322,6 @@ def load_initial_weights(model: nn.Module, source: str | os.PathLike) -> str:
     return " | ".join(notes)
 
 
-
 # ---------------------------------------------------------------------------------------------------------------
 # Reading v1 (docs/runs.md#reading-v1-checkpoints): the layouts the first format took, in the order they changed.
 
@@ -345,14 +334,8 @@ DECAY_GROUPS_OF_SWITCHES = {(False, False): "matrices", (True, False): "matrices
 
 
 def upgrade_v1(ckpt: dict, path: Path, verify: bool) -> dict:
-    """A v1 checkpoint read from `path` in the v2 layout, so that no reader knows v1; verify: its checksum first,
-    where it has one (v1 files written before checksums have none). What changes, nothing that a resumed run
-    computes with: the optimizer's state from a one-element "optimizers" list; the hooks' state under "hooks" (v1
-    once wrote the gauge's alone as "gauge"); "tied" always present (v1 once stored the tied embedding under both
-    names); the sampler entry, which nothing read, dropped; and a config with every entry: research fields out of
-    the train section, --gauge-project-velocity off (the step alone was projected before the flag), a
-    --keep-checkpoints switch as a count (on: every step file, -1), --decay-groups from its switches, the preset
-    from the run's config.json where the checkpoint did not record it, and data None where no record was written."""
+    """A v1 checkpoint read from `path` in the v2 layout, so that no reader knows v1 (each change, none of which a
+    resumed run computes with: docs/runs.md#reading-v1-checkpoints); verify: its checksum first, where it has one."""
     ckpt.setdefault("tied", {})
     if verify and "checksum" in ckpt:
         verify_checksum(ckpt, path)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fileio import LockHeldError, atomic_writer, dead_temporaries, hold_lock
+from fileio import LockHeldError, atomic_write, dead_temporaries, hold_lock
 from run.log import RunLog, open_trackers
 from run.process import Runtime
 
@@ -52,9 +52,8 @@ def existing_run_problem(run_dir: Path) -> str | None:
 
 
 class RunDirectory:
-    """The directory of the run this process owns (rank 0 only): created or reopened, locked for as long as the
-    run lasts (an advisory lock on <run>/.lock that the operating system releases when the process ends, however
-    it ends, so a dead owner leaves no stale lock), with the leftovers of earlier crashes cleared."""
+    """The directory of the run this process owns (rank 0 only): created or reopened, locked while the run lasts
+    (<run>/.lock, see fileio.hold_lock), with the leftovers of earlier crashes cleared."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -124,10 +123,6 @@ class RunDirectory:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, target)
 
-    def write_json(self, name: str, obj: object) -> None:
-        with atomic_writer(self.path / name) as f:
-            f.write(json.dumps(obj, indent=2).encode())
-
 
 def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,
                        rt: Runtime, step: int) -> RunDirectory:
@@ -149,7 +144,7 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
         raise RunInUseError(box[1])
     if rt.is_master:
         run_dir.copy_code()
-        run_dir.write_json("config.json", record)
+        atomic_write(run_dir.path / "config.json", json.dumps(record, indent=2).encode())
         log.attach(run_dir.path, code)
         log.trackers = open_trackers(hp, run_dir.path, record, step)
         for line in notes:

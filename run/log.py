@@ -45,8 +45,7 @@ def cut_torn_line(path: Path) -> str:
     if not data or data.endswith(b"\n"):
         return ""
     keep = data.rfind(b"\n") + 1
-    with open(path, "r+b") as f:
-        f.truncate(keep)
+    os.truncate(path, keep)
     return data[keep:].decode(errors="replace")
 
 
@@ -135,8 +134,6 @@ class RunLog:
         self.pending: list[str] = []
 
     def attach(self, run_dir: Path, code: str) -> None:
-        if not self.is_master:
-            return
         self.text = open(run_dir / "log.txt", "a")
         torn = cut_torn_line(run_dir / "log.jsonl")
         self.records = open(run_dir / "log.jsonl", "a")

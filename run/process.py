@@ -12,14 +12,10 @@ import torch.distributed as dist
 
 
 def init_process_group(backend: str, **kwargs) -> None:
-    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first.
-
-    torch.optim.Optimizer and torch.compile import torch._dynamo lazily. Imported after the group exists, it keeps
-    references to the group that `destroy_process_group` does not drop (seen with torch 2.13): gloo's worker threads
-    then outlive the group, and one that frees the last reference to a tensor while the interpreter shuts down
-    aborts the process (SIGABRT, "terminate called without an active exception"). Imported first, nothing else
-    holds the group and `destroy_process_group` joins its threads.
-    """
+    """`torch.distributed.init_process_group`, with `torch._dynamo` imported first: imported lazily after the group
+    exists (by torch.optim or torch.compile), it keeps references to the group that `destroy_process_group` does not
+    drop (torch 2.13), so gloo's threads outlive it and abort the process at exit (SIGABRT, "terminate called without
+    an active exception")."""
     importlib.import_module("torch._dynamo")
     dist.init_process_group(backend, **kwargs)
 
@@ -44,6 +40,9 @@ def batch_layout(hp, world: int) -> tuple[int, int]:
     per_rank = sequences // world
     micro = max(m for m in range(1, min(hp.micro_batch, per_rank) + 1) if per_rank % m == 0)
     return micro, per_rank // micro
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}  # for MFU
 
 
 @dataclass
@@ -77,13 +76,11 @@ class Runtime:
                 "device": self.device.type, "dtype": self.dtype_name}
 
     def mfu_per_token_s(self, flops_per_token: float) -> float | None:
-        """The model FLOPs utilisation of one training token per second on all ranks (None: the peak is unknown)."""
-        peak = peak_flops(self.device)
+        """The model FLOPs utilisation of one training token per second on all ranks, from the GPU's datasheet dense
+        bf16 peak (None on a CPU or an unknown GPU)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        peak = next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
         return flops_per_token / (peak * self.world) if peak else None
-
-    def synchronize(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
 
 def setup_process(hp) -> Runtime:
@@ -100,14 +97,3 @@ def setup_process(hp) -> Runtime:
         torch.cuda.set_device(device)
     autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
     return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
-
-
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "4090": 165e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of the GPU (datasheet) for MFU; None when unknown or on CPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
