@@ -34,8 +34,7 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
 def atomic_write(path: str | os.PathLike, *chunks: bytes) -> None:
     """Write `chunks` to `path` atomically (see atomic_writer)."""
     with atomic_writer(path) as f:
-        for chunk in chunks:
-            f.write(chunk)
+        f.writelines(chunks)
 
 
 def process_alive(pid: int) -> bool:

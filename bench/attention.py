@@ -97,7 +97,7 @@ def bench_shape(B: int, H: int, T: int, d: int, causal: bool, warmup_ms: int, re
 
     fwd_flops = attention_flops(B, H, T, d, causal)
     rows: dict[str, dict] = {}
-    result = {"B": B, "H": H, "T": T, "d": d, "causal": causal, "dtype": str(dtype).removeprefix("torch."),
+    result = {"B": B, "H": H, "T": T, "d": d, "causal": causal, "dtype": paths.dtype_name(dtype),
               "variants": rows, "complete": False}
     for name, fn in make_variants(causal, biases).items():
         inputs = [q, k, v] + (list(biases["+learned"]) if name.endswith("+learned") else [])

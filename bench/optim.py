@@ -56,11 +56,11 @@ import torch.distributed as dist
 
 from cli import ArgumentParser
 import train_gpt
-from optim import OPTIMIZERS, optimizer_state_bytes
+from optim import OPTIMIZERS
 from optim.muon import MuonConfig, muon_groups
 from optim.soap import SOAPConfig
 
-STATE_VECTORS = {"ecd": 1, "sgdm": 1, "adamw": 2}  # state tensors per parameter of the elementwise optimizers
+ELEMENTWISE = ("ecd", "sgdm", "adamw")  # the optimizers a memory floor is printed for
 PEERS = {"soap:published": "--published-soap", "muon:modded": "--modded-nanogpt"}
 
 
@@ -169,17 +169,15 @@ def peer_optimizers(name: str, model: train_gpt.GPT, args) -> list[torch.optim.O
                      max_precond_dim=cfg.soap_max_precond_dim)]
     cfg = MuonConfig()
     muon = load_modded_muon(Path(args.modded_nanogpt))
-    matrices = []
-    for group in muon_groups(model, cfg):
+    groups, matrices = muon_groups(model, cfg), []
+    for group in (g for g in groups if g["use_muon"]):
         for param_name, p in zip(group["names"], group["params"]):
-            if group["use_muon"] and param_name.endswith("attn.c_attn.weight"):  # q, k, v: one (3, C, C) tensor
+            if param_name.endswith("attn.c_attn.weight"):  # q, k, v: one (3, C, C) tensor
                 blocks = torch.nn.Parameter(p.detach().view(3, -1, p.shape[-1]))
                 blocks.grad = p.grad.view(blocks.shape)
                 p = blocks
-            if group["use_muon"]:
-                matrices.append(p)
-    adam = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in muon_groups(model, cfg)
-            if not g["use_muon"]]
+            matrices.append(p)
+    adam = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups if not g["use_muon"]]
     return [muon(matrices, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum),
             torch.optim.AdamW(adam, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)]
 
@@ -225,9 +223,8 @@ def build_variant(variant: str, model_cfg: train_gpt.GPTConfig, device: torch.de
 
     num_params = model.get_num_params()
     floor_bytes = None
-    if name in STATE_VECTORS and variant not in PEERS:  # θ read and written, g read, each state vector both ways
-        param_bytes = next(model.parameters()).element_size()
-        floor_bytes = num_params * (3 * param_bytes + 2 * optimizer_state_bytes(optimizers[0]) / num_params)
+    if name in ELEMENTWISE and variant not in PEERS:  # θ read and written, g read, each state vector both ways
+        floor_bytes = 3 * num_params * next(model.parameters()).element_size() + 2 * state_bytes(optimizers)
     return Variant(variant, step, optimizers, num_params, floor_bytes)
 
 

@@ -116,8 +116,6 @@ class DistributedTokenLoader:
                 raise ValueError(f"DistributedTokenLoader: {name} must be >= 1, got {value}")
         if not 0 <= rank < world_size:
             raise ValueError(f"DistributedTokenLoader: rank {rank} is outside [0, world_size={world_size})")
-        if prefetch < 0:
-            raise ValueError(f"DistributedTokenLoader: prefetch must be >= 0, got {prefetch}")
         self.files = _resolve_files(files)
         self.micro_batch, self.seq_len = micro_batch, seq_len
         self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
@@ -260,12 +258,7 @@ class DistributedTokenLoader:
     def close(self) -> None:
         """Stop the prefetch thread and drop prefetched batches; the next next_batch() starts afresh."""
         if self._thread is not None:
-            self._stop.set()
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
+            self._stop.set()  # a producer waiting on the full queue sees it within put's 0.1 s timeout
             self._thread.join()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
@@ -348,9 +341,6 @@ def validation_batches(
     j % world_size. first_row is the stream index of the block's first row. Averaging per scored token over all
     ranks' blocks gives the same number on any world size (up to summation order).
     """
-    if micro_batch < 1 or seq_len < 1 or not 0 <= rank < world_size or first_sequence < 0:
-        raise ValueError(f"validation_batches: bad geometry micro_batch={micro_batch} seq_len={seq_len} "
-                         f"rank={rank} world_size={world_size} first_sequence={first_sequence}")
     count = num_tokens // seq_len
     if count == 0:
         raise ValueError(f"validation budget of {num_tokens} tokens is less than one sequence of --seq-len {seq_len}; "

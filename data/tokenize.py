@@ -70,10 +70,7 @@ def default_workers() -> int:
 def encode_batch(texts: list[str]) -> np.ndarray:
     """<|endoftext|> + tokens for each text, concatenated (uint16)."""
     enc = gpt2_tokenizer()
-    pieces = []
-    for text in texts:
-        pieces.append(np.array([EOT_TOKEN], dtype=np.uint16))
-        pieces.append(np.array(enc.encode_ordinary(text), dtype=np.uint16))
+    pieces = [np.array([EOT_TOKEN, *enc.encode_ordinary(text)], dtype=np.uint16) for text in texts]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint16)
 
 

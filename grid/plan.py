@@ -79,18 +79,6 @@ class GridSpec:
         return self.run_dir / self.name
 
 
-def _toml_module():
-    try:
-        import tomllib
-    except ImportError:
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise GridError("--grid: reading TOML needs Python 3.11 or newer, or on Python 3.10 the tomli package "
-                            "(`pip install tomli`)") from None
-    return tomllib
-
-
 def _flag_words(name: str, value: object) -> list[str]:
     if isinstance(value, bool):
         return [f"--{name}" if value else f"--no-{name}"]
@@ -99,7 +87,14 @@ def _flag_words(name: str, value: object) -> list[str]:
 
 def read_toml(path: Path) -> dict:
     """A grid file: {"name", "run_dir", "axes": {flag: [values]}, "flags": table or list}; every key checked."""
-    tomllib = _toml_module()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise GridError("--grid: reading TOML needs Python 3.11 or newer, or on Python 3.10 the tomli package "
+                            "(`pip install tomli`)") from None
     try:
         data = tomllib.loads(Path(path).read_text())
     except OSError as exc:

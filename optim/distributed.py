@@ -116,13 +116,12 @@ class Region:
             a, b = max(start, lo), min(start + p.numel(), hi)
             if a < b:
                 self.pieces.append(Piece(i, a - start, b - start, a - lo))
-        self.pieces.sort(key=lambda piece: piece.offset)
-        for (i, p), start in zip(params, starts):
             view = self.params[start : start + p.numel()].view_as(p)
             view.copy_(p.detach())
             p.data = view
             p.grad = self.grads[start : start + p.numel()].view_as(p)
             self._grad_views[i] = (p, p.grad)
+        self.pieces.sort(key=lambda piece: piece.offset)
         self._works: dict[int, object] = {}  # in-flight reductions: by parameter index (tensor regions) or -1
         self._not_ready = set(self.indices)  # parameters whose gradient this backward pass has not produced yet
         self._reduced: Tensor | None = None
@@ -222,11 +221,6 @@ class Region:
         full = torch.empty(self.world_size * self.chunk, dtype=local.dtype, device=local.device)
         dist.all_gather_into_tensor(full, local)
         return full
-
-    def full_view(self, full: Tensor, index: int, shape: torch.Size) -> Tensor:
-        """Parameter `index`'s slice of a full flat buffer laid out like the parameters."""
-        start = self.offset[index]
-        return full[start : start + shape.numel()].view(shape)
 
     def scatter(self, local: Tensor, index: int, value: Tensor) -> None:
         """Copy this rank's pieces of a full parameter-shaped `value` into the chunk-aligned `local` buffer."""
@@ -376,7 +370,9 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
             wanted = [i for i in region.indices if indices is None or i in indices]
             if buf is not None and wanted:
                 full = region.gather(buf)
-                out.update({i: region.full_view(full, i, self.params_in_order[i].shape) for i in wanted})
+                for i in wanted:  # the flat buffer is laid out like the parameters
+                    start, shape = region.offset[i], self.params_in_order[i].shape
+                    out[i] = full[start : start + shape.numel()].view(shape)
         return out
 
     def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:

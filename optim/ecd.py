@@ -110,14 +110,11 @@ class ECD(ShardedOptimizer):
         optim_seed: int = ECDConfig.optim_seed,
         optim_state_dtype: str = ECDConfig.optim_state_dtype,
         fused: bool = ECDConfig.fused,
-        eps1: float = 1e-10,
-        eps2: float = 1e-40,
     ) -> None:
         check_arguments(ECDConfig, locals())
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), tensor_owned=lambda i: False)
         self.eta, self.F0, self.nu, self.seed = ecd_eta, ecd_f0, ecd_nu, optim_seed
         self.energy_conservation, self.projection = ecd_energy_conservation, ecd_projection
-        self.eps1, self.eps2 = eps1, eps2
         self.D = sum(p.numel() for p in self.params_in_order)
         if self.D < 2:
             raise ValueError("ECD needs at least 2 parameters (κ has D/(D-1))")
@@ -232,13 +229,13 @@ class ECD(ShardedOptimizer):
         tt, tg, gg, pg, pt, pp = vec[1:].view(self.num_keys, 6).unbind(1)
         lam = self._lam(vec.device)
         gap = loss + 0.5 * (lam * tt).sum() - self.F0  # F̃ − F0
-        active = gap > self.eps2
+        active = gap > 1e-40  # step 2: below this gap nothing moves
         pp_total = pp.sum()
         c = self._logical_scale(pp_total)
         norm2 = c * c * pp_total  # ‖Π‖² of the logical Π
         a = torch.ones_like(norm2)
         if self.energy_conservation:  # step 1: Π ← Π/‖Π‖ unless already unit
-            a = torch.where((norm2 - 1).abs() < self.eps1, 1.0, norm2.clamp_min(1e-300).rsqrt())
+            a = torch.where((norm2 - 1).abs() < 1e-10, 1.0, norm2.clamp_min(1e-300).rsqrt())
         m = a * c  # Π1 = m · stored Π
         pg1 = m * (pg + lam * pt)  # Π1·g̃ per key
         n1 = m * m * pp

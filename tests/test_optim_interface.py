@@ -147,8 +147,7 @@ def constructor_settings(spec) -> dict:
 def test_constructors_take_their_configs_fields_with_the_configs_defaults(name):
     spec = OPTIMIZERS[name]
     parameters = dict(list(inspect.signature(spec.optimizer.__init__).parameters.items())[2:])
-    extra = {"eps1", "eps2"} if name == "ecd" else set()  # ECD's numerical guards, not flags
-    assert set(parameters) - extra == set(constructor_settings(spec))  # grad_clip is OptimizerInterface's
+    assert set(parameters) == set(constructor_settings(spec))  # grad_clip is OptimizerInterface's
     for field, value in constructor_settings(spec).items():
         assert parameters[field].default == value, field
 
