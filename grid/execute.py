@@ -170,6 +170,7 @@ class Scheduler:
         output.parent.mkdir(parents=True, exist_ok=True)
         with open(output, "ab") as f:
             f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {slot.label}: {' '.join(command)}\n".encode())
+            f.flush()  # the child appends through its own copy of the descriptor: the header goes first
             process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                        env={**os.environ, **slot.env, "PYTHONUNBUFFERED": "1"})
         self.transition(run, "running", f"{'resumed' if resume else 'started'} on {slot.label} (pid {process.pid})",

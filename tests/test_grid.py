@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ from run.log import read_log
 from data.shards import write_shard
 from grid import plan
 from grid.__main__ import main
+from grid import execute
 from grid.execute import Journal
 from tests.helpers import ROOT
 
@@ -269,3 +271,26 @@ def test_the_progress_table_reads_each_runs_log_and_redraws_in_place_on_a_termin
     assert plain.getvalue() == "grid: run: finished\n"  # no escape codes, the table only every --status-every s
     display.refresh(lines, force=True)
     assert plain.getvalue().endswith("\n".join(lines) + "\n") and "\x1b" not in plain.getvalue()
+
+
+def test_a_runs_log_starts_with_its_header_when_the_child_writes_at_once(tmp_path, monkeypatch):
+    class Quiet:  # journal and display
+        def states(self) -> dict:
+            return {}
+
+        def append(self, record: dict) -> None:
+            pass
+
+        def event(self, line: str) -> None:
+            pass
+
+    def child_writes_at_once(command, stdout, **kwargs):
+        os.write(stdout.fileno(), b"child output\n")
+        return types.SimpleNamespace(pid=1)
+
+    monkeypatch.setattr(execute.subprocess, "Popen", child_writes_at_once)
+    run = plan.Run(name="lr=1", values={}, flags=[], path=tmp_path / "lr=1")
+    scheduler = execute.Scheduler(tmp_path, "grid", [run], [], Quiet(), Quiet())
+    scheduler.start(run, execute.Slot("cpu", "cpu 0", {}), resume=False)
+    lines = (tmp_path / "logs" / "lr=1.log").read_text().splitlines()
+    assert lines[1].startswith("=== ") and lines[2] == "child output", lines
