@@ -69,6 +69,8 @@ def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
 
 
 def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
