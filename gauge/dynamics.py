@@ -77,7 +77,7 @@ def angular_momentum(charge: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(charge - charge.mT) / math.sqrt(2.0)
 
 
-def solve_rotation_generator(gram: Tensor, rhs: Tensor, iterations: int = 12) -> Tensor:
+def solve_rotation_generator(gram: Tensor, rhs: Tensor) -> Tensor:
     """Solve H Ω + Ω H = L for symmetric positive definite H (batched d×d), without host synchronisation.
 
     Scaled Newton sign iteration for Sylvester equations (Roberts 1980; Higham, Functions of Matrices §5.5): with
@@ -90,7 +90,7 @@ def solve_rotation_generator(gram: Tensor, rhs: Tensor, iterations: int = 12) ->
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     scale = (gram.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(gram.dtype).tiny)[..., None, None]
     h, rhs = gram / scale + 1e-14 * eye, rhs / scale
-    for _ in range(iterations):
+    for _ in range(12):
         h_inv = torch.linalg.inv_ex(h)[0]
         mu = (torch.linalg.matrix_norm(h_inv) / torch.linalg.matrix_norm(h)).sqrt()[..., None, None]
         h, h_inv, rhs = mu * h, h_inv / mu, mu * rhs
