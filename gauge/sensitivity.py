@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from optim import OPTIMIZERS
-from gauge.dynamics import gauge_transformed, head_factors, num_attention_layers, plain_name
-from gauge.updates import gram_imbalance
+from gauge.dynamics import gauge_transformed, head_factors, num_attention_layers
+from gauge.updates import attention_parameters, gram_imbalance
 
 GAUGE_KINDS = ("gl", "orthogonal")
 SECTORS = ("QK", "VO")
@@ -61,18 +61,6 @@ def copy_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return clone.to(device=next(model.parameters()).device, dtype=dtype)
 
 
-def attention_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The attention parameters by plain name, detached copies."""
-    return {plain_name(n): p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
-
-
-def load_attention(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if plain_name(name) in tensors:
-                param.copy_(tensors[plain_name(name)])
-
-
 def one_step(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """Attention parameters after one step of a fresh `optimizer` on (x, y) with the mean biases (model changed)."""
     spec = OPTIMIZERS[optimizer]
@@ -82,7 +70,7 @@ def one_step(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor) 
     loss = model(x, y)[1]
     loss.backward()
     opt.step(loss.detach()) if spec.needs_loss else opt.step()
-    return attention_tensors(model)
+    return attention_parameters(model)  # of a model nobody steps again
 
 
 def _inverse_gauge(factors: dict[str, Tensor], s_qk: Tensor, s_vo: Tensor) -> dict[str, Tensor]:
@@ -123,7 +111,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
     cfg = model.config
     n_head, d = cfg.n_head, cfg.head_dim
     base = copy_model(model, dtype)
-    params0 = attention_tensors(base)
+    params0 = attention_parameters(base)  # base itself never changes
     n_layer = num_attention_layers(params0)
     with torch.no_grad():
         logits0 = base(x, all_logits=True)[0].double()
@@ -138,7 +126,8 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
                       for _ in SECTORS)
         before = gauge_transformed(params0, n_head, s_qk, s_vo)
         clone = copy_model(base, dtype)
-        load_attention(clone, before)
+        for name, param in attention_parameters(clone).items():
+            param.copy_(before[name])
         with torch.no_grad():
             change = ((clone(x, all_logits=True)[0].double() - logits0).abs().max() / logits0.abs().max()).item()
         logit_change.append(change)

@@ -170,8 +170,8 @@ def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str,
 
 
 def attention_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """The attention parameters (plain names), which the gauge acts on."""
-    return {plain_name(n): p for n, p in model.named_parameters() if ".attn." in n}
+    """The attention parameters (plain names), which the gauge acts on: detached views that write through."""
+    return {plain_name(n): p.detach() for n, p in model.named_parameters() if ".attn." in n}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -205,7 +205,7 @@ class GaugeUpdates:
         """Copies of the attention parameters before the step (None when the mode does not need them)."""
         if not self.acts_on_updates:
             return None
-        return {name: p.detach().clone() for name, p in attention_parameters(model).items()}
+        return {name: p.clone() for name, p in attention_parameters(model).items()}
 
     @torch.no_grad()
     def after_step(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], before: dict[str, Tensor] | None,
