@@ -185,12 +185,10 @@ def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
     return markdown_table(header, body)
 
 
-def plot_enrichment(rows: list[dict], correlation: dict, path: Path) -> None:
-    """Δ top-5 against punctuation enrichment for the symmetry-broken runs that have both (call with n > 0)."""
+def plot_enrichment(points: list[dict], correlation: dict, path: Path) -> None:
+    """Δ top-5 against punctuation enrichment of `points`, the symmetry-broken runs that have both (n > 0)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    points = [r for r in rows if r["delta_top5"] is not None and r["punct_enrichment"] is not None
-              and r["bias_mode"] != "none"]
     ax.scatter([r["punct_enrichment"] for r in points], [r["delta_top5"] for r in points])
     for r in points:
         ax.annotate(r["run"], (r["punct_enrichment"], r["delta_top5"]), fontsize=6)
@@ -244,22 +242,20 @@ def main(argv: list[str] | None = None) -> dict:
     save_figure(runs_loss_figure([(r.name, read_log(r)) for r in run_dirs], "loss curves"), args.out / written[2])
     enrichment = args.out / "compare_enrichment.png"
     if correlation["n"]:
-        plot_enrichment(rows, correlation, enrichment)
+        plot_enrichment(broken, correlation, enrichment)
         written.append(enrichment.name)
     else:
         enrichment.unlink(missing_ok=True)  # an earlier comparison's figure would describe other runs
 
-    def cell(v, fmt: str, evaluation: str) -> str:
-        return format(v, fmt) if v is not None else f"run eval.{evaluation}"
+    def cell(v, fmt: str, evaluation: str, scale: float = 1.0) -> str:
+        return format(scale * v, fmt) if v is not None else f"run eval.{evaluation}"
     table = [[r["run"], step_label(r["steps"]), r["optimizer"], r["bias_mode"],
               format(r["best_val_loss"], ".4f") if r["best_val_loss"] is not None else "not in log.jsonl",
               cell(r["val_loss"], ".4f", "val_loss"), cell(r["logic_loss"], ".3f", "logic_puzzles"),
-              cell(None if r["top5"] is None else 100 * r["top5"], ".1f", "logic_puzzles"),
-              cell(None if r["top1"] is None else 100 * r["top1"], ".1f", "logic_puzzles"),
+              cell(r["top5"], ".1f", "logic_puzzles", 100), cell(r["top1"], ".1f", "logic_puzzles", 100),
               format(r["delta_top5"], "+.1f") if r["delta_top5"] is not None else "-",
               cell(r["align_mean_top"], ".3f", "alignment"),
-              cell(None if r["align_frac_above_null"] is None else 100 * r["align_frac_above_null"], ".1f",
-                   "alignment"),
+              cell(r["align_frac_above_null"], ".1f", "alignment", 100),
               cell(r["punct_enrichment"], "+.2f", "alignment")] for r in rows]
     ci = correlation["ci"]
     r_line = (f"Pearson r(punctuation enrichment, Δ top-5) = {correlation['r']:.2f}"

@@ -137,9 +137,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
         gauged.append((before, one_step(clone, optimizer, optim_cfg, x, y), s_qk, s_vo))
         if progress:
             print(f"gauge sample {i + 1}/{samples}: logit change {change:.3g}")
-    keys = ("relative_difference", "relative_difference_var", "random_gauge_variance", "smoothed_difference",
-            "gram_imbalance", "gram_imbalance_gauged", "column_rms_ratio", "column_rms_ratio_gauged")
-    per_head: dict[str, list] = {f"{k}_{s}": [] for s in SECTORS for k in keys}
+    per_head: dict[str, list] = {}  # "{metric}_{sector}": one list of H per layer
     for layer in range(n_layer):
         f0, f1 = head_factors(params0, layer, n_head), head_factors(after0, layer, n_head)
         p0, p1 = _products(f0), _products(f1)
@@ -169,7 +167,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
                 "column_rms_ratio_gauged": torch.stack([g[1] for g in imbalances[s]]).mean(0),
             }
             for k, v in values.items():
-                per_head[f"{k}_{s}"].append(v.tolist())
+                per_head.setdefault(f"{k}_{s}", []).append(v.tolist())
     summary = {k: float(np.mean(v)) for k, v in per_head.items()}
     return {"optimizer": optimizer, "gauge": kind, "condition": condition if kind == "gl" else 1.0,
             "samples": samples, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "exact": exact,
