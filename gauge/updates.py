@@ -25,7 +25,8 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from gauge.dynamics import factor_tensors, head_factors, num_attention_layers, plain_name, solve_rotation_generator
+from gauge.dynamics import (complete_velocity, factor_tensors, head_factors, num_attention_layers, plain_name,
+                            solve_rotation_generator)
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
@@ -274,7 +275,7 @@ class GaugeUpdates:
             present = {name: moments[name][1] for name in params if name in moments}
             if not present:
                 continue
-            full = {name: present.get(name, torch.zeros_like(p)) for name, p in params.items()}
+            full = complete_velocity(params, present)
             moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
             opt.set_first_moments({moments[name][0]: value for name, value in
                                    named_tensors(moved, full, self.n_head).items() if name in present})
