@@ -72,7 +72,9 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
     val = _load(run_dir, "val_loss")
     logic_file, alignment_file = _load(run_dir, "logic_puzzles"), _load(run_dir, "alignment")
     logic = _pick_suite(logic_file, suite)
-    alignment = (alignment_file or {}).get("modes", {}).get(alignment_mode)
+    alignment = (alignment_file or {}).get("modes", {}).get(alignment_mode) or {}
+    overall = logic["overall"] if logic else {}
+    pooled = alignment["enrichment"]["pooled"] if alignment else {}
     steps = {name: result.get("step") for name, result in (("val_loss", val), ("logic_puzzles", logic_file),
                                                              ("alignment", alignment_file)) if result is not None}
     measured = [loss for _, loss in validation_losses(read_log(run_dir))]
@@ -83,13 +85,9 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
         "best_val_loss": min(measured) if measured else None,
         "val_loss": val["val_loss"] if val else None,
         "suite": logic["name"] if logic else None,
-        "logic_loss": logic["overall"]["logic_loss"] if logic else None,
-        "top1": logic["overall"]["top1"] if logic else None,
-        "top5": logic["overall"]["top5"] if logic else None,
-        "align_mean_top": alignment["mean_top"] if alignment else None,
-        "align_frac_above_null": alignment["frac_above_null"] if alignment else None,
-        "punct_enrichment": alignment["enrichment"]["pooled"]["punctuation"] if alignment else None,
-        "noise_enrichment": alignment["enrichment"]["pooled"]["unicode_noise"] if alignment else None,
+        "logic_loss": overall.get("logic_loss"), "top1": overall.get("top1"), "top5": overall.get("top5"),
+        "align_mean_top": alignment.get("mean_top"), "align_frac_above_null": alignment.get("frac_above_null"),
+        "punct_enrichment": pooled.get("punctuation"), "noise_enrichment": pooled.get("unicode_noise"),
     }
 
 
@@ -103,16 +101,11 @@ def step_label(steps: dict[str, int | None]) -> str:
     return ", ".join(f"{name} {step}" for name, step in steps.items())
 
 
-def _result_fields() -> set[str]:
-    """Names of the model, training and research flags that change what a run computes (cli.flag metadata)."""
-    return {f.name for cls in (train_gpt.GPTConfig, train_gpt.TrainConfig, ResearchConfig)
-            for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True)}
-
-
 def add_conditions(rows: list[dict], configs: list[dict]) -> None:
     """Set each row's `condition`: its optimizer and every setting that affects results and differs between the
     runs (the optimizer's own settings between runs of the same optimizer), except the seed and the bias mode."""
-    keep = _result_fields() - AVERAGED
+    keep = {f.name for cls in (train_gpt.GPTConfig, train_gpt.TrainConfig, ResearchConfig)
+            for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True)} - AVERAGED
     flat = [{k: v for section in ("model", "train", "research") for k, v in c.get(section, {}).items() if k in keep}
             for c in configs]
     varying = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1)
