@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from optim import OPTIMIZERS
-from gauge.dynamics import gauge_transformed, head_factors, num_attention_layers
-from gauge.updates import attention_parameters, gram_imbalance
+from gauge.dynamics import attention_parameters, gauge_transformed, head_factors, num_attention_layers
+from gauge.updates import gram_imbalance
 
 GAUGE_KINDS = ("gl", "orthogonal")
 SECTORS = ("QK", "VO")

@@ -25,8 +25,8 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from gauge.dynamics import (complete_velocity, factor_tensors, head_factors, num_attention_layers, plain_name,
-                            solve_rotation_generator)
+from gauge.dynamics import (attention_parameters, complete_velocity, factor_tensors, head_factors, num_attention_layers,
+                            plain_name, solve_rotation_generator)
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
@@ -168,11 +168,6 @@ def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str,
                 factors[sector] = rows
         out.update(factor_tensors(factors, like, layer, n_head))
     return out
-
-
-def attention_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """The attention parameters (plain names), which the gauge acts on: detached views that write through."""
-    return {plain_name(n): p.detach() for n, p in model.named_parameters() if ".attn." in n}
 
 
 # ----------------------------------------------------------------------------------------------------------------
