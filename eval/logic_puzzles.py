@@ -84,14 +84,10 @@ NUMERIC_MAX = 300  # " 0" .. " 361" are single GPT-2 tokens
 
 def _numeric(rng: random.Random) -> tuple[str, str]:
     kind = rng.choice(("up", "down", "double", "fibonacci", "squares"))
-    if kind == "up":
+    if kind in ("up", "down"):  # a falling sequence is a rising one read backwards (the same draws)
         step, n = rng.randint(1, 9), rng.randint(4, 6)
         start = rng.randint(0, NUMERIC_MAX - step * n)
-        seq = [start + step * i for i in range(n + 1)]
-    elif kind == "down":
-        step, n = rng.randint(1, 9), rng.randint(4, 6)
-        start = rng.randint(step * n, NUMERIC_MAX)
-        seq = [start - step * i for i in range(n + 1)]
+        seq = [start + step * i for i in range(n + 1)][::1 if kind == "up" else -1]
     elif kind == "double":
         start, n = rng.randint(1, 9), rng.randint(3, 5)
         seq = [start * 2 ** i for i in range(n + 1)]
