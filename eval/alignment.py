@@ -152,16 +152,14 @@ def bias_direction(model: train_gpt.GPT) -> torch.Tensor:
 
 @torch.no_grad()
 def token_keys(model: train_gpt.GPT, mode: str, layer: int) -> torch.Tensor:
-    """Keys (V, C) of every real token from its embedding in mode `raw` or `ln`."""
+    """Keys (V, C) of every real token from its embedding in mode `raw`, else `ln`."""
     cfg = model.config
     block = model.transformer.h[layer]
     emb = model.transformer.wte.weight[:GPT2_VOCAB]
     w_k = block.attn.c_attn.weight[cfg.n_embd:2 * cfg.n_embd]
     if mode == "raw":
         return emb @ w_k.T
-    if mode == "ln":
-        return block.ln_1(emb) @ w_k.T + block.attn.c_attn.bias[cfg.n_embd:2 * cfg.n_embd]
-    raise ValueError(f"token_keys: mode must be raw or ln, got {mode!r}")
+    return block.ln_1(emb) @ w_k.T + block.attn.c_attn.bias[cfg.n_embd:2 * cfg.n_embd]
 
 
 class _KeysRecorded(Exception):
@@ -254,13 +252,12 @@ def analyze(scores: torch.Tensor, token_ids: torch.Tensor, strings: list[str], c
 
 def evaluate_alignment(model: train_gpt.GPT, mode: str, device: torch.device, files: str | None = None,
                        num_tokens: int = 262_144, seq_len: int = 512, micro_batch: int = 8) -> dict:
-    """The full docs/evaluation.md#b_q-alignment-and-enrichment analysis of one model in one key mode."""
+    """The full docs/evaluation.md#b_q-alignment-and-enrichment analysis of one model in one key mode (`files`: the
+    validation shards that mode residual reads)."""
     strings, categories = vocabulary()
     cfg = model.config
     direction = bias_direction(model).to(device)
     if mode == "residual":
-        if files is None:
-            raise ValueError("alignment mode 'residual' needs validation files (--val-files or the run's config)")
         means, counts = residual_keys(model, files, num_tokens, seq_len, micro_batch, device)
         token_ids = torch.nonzero(counts > 0).squeeze(1)
         keys = [means[layer, token_ids] for layer in range(cfg.n_layer)]
