@@ -15,6 +15,7 @@ import math
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.linalg import matrix_norm
 
 from optim import OPTIMIZERS
 from gauge.dynamics import attention_parameters, gauge_transformed, head_factors, num_attention_layers
@@ -96,10 +97,6 @@ def gram_balance(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return imbalance, torch.maximum(ratio, 1 / ratio.clamp_min(1e-300)).amax(-1)
 
 
-def _norm(x: Tensor) -> Tensor:
-    return torch.linalg.matrix_norm(x)
-
-
 def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor, kind: str = "gl",
                      condition: float = 10.0, samples: int = 4, seed: int = 0, dtype: torch.dtype = torch.float64,
                      tolerance: float = 1e-6, progress: bool = False) -> dict:
@@ -152,15 +149,15 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
                 moves[s].append(q1[s] - q0[s])
         for s in SECTORS:
             # No motion (e.g. SOAP's first step only builds its preconditioner): the relative metrics are undefined.
-            scale = torch.where(_norm(reference[s]) > 0, _norm(reference[s]), torch.nan)
+            scale = torch.where(matrix_norm(reference[s]) > 0, matrix_norm(reference[s]), torch.nan)
             stacked = torch.stack(moves[s])  # (samples, H, rows, cols)
             mean_move = stacked.mean(0)
-            rel = _norm(stacked - reference[s]) / scale  # (samples, H)
+            rel = matrix_norm(stacked - reference[s]) / scale  # (samples, H)
             imbalance, rms_ratio = gram_balance(*_pairs(f0)[s])
             values = {
                 "relative_difference": rel.mean(0), "relative_difference_var": rel.var(0, correction=0),
-                "random_gauge_variance": _norm(stacked - mean_move).square().mean(0) / scale.square(),
-                "smoothed_difference": _norm(mean_move - reference[s]) / scale,
+                "random_gauge_variance": matrix_norm(stacked - mean_move).square().mean(0) / scale.square(),
+                "smoothed_difference": matrix_norm(mean_move - reference[s]) / scale,
                 "gram_imbalance": imbalance,
                 "gram_imbalance_gauged": torch.stack([g[0] for g in imbalances[s]]).mean(0),
                 "column_rms_ratio": rms_ratio,
