@@ -58,28 +58,11 @@ class ExportError(ValueError):
     """A model or directory that cannot be converted, with what to do instead."""
 
 
-def folded_attention_biases(model: train_gpt.GPT) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """Per layer, the (C,) query and value biases evaluation adds (E[b_Q], E[b_V], or a learned model's b_q, b_v),
-    laid out head after head like c_attn's output; None where the mode adds none."""
-    cfg = model.config
-    use_q, use_v = cfg.sampled_biases
-    folds = []
-    for i, block in enumerate(model.transformer.h):
-        if cfg.bias_mode == "learned":
-            b_q, b_v = block.attn.b_q.detach(), block.attn.b_v.detach()
-        else:
-            b_q = model.mean_biases[i, 0] if use_q else None
-            b_v = model.mean_biases[i, 1] if use_v else None
-        folds.append(tuple(None if b is None else b.expand(cfg.n_head, cfg.head_dim).reshape(cfg.n_embd).float()
-                           for b in (b_q, b_v)))
-    return folds
-
-
 def hf_state_dict(model: train_gpt.GPT) -> dict[str, torch.Tensor]:
     """Our model's weights under GPT-2's names and layout (no `transformer.` prefix, as GPT-2's own files; the tied
     lm_head is not stored), with the evaluation biases folded into c_attn.bias and the vocabulary cut to GPT-2's."""
-    C = model.config.n_embd
-    vocab = min(model.config.vocab_size, GPT2_VOCAB)
+    cfg = model.config
+    C, vocab = cfg.n_embd, min(cfg.vocab_size, GPT2_VOCAB)
     out = {}
     for name, tensor in model.state_dict().items():
         if not name.startswith("transformer."):
@@ -93,12 +76,17 @@ def hf_state_dict(model: train_gpt.GPT) -> dict[str, torch.Tensor]:
         elif key.endswith(CONV1D_WEIGHTS):
             tensor = tensor.t()
         out[key] = tensor.contiguous().clone()
-    for i, (b_q, b_v) in enumerate(folded_attention_biases(model)):
+    use_q, use_v = cfg.sampled_biases
+    for i, block in enumerate(model.transformer.h):  # the query and value biases evaluation adds, where it adds any
+        if cfg.bias_mode == "learned":
+            b_q, b_v = block.attn.b_q.detach(), block.attn.b_v.detach()
+        else:
+            b_q = model.mean_biases[i, 0] if use_q else None
+            b_v = model.mean_biases[i, 1] if use_v else None
         bias = out[f"h.{i}.attn.c_attn.bias"]
-        if b_q is not None:
-            bias[:C] += b_q
-        if b_v is not None:
-            bias[2 * C:] += b_v
+        for b, part in ((b_q, slice(0, C)), (b_v, slice(2 * C, 3 * C))):
+            if b is not None:  # one (d,) row per head, or one shared by the heads
+                bias[part] += b.expand(cfg.n_head, cfg.head_dim).reshape(C).float()
     return out
 
 

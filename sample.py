@@ -20,6 +20,7 @@ import kv_cache
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
+from eval.common import resolve_device
 from run.checkpoint import CheckpointError
 
 
@@ -51,14 +52,6 @@ def generate(model: train_gpt.GPT, idx: torch.Tensor, max_new_tokens: int, tempe
             next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         idx = torch.cat((idx, next_token), dim=1)
     return idx
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_parser() -> ArgumentParser:

@@ -124,14 +124,6 @@ class RelationalAttention(nn.Module):
 RELATIONAL_MEMORY_LIMIT = 8 * 2**30  # bytes of score-MLP activations per micro-batch beyond which we refuse
 
 
-def relational_activation_bytes(config, micro_batch: int, seq_len: int) -> int:
-    """What relational attention keeps for the backward pass per micro-batch: per layer and token pair the three
-    Gram features, the score MLP's hidden layer before and after the activation, and per head the score, its
-    softmax and the masked score (fp32)."""
-    per_pair = 3 + 2 * config.relational_hidden + 3 * config.n_head
-    return 4 * config.n_layer * micro_batch * seq_len * seq_len * per_pair
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Symmetric initialisation (docs/variants.md#symmetric-initialisation)
 
@@ -311,7 +303,11 @@ def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch
     if research.dynamics_every or research.gauge != "none" or research.gauge_diagnostic_every:
         return ("--dynamics-every, --gauge and --gauge-diagnostic-every act on the heads' W_Q, W_K, W_V, W_O, which "
                 "--attention relational does not have: leave them off")
-    needed = relational_activation_bytes(model, micro_batch, seq_len)
+    # What relational attention keeps for the backward pass per micro-batch: per layer and token pair the three Gram
+    # features, the score MLP's hidden layer before and after the activation, and per head the score, its softmax
+    # and the masked score (fp32).
+    per_pair = 3 + 2 * model.relational_hidden + 3 * model.n_head
+    needed = 4 * model.n_layer * micro_batch * seq_len * seq_len * per_pair
     if needed > RELATIONAL_MEMORY_LIMIT:
         return (f"--attention relational is a prototype for small models: --micro-batch {micro_batch} x "
                 f"--seq-len {seq_len} over {model.n_layer} layers would keep {needed / 2**30:.1f} GiB of score "

@@ -38,6 +38,7 @@ from fileio import atomic_write
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")
 TOP_K = 15
+NULL_QUANTILE = 0.99  # a head above this quantile of the null maximum is aligned beyond chance
 PSEUDO_COUNT = 0.5
 
 INTERROGATIVES = frozenset("what who whom whose which when where why how whether".split())
@@ -108,12 +109,12 @@ def vocabulary() -> tuple[list[str], list[str | None]]:
     return [b.decode("utf-8", errors="backslashreplace") for b in raw], [token_category(b) for b in raw]
 
 
-def _null_distribution(d: int, grid: int = 400_001) -> tuple[np.ndarray, np.ndarray]:
+def _null_distribution(d: int) -> tuple[np.ndarray, np.ndarray]:
     """(t, log P(cos ≤ t)) on [−1, 1] for the cosine between a fixed and a uniformly random direction in R^d.
 
     cos² ~ Beta(1/2, (d−1)/2): density (1 − t²)^((d−3)/2) / B(1/2, (d−1)/2); the tail is integrated numerically.
     """
-    t = np.linspace(0.0, 1.0, grid)
+    t = np.linspace(0.0, 1.0, 400_001)
     log_norm = math.lgamma(0.5) + math.lgamma((d - 1) / 2) - math.lgamma(d / 2)
     density = np.exp((d - 3) / 2 * np.log1p(-np.minimum(t, 1 - 1e-16) ** 2) - log_norm)
     steps = 0.5 * (density[1:] + density[:-1]) * np.diff(t)
@@ -123,7 +124,7 @@ def _null_distribution(d: int, grid: int = 400_001) -> tuple[np.ndarray, np.ndar
     return full_t, log_cdf
 
 
-def null_threshold(d: int, vocab: int, quantile: float = 0.99) -> float:
+def null_threshold(d: int, vocab: int, quantile: float = NULL_QUANTILE) -> float:
     """The `quantile` of the maximum cosine between E[b_Q] and `vocab` random directions in R^d.
 
     A head whose top alignment exceeds it is aligned beyond chance at level 1 − quantile. For d = 64, V = 50257
@@ -151,16 +152,14 @@ def bias_direction(model: train_gpt.GPT) -> torch.Tensor:
 
 @torch.no_grad()
 def token_keys(model: train_gpt.GPT, mode: str, layer: int) -> torch.Tensor:
-    """Keys (V, C) of every real token from its embedding in mode `raw` or `ln`."""
+    """Keys (V, C) of every real token from its embedding in mode `raw`, else `ln`."""
     cfg = model.config
     block = model.transformer.h[layer]
     emb = model.transformer.wte.weight[:GPT2_VOCAB]
     w_k = block.attn.c_attn.weight[cfg.n_embd:2 * cfg.n_embd]
     if mode == "raw":
         return emb @ w_k.T
-    if mode == "ln":
-        return block.ln_1(emb) @ w_k.T + block.attn.c_attn.bias[cfg.n_embd:2 * cfg.n_embd]
-    raise ValueError(f"token_keys: mode must be raw or ln, got {mode!r}")
+    return block.ln_1(emb) @ w_k.T + block.attn.c_attn.bias[cfg.n_embd:2 * cfg.n_embd]
 
 
 class _KeysRecorded(Exception):
@@ -218,12 +217,12 @@ def enrichment(top: list[str | None], bottom: list[str | None]) -> dict[str, flo
 
 
 def analyze(scores: torch.Tensor, token_ids: torch.Tensor, strings: list[str], categories: list[str | None],
-            head_dim: int, k: int = TOP_K, quantile: float = 0.99) -> dict:
+            head_dim: int) -> dict:
     """Top/bottom tokens, alignment statistics and enrichment from cosines (L, H, V') over tokens `token_ids`."""
     n_layer, n_head, vocab = scores.shape
-    threshold = null_threshold(head_dim, vocab, quantile)
-    top_vals, top_idx = scores.topk(k, dim=-1)
-    bottom_vals, bottom_idx = scores.topk(k, dim=-1, largest=False)
+    threshold = null_threshold(head_dim, vocab)
+    top_vals, top_idx = scores.topk(TOP_K, dim=-1)
+    bottom_vals, bottom_idx = scores.topk(TOP_K, dim=-1, largest=False)
     heads, per_layer_top, per_layer_bottom = [], [], []
     for layer in range(n_layer):
         layer_top, layer_bottom = [], []
@@ -240,8 +239,8 @@ def analyze(scores: torch.Tensor, token_ids: torch.Tensor, strings: list[str], c
         per_layer_bottom.append(layer_bottom)
     top_alignment = top_vals[..., 0]
     return {
-        "vocab": vocab, "head_dim": head_dim,
-        "null_threshold": threshold, "null_quantile": quantile, "expected_null_max": expected_null_max(head_dim, vocab),
+        "vocab": vocab, "head_dim": head_dim, "null_threshold": threshold, "null_quantile": NULL_QUANTILE,
+        "expected_null_max": expected_null_max(head_dim, vocab),
         "mean_top": float(top_alignment.mean()), "max_top": float(top_alignment.max()),
         "frac_above_null": float((top_alignment > threshold).double().mean()),
         "top_alignment": top_alignment.tolist(),
@@ -253,13 +252,12 @@ def analyze(scores: torch.Tensor, token_ids: torch.Tensor, strings: list[str], c
 
 def evaluate_alignment(model: train_gpt.GPT, mode: str, device: torch.device, files: str | None = None,
                        num_tokens: int = 262_144, seq_len: int = 512, micro_batch: int = 8) -> dict:
-    """The full docs/evaluation.md#b_q-alignment-and-enrichment analysis of one model in one key mode."""
+    """The full docs/evaluation.md#b_q-alignment-and-enrichment analysis of one model in one key mode (`files`: the
+    validation shards that mode residual reads)."""
     strings, categories = vocabulary()
     cfg = model.config
     direction = bias_direction(model).to(device)
     if mode == "residual":
-        if files is None:
-            raise ValueError("alignment mode 'residual' needs validation files (--val-files or the run's config)")
         means, counts = residual_keys(model, files, num_tokens, seq_len, micro_batch, device)
         token_ids = torch.nonzero(counts > 0).squeeze(1)
         keys = [means[layer, token_ids] for layer in range(cfg.n_layer)]
@@ -311,7 +309,7 @@ def alignment_figure(result: dict, title: str = ""):
     return fig
 
 
-def markdown_summary(results: list[dict], title: str, example_heads: int = 2) -> str:
+def markdown_summary(results: list[dict], title: str) -> str:
     lines = [f"# b_Q alignment — {title}", "",
              "cos(k(x), E[b_Q]) per head (docs/evaluation.md). Null threshold: the 99% quantile of the maximum of V "
              "random cosines in d dims.", ""]
@@ -323,8 +321,7 @@ def markdown_summary(results: list[dict], title: str, example_heads: int = 2) ->
               markdown_table(["category"] + [r["mode"] for r in results], rows), ""]
     for r in results:
         lines += [f"![alignment {r['mode']}](alignment_{r['mode']}.png)", ""]
-        best = sorted(r["heads"], key=lambda h: -h["top_alignment"])[:example_heads]
-        for h in best:
+        for h in sorted(r["heads"], key=lambda h: -h["top_alignment"])[:2]:  # the two most aligned heads
             rows = [[t["token"], f"{t['cos']:+.3f}", b["token"], f"{b['cos']:+.3f}"]
                     for t, b in zip(h["top"], h["bottom"])]
             lines += [f"### {r['mode']}: layer {h['layer']} head {h['head']}", "",

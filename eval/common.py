@@ -69,6 +69,8 @@ def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
 
 
 def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -101,7 +103,6 @@ def checkpoint_identity(path: Path, step: int | None) -> dict:
     The sha256 covers the whole file and is computed once per process for a given file version (path, size,
     modification time, inode), so `eval.report` hashes a 1.5 GB checkpoint once however many evaluations it runs.
     """
-    path = Path(path)
     stat = path.stat()
     return {"path": str(path), "step": step,
             "sha256": _sha256_of_version(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino)}

@@ -72,7 +72,9 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
     val = _load(run_dir, "val_loss")
     logic_file, alignment_file = _load(run_dir, "logic_puzzles"), _load(run_dir, "alignment")
     logic = _pick_suite(logic_file, suite)
-    alignment = (alignment_file or {}).get("modes", {}).get(alignment_mode)
+    alignment = (alignment_file or {}).get("modes", {}).get(alignment_mode) or {}
+    overall = logic["overall"] if logic else {}
+    pooled = alignment["enrichment"]["pooled"] if alignment else {}
     steps = {name: result.get("step") for name, result in (("val_loss", val), ("logic_puzzles", logic_file),
                                                              ("alignment", alignment_file)) if result is not None}
     measured = [loss for _, loss in validation_losses(read_log(run_dir))]
@@ -83,13 +85,9 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
         "best_val_loss": min(measured) if measured else None,
         "val_loss": val["val_loss"] if val else None,
         "suite": logic["name"] if logic else None,
-        "logic_loss": logic["overall"]["logic_loss"] if logic else None,
-        "top1": logic["overall"]["top1"] if logic else None,
-        "top5": logic["overall"]["top5"] if logic else None,
-        "align_mean_top": alignment["mean_top"] if alignment else None,
-        "align_frac_above_null": alignment["frac_above_null"] if alignment else None,
-        "punct_enrichment": alignment["enrichment"]["pooled"]["punctuation"] if alignment else None,
-        "noise_enrichment": alignment["enrichment"]["pooled"]["unicode_noise"] if alignment else None,
+        "logic_loss": overall.get("logic_loss"), "top1": overall.get("top1"), "top5": overall.get("top5"),
+        "align_mean_top": alignment.get("mean_top"), "align_frac_above_null": alignment.get("frac_above_null"),
+        "punct_enrichment": pooled.get("punctuation"), "noise_enrichment": pooled.get("unicode_noise"),
     }
 
 
@@ -103,16 +101,11 @@ def step_label(steps: dict[str, int | None]) -> str:
     return ", ".join(f"{name} {step}" for name, step in steps.items())
 
 
-def _result_fields() -> set[str]:
-    """Names of the model, training and research flags that change what a run computes (cli.flag metadata)."""
-    return {f.name for cls in (train_gpt.GPTConfig, train_gpt.TrainConfig, ResearchConfig)
-            for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True)}
-
-
 def add_conditions(rows: list[dict], configs: list[dict]) -> None:
     """Set each row's `condition`: its optimizer and every setting that affects results and differs between the
     runs (the optimizer's own settings between runs of the same optimizer), except the seed and the bias mode."""
-    keep = _result_fields() - AVERAGED
+    keep = {f.name for cls in (train_gpt.GPTConfig, train_gpt.TrainConfig, ResearchConfig)
+            for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True)} - AVERAGED
     flat = [{k: v for section in ("model", "train", "research") for k, v in c.get(section, {}).items() if k in keep}
             for c in configs]
     varying = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1)
@@ -185,12 +178,10 @@ def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
     return markdown_table(header, body)
 
 
-def plot_enrichment(rows: list[dict], correlation: dict, path: Path) -> None:
-    """Δ top-5 against punctuation enrichment for the symmetry-broken runs that have both (call with n > 0)."""
+def plot_enrichment(points: list[dict], correlation: dict, path: Path) -> None:
+    """Δ top-5 against punctuation enrichment of `points`, the symmetry-broken runs that have both (n > 0)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    points = [r for r in rows if r["delta_top5"] is not None and r["punct_enrichment"] is not None
-              and r["bias_mode"] != "none"]
     ax.scatter([r["punct_enrichment"] for r in points], [r["delta_top5"] for r in points])
     for r in points:
         ax.annotate(r["run"], (r["punct_enrichment"], r["delta_top5"]), fontsize=6)
@@ -244,22 +235,20 @@ def main(argv: list[str] | None = None) -> dict:
     save_figure(runs_loss_figure([(r.name, read_log(r)) for r in run_dirs], "loss curves"), args.out / written[2])
     enrichment = args.out / "compare_enrichment.png"
     if correlation["n"]:
-        plot_enrichment(rows, correlation, enrichment)
+        plot_enrichment(broken, correlation, enrichment)
         written.append(enrichment.name)
     else:
         enrichment.unlink(missing_ok=True)  # an earlier comparison's figure would describe other runs
 
-    def cell(v, fmt: str, evaluation: str) -> str:
-        return format(v, fmt) if v is not None else f"run eval.{evaluation}"
+    def cell(v, fmt: str, evaluation: str, scale: float = 1.0) -> str:
+        return format(scale * v, fmt) if v is not None else f"run eval.{evaluation}"
     table = [[r["run"], step_label(r["steps"]), r["optimizer"], r["bias_mode"],
               format(r["best_val_loss"], ".4f") if r["best_val_loss"] is not None else "not in log.jsonl",
               cell(r["val_loss"], ".4f", "val_loss"), cell(r["logic_loss"], ".3f", "logic_puzzles"),
-              cell(None if r["top5"] is None else 100 * r["top5"], ".1f", "logic_puzzles"),
-              cell(None if r["top1"] is None else 100 * r["top1"], ".1f", "logic_puzzles"),
+              cell(r["top5"], ".1f", "logic_puzzles", 100), cell(r["top1"], ".1f", "logic_puzzles", 100),
               format(r["delta_top5"], "+.1f") if r["delta_top5"] is not None else "-",
               cell(r["align_mean_top"], ".3f", "alignment"),
-              cell(None if r["align_frac_above_null"] is None else 100 * r["align_frac_above_null"], ".1f",
-                   "alignment"),
+              cell(r["align_frac_above_null"], ".1f", "alignment", 100),
               cell(r["punct_enrichment"], "+.2f", "alignment")] for r in rows]
     ci = correlation["ci"]
     r_line = (f"Pearson r(punctuation enrichment, Δ top-5) = {correlation['r']:.2f}"

@@ -36,7 +36,7 @@ def measured_validation(record: dict) -> bool:
 
 def validation_losses(log: list[dict]) -> list[tuple[int, float]]:
     """(step, validation loss) where the trainer measured it, in step order, one per step."""
-    return sorted({r["step"]: r["val_loss"] for r in current_records(log) if measured_validation(r)}.items())
+    return loss_series(log, "step").validation
 
 
 @dataclass

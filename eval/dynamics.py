@@ -50,12 +50,6 @@ def checkpoint_dynamics(ckpt: dict) -> dict:
             "per_head": {key: value.tolist() for key, value in per_head.items()}}
 
 
-def drift(ckpt0: dict, ckpt1: dict) -> dict[str, float]:
-    """Mean over heads of the weight drift ratio between two checkpoints (docs/evaluation.md)."""
-    ratios = weight_drift_ratio(_params(ckpt0), _params(ckpt1), ckpt1["config"]["model"]["n_head"])
-    return {key: float(value.mean()) for key, value in ratios.items()}
-
-
 ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "
                        "checkpoints/step_XXXXXX.pt, --dynamics-every N logs these during training)")
 
@@ -107,8 +101,10 @@ def main(argv: list[str] | None = None) -> dict:
         result = checkpoint_dynamics(ckpt)
         result["checkpoint"] = str(path)
         results.append(result)
-        if previous is not None:
-            drifts.append({"from_step": previous["step"], "to_step": ckpt["step"], **drift(previous, ckpt)})
+        if previous is not None:  # the weight drift ratio since the previous checkpoint, mean over heads
+            ratios = weight_drift_ratio(_params(previous), _params(ckpt), ckpt["config"]["model"]["n_head"])
+            drifts.append({"from_step": previous["step"], "to_step": ckpt["step"],
+                           **{key: float(value.mean()) for key, value in ratios.items()}})
         previous = ckpt
     log = read_log(run_dir)
     online = [{k: r[k] for k in ("step", *LABELS) if k in r} for r in log if "J_QK" in r]

@@ -26,6 +26,7 @@ from pathlib import Path
 import tiktoken
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from cli import ArgumentParser
 import train_gpt
@@ -83,14 +84,10 @@ NUMERIC_MAX = 300  # " 0" .. " 361" are single GPT-2 tokens
 
 def _numeric(rng: random.Random) -> tuple[str, str]:
     kind = rng.choice(("up", "down", "double", "fibonacci", "squares"))
-    if kind == "up":
+    if kind in ("up", "down"):  # a falling sequence is a rising one read backwards (the same draws)
         step, n = rng.randint(1, 9), rng.randint(4, 6)
         start = rng.randint(0, NUMERIC_MAX - step * n)
-        seq = [start + step * i for i in range(n + 1)]
-    elif kind == "down":
-        step, n = rng.randint(1, 9), rng.randint(4, 6)
-        start = rng.randint(step * n, NUMERIC_MAX)
-        seq = [start - step * i for i in range(n + 1)]
+        seq = [start + step * i for i in range(n + 1)][::1 if kind == "up" else -1]
     elif kind == "double":
         start, n = rng.randint(1, 9), rng.randint(3, 5)
         seq = [start * 2 ** i for i in range(n + 1)]
@@ -245,9 +242,7 @@ def score_items(model: train_gpt.GPT, encoded: list[tuple[list[int], int]], devi
         longest = max(len(tokens) for tokens, _ in chunk)
         if longest > block:
             raise ValueError(f"a prompt of {longest} tokens exceeds the model's block_size {block}")
-        idx = torch.full((len(chunk), longest), EOT_TOKEN, dtype=torch.long)
-        for row, (tokens, _) in enumerate(chunk):
-            idx[row, :len(tokens)] = torch.tensor(tokens)
+        idx = pad_sequence([torch.tensor(tokens) for tokens, _ in chunk], batch_first=True, padding_value=EOT_TOKEN)
         logits, _ = model(idx.to(device), all_logits=True)  # each prompt ends at its own position
         last = torch.tensor([len(tokens) - 1 for tokens, _ in chunk], device=device)
         final = logits[torch.arange(len(chunk), device=device), last, :vocabulary].float()
@@ -270,9 +265,8 @@ def summarize(items: list[dict], scores: list[dict]) -> dict:
         loss, loss_lo, loss_hi = mean_interval([-r["logprob"] for r in rows])
         return {"n": n, "top1": top1 / n, "top1_ci": wilson_interval(top1, n), "top5": top5 / n,
                 "top5_ci": wilson_interval(top5, n), "logic_loss": loss, "logic_loss_ci": (loss_lo, loss_hi)}
-    categories = {}
-    for category in dict.fromkeys(item["category"] for item in items):
-        categories[category] = block([s for item, s in zip(items, scores) if item["category"] == category])
+    categories = {category: block([s for item, s in zip(items, scores) if item["category"] == category])
+                  for category in dict.fromkeys(item["category"] for item in items)}
     overall = block(scores)
     overall["top5_category_mean"] = sum(c["top5"] for c in categories.values()) / len(categories)
     overall["top1_category_mean"] = sum(c["top1"] for c in categories.values()) / len(categories)
@@ -327,10 +321,8 @@ def markdown_summary(results: list[dict], title: str, step: int | None = None) -
              "Expected first token in top-1 / top-5 and its cross-entropy (logic loss); 95% intervals in brackets "
              "(docs/evaluation.md#logic-puzzles).", ""]
     for r in results:
-        rows = []
-        for name, b in list(r["categories"].items()) + [("**overall**", r["overall"])]:
-            rows.append([name, b["n"], _percent_with_ci(b, "top1"), _percent_with_ci(b, "top5"),
-                         f"{b['logic_loss']:.3f}"])
+        rows = [[name, b["n"], _percent_with_ci(b, "top1"), _percent_with_ci(b, "top5"), f"{b['logic_loss']:.3f}"]
+                for name, b in [*r["categories"].items(), ("**overall**", r["overall"])]]
         lines += [f"## Suite `{r['name']}` (protocol `{r['protocol']}`)", "",
                   markdown_table(["category", "n", "top-1 %", "top-5 %", "logic loss"], rows),
                   f"Mean of the per-category accuracies: top-1 {100 * r['overall']['top1_category_mean']:.1f}%, "

@@ -143,9 +143,8 @@ class Page:
         """report.md and eval/report.json from the state so far; returns the index."""
         run_dir, eval_dir, results, status, step = self.run_dir, self.eval_dir, self.results, self.status, self.step
         manifest = read_manifest(eval_dir)["outputs"]
-        config = self.config
         rel = eval_dir.relative_to(run_dir) if eval_dir.is_relative_to(run_dir) else eval_dir
-        model, train, optim = config.get("model", {}), config.get("train", {}), config.get("optim", {})
+        model, train, optim = (self.config.get(section, {}) for section in ("model", "train", "optim"))
         lines = [f"# Run report — {run_dir.name}, step {step}", "",
                  f"Checkpoint `{self.ckpt_path}` (step {step}, sha256 `{self.identity['sha256'][:12]}`). "
                  f"Model {model.get('n_layer')}L/{model.get('n_head')}H/{model.get('n_embd')}C, "

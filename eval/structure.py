@@ -91,25 +91,20 @@ def query_key_matrices(tensors: dict[str, Tensor], layer: int, n_head: int) -> t
     return per_head.sum(0), per_head
 
 
-def structure_scores(tensors: dict[str, Tensor], n_head: int, convention: str = "figures",
-                     gamma: float = GAMMA) -> dict:
-    """Scores of every layer ("layers": {"symmetry", "directionality"}: lists of L) and head ("heads": L×H lists)
-    and their medians across layers ("median")."""
+def checkpoint_structure(ckpt: dict, convention: str, gamma: float, device: torch.device) -> dict:
+    """A checkpoint's scores of every layer ("layers": {"symmetry", "directionality"}: lists of L) and head
+    ("heads": L×H lists) and their medians across layers ("median")."""
+    tensors = {plain_name(n): t.to(device) for n, t in ckpt["model"].items() if ".attn." in n}
     layers = {"symmetry": [], "directionality": []}
     heads = {"symmetry": [], "directionality": []}
     for layer in range(num_attention_layers(tensors)):
-        m, per_head = query_key_matrices(tensors, layer, n_head)
+        m, per_head = query_key_matrices(tensors, layer, ckpt["config"]["model"]["n_head"])
         for out, matrices in ((layers, m), (heads, per_head)):
             out["symmetry"].append(symmetry_score(matrices, convention).tolist())
             out["directionality"].append(directionality_score(matrices, convention, gamma).tolist())
     median = {key: float(np.median(values)) for key, values in layers.items()}
-    return {"layers": layers, "heads": heads, "median": median}
-
-
-def checkpoint_structure(ckpt: dict, convention: str, gamma: float, device: torch.device) -> dict:
-    tensors = {plain_name(n): t.to(device) for n, t in ckpt["model"].items() if ".attn." in n}
-    scores = structure_scores(tensors, ckpt["config"]["model"]["n_head"], convention, gamma)
-    return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], **scores}
+    return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], "layers": layers, "heads": heads,
+            "median": median}
 
 
 ONE_CHECKPOINT_NOTE = ("one checkpoint: tracking over training needs several (--keep-checkpoints keeps "

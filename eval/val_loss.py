@@ -10,7 +10,6 @@ with the checkpoint in `manifest.json` (docs/evaluation.md#validation-loss).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 
@@ -29,8 +28,7 @@ from run.log import read_log
 def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: int, seq_len: int, micro_batch: int,
                     device: torch.device, autocast_dtype: torch.dtype | None = None) -> dict:
     """The trainer's validation loss (`train_gpt.evaluate`) on one process, with its perplexity and token count."""
-    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     loss = train_gpt.evaluate(model, files, num_tokens, seq_len, micro_batch, device=device, autocast=autocast)
     return {"val_loss": loss, "perplexity": math.exp(loss), "tokens": num_tokens // seq_len * seq_len,
             "seq_len": seq_len, "micro_batch": micro_batch}

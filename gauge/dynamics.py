@@ -27,6 +27,11 @@ def plain_name(name: str) -> str:
     return name
 
 
+def attention_parameters(model: nn.Module) -> dict[str, Tensor]:
+    """The attention parameters by plain name, which the gauge acts on: detached views that write through."""
+    return {plain_name(n): p.detach() for n, p in model.named_parameters() if ".attn." in n}
+
+
 def num_attention_layers(tensors: Mapping[str, Tensor]) -> int:
     """Number of `transformer.h.{i}.attn.c_attn.weight` entries (checked to be 0..L-1)."""
     layers = sorted(int(n.split(".")[2]) for n in tensors if n.startswith("transformer.h.")
@@ -77,7 +82,7 @@ def angular_momentum(charge: Tensor) -> Tensor:
     return torch.linalg.matrix_norm(charge - charge.mT) / math.sqrt(2.0)
 
 
-def solve_rotation_generator(gram: Tensor, rhs: Tensor, iterations: int = 12) -> Tensor:
+def solve_rotation_generator(gram: Tensor, rhs: Tensor) -> Tensor:
     """Solve H Ω + Ω H = L for symmetric positive definite H (batched d×d), without host synchronisation.
 
     Scaled Newton sign iteration for Sylvester equations (Roberts 1980; Higham, Functions of Matrices §5.5): with
@@ -90,7 +95,7 @@ def solve_rotation_generator(gram: Tensor, rhs: Tensor, iterations: int = 12) ->
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     scale = (gram.diagonal(dim1=-2, dim2=-1).mean(-1) + torch.finfo(gram.dtype).tiny)[..., None, None]
     h, rhs = gram / scale + 1e-14 * eye, rhs / scale
-    for _ in range(iterations):
+    for _ in range(12):
         h_inv = torch.linalg.inv_ex(h)[0]
         mu = (torch.linalg.matrix_norm(h_inv) / torch.linalg.matrix_norm(h)).sqrt()[..., None, None]
         h, h_inv, rhs = mu * h, h_inv / mu, mu * rhs
@@ -152,9 +157,8 @@ def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: i
     `velocity`: a unit velocity such as `velocity_from_optimizers(optimizers)`. For the trainer's
     `--dynamics-every N` log lines; one host sync (the final conversion).
     """
-    params = {plain_name(n): p.detach() for n, p in model.named_parameters()}
     velocity = {plain_name(n): v for n, v in velocity.items()}
-    per_head = head_dynamics(params, velocity, n_head)
+    per_head = head_dynamics(attention_parameters(model), velocity, n_head)
     means = torch.stack([v.mean() for v in per_head.values()]).tolist()
     return dict(zip(per_head, means))
 

@@ -15,9 +15,10 @@ import math
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.linalg import matrix_norm
 
 from optim import OPTIMIZERS
-from gauge.dynamics import gauge_transformed, head_factors, num_attention_layers, plain_name
+from gauge.dynamics import attention_parameters, gauge_transformed, head_factors, num_attention_layers
 from gauge.updates import gram_imbalance
 
 GAUGE_KINDS = ("gl", "orthogonal")
@@ -61,18 +62,6 @@ def copy_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return clone.to(device=next(model.parameters()).device, dtype=dtype)
 
 
-def attention_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
-    """The attention parameters by plain name, detached copies."""
-    return {plain_name(n): p.detach().clone() for n, p in model.named_parameters() if ".attn." in n}
-
-
-def load_attention(model: torch.nn.Module, tensors: dict[str, Tensor]) -> None:
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if plain_name(name) in tensors:
-                param.copy_(tensors[plain_name(name)])
-
-
 def one_step(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """Attention parameters after one step of a fresh `optimizer` on (x, y) with the mean biases (model changed)."""
     spec = OPTIMIZERS[optimizer]
@@ -82,7 +71,7 @@ def one_step(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor) 
     loss = model(x, y)[1]
     loss.backward()
     opt.step(loss.detach()) if spec.needs_loss else opt.step()
-    return attention_tensors(model)
+    return attention_parameters(model)  # of a model nobody steps again
 
 
 def _inverse_gauge(factors: dict[str, Tensor], s_qk: Tensor, s_vo: Tensor) -> dict[str, Tensor]:
@@ -108,10 +97,6 @@ def gram_balance(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return imbalance, torch.maximum(ratio, 1 / ratio.clamp_min(1e-300)).amax(-1)
 
 
-def _norm(x: Tensor) -> Tensor:
-    return torch.linalg.matrix_norm(x)
-
-
 def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor, kind: str = "gl",
                      condition: float = 10.0, samples: int = 4, seed: int = 0, dtype: torch.dtype = torch.float64,
                      tolerance: float = 1e-6, progress: bool = False) -> dict:
@@ -123,7 +108,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
     cfg = model.config
     n_head, d = cfg.n_head, cfg.head_dim
     base = copy_model(model, dtype)
-    params0 = attention_tensors(base)
+    params0 = attention_parameters(base)  # base itself never changes
     n_layer = num_attention_layers(params0)
     with torch.no_grad():
         logits0 = base(x, all_logits=True)[0].double()
@@ -138,7 +123,8 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
                       for _ in SECTORS)
         before = gauge_transformed(params0, n_head, s_qk, s_vo)
         clone = copy_model(base, dtype)
-        load_attention(clone, before)
+        for name, param in attention_parameters(clone).items():
+            param.copy_(before[name])
         with torch.no_grad():
             change = ((clone(x, all_logits=True)[0].double() - logits0).abs().max() / logits0.abs().max()).item()
         logit_change.append(change)
@@ -148,9 +134,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
         gauged.append((before, one_step(clone, optimizer, optim_cfg, x, y), s_qk, s_vo))
         if progress:
             print(f"gauge sample {i + 1}/{samples}: logit change {change:.3g}")
-    keys = ("relative_difference", "relative_difference_var", "random_gauge_variance", "smoothed_difference",
-            "gram_imbalance", "gram_imbalance_gauged", "column_rms_ratio", "column_rms_ratio_gauged")
-    per_head: dict[str, list] = {f"{k}_{s}": [] for s in SECTORS for k in keys}
+    per_head: dict[str, list] = {}  # "{metric}_{sector}": one list of H per layer
     for layer in range(n_layer):
         f0, f1 = head_factors(params0, layer, n_head), head_factors(after0, layer, n_head)
         p0, p1 = _products(f0), _products(f1)
@@ -165,22 +149,22 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
                 moves[s].append(q1[s] - q0[s])
         for s in SECTORS:
             # No motion (e.g. SOAP's first step only builds its preconditioner): the relative metrics are undefined.
-            scale = torch.where(_norm(reference[s]) > 0, _norm(reference[s]), torch.nan)
+            scale = torch.where(matrix_norm(reference[s]) > 0, matrix_norm(reference[s]), torch.nan)
             stacked = torch.stack(moves[s])  # (samples, H, rows, cols)
             mean_move = stacked.mean(0)
-            rel = _norm(stacked - reference[s]) / scale  # (samples, H)
+            rel = matrix_norm(stacked - reference[s]) / scale  # (samples, H)
             imbalance, rms_ratio = gram_balance(*_pairs(f0)[s])
             values = {
                 "relative_difference": rel.mean(0), "relative_difference_var": rel.var(0, correction=0),
-                "random_gauge_variance": _norm(stacked - mean_move).square().mean(0) / scale.square(),
-                "smoothed_difference": _norm(mean_move - reference[s]) / scale,
+                "random_gauge_variance": matrix_norm(stacked - mean_move).square().mean(0) / scale.square(),
+                "smoothed_difference": matrix_norm(mean_move - reference[s]) / scale,
                 "gram_imbalance": imbalance,
                 "gram_imbalance_gauged": torch.stack([g[0] for g in imbalances[s]]).mean(0),
                 "column_rms_ratio": rms_ratio,
                 "column_rms_ratio_gauged": torch.stack([g[1] for g in imbalances[s]]).mean(0),
             }
             for k, v in values.items():
-                per_head[f"{k}_{s}"].append(v.tolist())
+                per_head.setdefault(f"{k}_{s}", []).append(v.tolist())
     summary = {k: float(np.mean(v)) for k, v in per_head.items()}
     return {"optimizer": optimizer, "gauge": kind, "condition": condition if kind == "gl" else 1.0,
             "samples": samples, "seed": seed, "dtype": str(dtype).replace("torch.", ""), "exact": exact,

@@ -25,7 +25,8 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from gauge.dynamics import factor_tensors, head_factors, num_attention_layers, plain_name, solve_rotation_generator
+from gauge.dynamics import (attention_parameters, complete_velocity, factor_tensors, head_factors, num_attention_layers,
+                            plain_name, solve_rotation_generator)
 
 GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
@@ -169,11 +170,6 @@ def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str,
     return out
 
 
-def attention_parameters(model: nn.Module) -> dict[str, Tensor]:
-    """The attention parameters (plain names), which the gauge acts on."""
-    return {plain_name(n): p for n, p in model.named_parameters() if ".attn." in n}
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The trainer's object.
 
@@ -205,7 +201,7 @@ class GaugeUpdates:
         """Copies of the attention parameters before the step (None when the mode does not need them)."""
         if not self.acts_on_updates:
             return None
-        return {name: p.detach().clone() for name, p in attention_parameters(model).items()}
+        return {name: p.clone() for name, p in attention_parameters(model).items()}
 
     @torch.no_grad()
     def after_step(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], before: dict[str, Tensor] | None,
@@ -274,7 +270,7 @@ class GaugeUpdates:
             present = {name: moments[name][1] for name in params if name in moments}
             if not present:
                 continue
-            full = {name: present.get(name, torch.zeros_like(p)) for name, p in params.items()}
+            full = complete_velocity(params, present)
             moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
             opt.set_first_moments({moments[name][0]: value for name, value in
                                    named_tensors(moved, full, self.n_head).items() if name in present})

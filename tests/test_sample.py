@@ -9,6 +9,7 @@ import export
 import kv_cache
 import sample
 import train_gpt
+from eval import val_loss
 from data.shards import GPT2_VOCAB
 from run.checkpoint import save_checkpoint
 
@@ -223,3 +224,10 @@ def test_cli_samples_on_cuda_in_bf16(run_dir):
 def test_a_masked_lm_model_refuses_to_generate():
     with pytest.raises(ValueError, match="--objective mlm"):
         sample.generate(tiny_model(objective="mlm"), torch.zeros(1, 4, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("main", [sample.main, val_loss.main], ids=["sample", "eval.val_loss"])
+def test_device_cuda_without_cuda_is_a_one_line_error(run_dir, monkeypatch, main):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device is available"):
+        main(["--checkpoint", run_dir, "--device", "cuda"])
