@@ -50,6 +50,7 @@ MODEL_TYPE = "symgpt"
 AUTO_MAP = {"AutoConfig": "modeling_symgpt.SymGPTConfig", "AutoModelForCausalLM": "modeling_symgpt.SymGPTForCausalLM"}
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 200}  # python -m sample's, also generation_config.json's
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, which our model uses
+HF_DEFAULT_ACTIVATION = "gelu_new"  # transformers' GPT2Config default, for configs that do not name one
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 IGNORED_HF_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in older GPT-2 files
 
@@ -206,7 +207,7 @@ def config_from_exported(meta: dict, source: Path) -> train_gpt.GPTConfig:
     for key, (value, ours) in unsupported.items():
         if value != ours:
             raise ExportError(f"{source / CONFIG_FILE}: {key} = {value!r}; our GPT supports only {ours!r}")
-    activation = meta.get("activation_function", "gelu_new")
+    activation = meta.get("activation_function", HF_DEFAULT_ACTIVATION)
     supported = ("prelu",) if meta["model_type"] == MODEL_TYPE else ("gelu", "gelu_new", "gelu_pytorch_tanh")
     if activation not in supported:
         raise ExportError(f"{source / CONFIG_FILE}: activation_function {activation!r}; model_type "
@@ -270,7 +271,7 @@ def load_exported(source: str | os.PathLike) -> train_gpt.GPT:
     if not isinstance(meta, dict):
         raise ExportError(f"{path / CONFIG_FILE}: holds a JSON {type(meta).__name__}, not a config object")
     config = config_from_exported(meta, path)
-    activation = meta.get("activation_function", "gelu")
+    activation = meta.get("activation_function", HF_DEFAULT_ACTIVATION)
     if activation in ("gelu_new", "gelu_pytorch_tanh"):
         print(f"note: {path} uses activation_function {activation!r} (the tanh approximation of GELU); our GPT "
               "uses exact GELU, so logits differ slightly from the original", file=sys.stderr)

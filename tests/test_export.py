@@ -440,3 +440,13 @@ def test_checkpoint_and_run_are_one_flag(tmp_path, capsys):
     with pytest.raises(SystemExit):
         export.main(["to-hf", "--run", "a", "--checkpoint", "b", "--out", str(tmp_path / "x")])
     assert "--checkpoint / --run given twice" in capsys.readouterr().err
+
+
+def test_a_config_without_activation_function_is_read_as_gpt2s_default_and_says_so(tmp_path, capsys):
+    export.export_model(random_model(activation="gelu"), tmp_path / "gelu")
+    meta = json.loads((tmp_path / "gelu" / "config.json").read_text())
+    del meta["activation_function"]  # transformers' GPT2Config then means gelu_new, the tanh approximation
+    (tmp_path / "gelu" / "config.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert export.load_exported(tmp_path / "gelu").config.activation == "gelu"
+    assert "'gelu_new' (the tanh approximation of GELU)" in capsys.readouterr().err
