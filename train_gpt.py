@@ -205,9 +205,9 @@ class CausalSelfAttention(nn.Module):
     @torch.no_grad()
     def init_weights(self, config: GPTConfig) -> None:  # after GPT._init_weights: learned biases as sampled ones
         if self.learned_biases:
-            mean_q, std_q, mean_v, std_v = bias_distribution(config)
-            self.b_q.copy_(mean_q + std_q * torch.randn_like(self.b_q))
-            self.b_v.copy_(mean_v + std_v * torch.randn_like(self.b_v))
+            std_q, std_v = bias_stds(config)
+            self.b_q.copy_(config.mean_q + std_q * torch.randn_like(self.b_q))
+            self.b_v.copy_(config.mean_v + std_v * torch.randn_like(self.b_v))
 
     def forward(self, x: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, cache=None) -> torch.Tensor:
         B, T, C = x.shape
@@ -342,12 +342,10 @@ def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
 BIAS_STEPS_AHEAD = 64  # steps the trainer's sampler draws and copies to the device at once
 
 
-def bias_distribution(config: GPTConfig) -> tuple[float, torch.Tensor, float, torch.Tensor]:
-    """(μ_Q, σ_Q, μ_V, σ_V) with σ per dimension = linspace(min, max, d)."""
-    d = config.head_dim
-    std_q = torch.linspace(config.std_q_min, config.std_q_max, d)
-    std_v = torch.linspace(config.std_v_min, config.std_v_max, d)
-    return config.mean_q, std_q, config.mean_v, std_v
+def bias_stds(config: GPTConfig) -> torch.Tensor:
+    """(2, d): the per-dimension std of b_Q, then of b_V, linspace(min, max, d)."""
+    return torch.stack([torch.linspace(config.std_q_min, config.std_q_max, config.head_dim),
+                        torch.linspace(config.std_v_min, config.std_v_max, config.head_dim)])
 
 
 def _bias_shape(config: GPTConfig) -> tuple[int, ...]:
@@ -376,9 +374,8 @@ class BiasSampler:
 
     def __init__(self, config: GPTConfig, seed: int, ahead: int = 1):
         self.config, self.seed, self.ahead = config, seed, ahead
-        _, std_q, _, std_v = bias_distribution(config)
         self.mean = mean_biases(config)[0].numpy()
-        std = np.stack([std_q.numpy(), std_v.numpy()])  # (2, d)
+        std = bias_stds(config).numpy()
         self.std = std[:, None, :] if config.bias_per_head else std
         self._drawn: tuple[int, torch.Tensor] | None = None  # (first step, draws of `ahead` steps on the device)
 
