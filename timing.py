@@ -59,10 +59,7 @@ class TrainingClock:
     def later(self, record: dict, scalars: list[torch.Tensor]) -> None:
         """Hold `record` (with "step" and "tokens") until `scalars` reach the host."""
         stacked = torch.stack([s.detach().float().reshape(()) for s in scalars])
-        host = stacked
-        if self.cuda:
-            host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
+        host = stacked.to("cpu", non_blocking=True)  # from a GPU: into pinned memory, read once the mark has passed
         self.pending = record, host, self.mark(), self.seconds, self.origin
 
     def ready(self) -> tuple[dict, list[float]] | None:
