@@ -189,7 +189,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head = config.n_head
         self.causal = config.objective == "clm"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
@@ -493,7 +493,6 @@ class Trainer:
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.step_model: nn.Module = self.model  # what the loop calls (build_step_model)
         self.progress = Progress()
         self.run_dir: RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
@@ -503,7 +502,6 @@ class Trainer:
         # the training clock (MFU needs the device's peak) also holds the last log step's record until it is written
         self.clock = TrainingClock(rt.device, rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = ProfileWindow(hp.profile_steps, rt.device)
-        self.cudagraphs = False  # whether the compiled model replays CUDA graphs (--compile-mode)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -577,10 +575,11 @@ class Trainer:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
         acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
         rt, hp = self.rt, self.cfg.train
-        if rt.device.type == "cuda" and hp.compile:
-            self.step_model = torch.compile(self.step_model, mode=None if hp.compile_mode == "default" else
-                                            hp.compile_mode)
-            self.cudagraphs = hp.compile_mode != "default"  # both other modes replay CUDA graphs
+        compiled = rt.device.type == "cuda" and hp.compile
+        self.step_model: nn.Module = self.model
+        if compiled:
+            self.step_model = torch.compile(self.model, mode=None if hp.compile_mode == "default" else hp.compile_mode)
+        self.cudagraphs = compiled and hp.compile_mode != "default"  # both other modes replay CUDA graphs
         if rt.world > 1 and not self.spec.reduces_gradients:
             self.step_model = nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
