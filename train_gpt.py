@@ -362,15 +362,10 @@ def mean_biases(config: GPTConfig) -> torch.Tensor:
 
 
 class BiasSampler:
-    """Draws b_Q, b_V for one optimizer step: one draw per layer per training batch (docs/model.md), shared by every
-    micro-batch and every rank of the step.
-
-    Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]): rows b_Q, b_K, b_V of standard normals,
-    b_K's unused (it cancels; kept so b_Q, b_V stay the draws of earlier runs). No state: a resumed run, or a run on
-    any number of GPUs with any micro-batch split, sees the same biases for the same data. With `ahead` > 1 it draws
-    that many steps at once and copies them to the device in one transfer, which the next steps then index: the same
-    numbers, without a host-to-device copy per step.
-    """
+    """Draws b_Q, b_V for one optimizer step, shared by every micro-batch and rank of the step: layer i's draw at
+    `step` from default_rng([seed, step, i]), no state (docs/model.md#reproducible-sampling). With `ahead` > 1 it
+    draws that many steps at once and copies them to the device in one transfer, which the next steps then index: the
+    same numbers, without a host-to-device copy per step."""
 
     def __init__(self, config: GPTConfig, seed: int, ahead: int = 1):
         self.config, self.seed, self.ahead = config, seed, ahead
@@ -394,7 +389,8 @@ class BiasSampler:
         for i, step in enumerate(steps):
             for layer in range(self.config.n_layer):
                 rng = np.random.default_rng([self.seed, step, layer])
-                draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *shape[2:]))[::2]  # b_Q, b_V
+                # rows b_Q, b_K, b_V: b_K's unused (it cancels), kept so that b_Q, b_V stay earlier runs' draws
+                draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *shape[2:]))[::2]
         tensor = torch.from_numpy(draws)
         if device.type == "cuda":
             tensor = tensor.pin_memory()
