@@ -495,7 +495,6 @@ class Trainer:
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
-        # the training clock (MFU needs the device's peak) also holds the last log step's record until it is written
         self.clock = TrainingClock(rt.device, rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = ProfileWindow(hp.profile_steps, rt.device)
 
