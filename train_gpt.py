@@ -461,12 +461,11 @@ def single_batch_start(step: int, hp: TrainConfig) -> int | None:
 
 
 class Trainer:
-    """The run: built once from the config (data, model, optimizer, loader, bias sampler, objective, hooks), then
-    `restore` (for --resume), `open_run`, `train`, `finish`. `progress` is what changes and what a checkpoint saves
-    besides the model, optimizer and loader."""
+    """The run: built once from the config (data, its validation part checked before any step; model, optimizer,
+    loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `progress`
+    is what changes and what a checkpoint saves besides the model, optimizer and loader."""
 
     def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
-        """Data (the validation data is checked here, before any step), model, optimizer, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
         train_files, self.val_files, self.data_record, lines = training_data(hp, cfg.model.vocab_size, rt.is_master)
