@@ -348,14 +348,10 @@ def bias_stds(config: GPTConfig) -> torch.Tensor:
                         torch.linspace(config.std_v_min, config.std_v_max, config.head_dim)])
 
 
-def _bias_shape(config: GPTConfig) -> tuple[int, ...]:
-    return (config.n_layer, 2, config.n_head, config.head_dim) if config.bias_per_head else (
-        config.n_layer, 2, config.head_dim)
-
-
 def mean_biases(config: GPTConfig) -> torch.Tensor:
-    """E[b_Q], E[b_V] per layer, in the sampler's layout: what evaluation uses."""
-    out = torch.empty(_bias_shape(config))
+    """E[b_Q], E[b_V] per layer, (n_layer, 2, [n_head,] d) as the sampler draws them: what evaluation uses."""
+    one_bias = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
+    out = torch.empty(config.n_layer, 2, *one_bias)
     out[:, 0] = config.mean_q
     out[:, 1] = config.mean_v
     return out
@@ -384,13 +380,12 @@ class BiasSampler:
         return self._drawn[1][step - self._drawn[0]]
 
     def _draw(self, steps: range, device: torch.device) -> torch.Tensor:
-        shape = _bias_shape(self.config)
-        draws = np.empty((len(steps), *shape), dtype=np.float32)
+        draws = np.empty((len(steps), self.config.n_layer, *self.mean.shape), dtype=np.float32)
         for i, step in enumerate(steps):
             for layer in range(self.config.n_layer):
                 rng = np.random.default_rng([self.seed, step, layer])
                 # rows b_Q, b_K, b_V: b_K's unused (it cancels), kept so that b_Q, b_V stay earlier runs' draws
-                draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *shape[2:]))[::2]
+                draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *self.mean.shape[1:]))[::2]
         tensor = torch.from_numpy(draws)
         if device.type == "cuda":
             tensor = tensor.pin_memory()
