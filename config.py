@@ -222,12 +222,11 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
             pre.error(str(exc))
         saved = checkpoint["config"]
     preset = known.preset
-    if saved:
-        preset = saved["preset"] if saved["preset"] in PRESETS else None
-        if known.preset and preset and known.preset != preset:
-            pre.error(f"--preset {known.preset}: the resumed run was started with --preset {preset}, which it keeps "
-                      "(flags given with --resume change single settings)")
-        preset = preset or known.preset
+    if saved and saved["preset"] in PRESETS:  # a resumed run keeps its preset
+        if known.preset and known.preset != saved["preset"]:
+            pre.error(f"--preset {known.preset}: the resumed run was started with --preset {saved['preset']}, which "
+                      "it keeps (flags given with --resume change single settings)")
+        preset = saved["preset"]
     optimizer = (known.optimizer or (saved["train"]["optimizer"] if saved else None)
                  or PRESETS.get(preset, {}).get("optimizer") or train.optimizer)
     classes = section_classes(model, train, optimizer)

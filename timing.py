@@ -12,13 +12,9 @@ Mark = Union["torch.cuda.Event", float]
 
 
 class TrainingClock:
-    """The training clock and the log records that wait for the device.
-
-    Time is read between marks in stream order: CUDA events on a GPU (the device's own timeline, gaps where it
-    waited for the host included), time.perf_counter on a CPU (where the work is done when a call returns). The
-    clock runs from `start` or `resume` to `pause`, which waits for the device. `later` holds a log record whose
-    scalars (the loss, the gradient norm) go to pinned host memory behind an event; `ready` returns it a step later.
-    """
+    """The training clock and the log records that wait for the device (docs/runs.md#timing): marks are CUDA events
+    on a GPU, time.perf_counter on a CPU; the clock runs from `start` or `resume` to `pause` (which waits for the
+    device); `later` holds a record until its scalars reach the host, and `ready` returns it a step later."""
 
     def __init__(self, device: torch.device, mfu_per_token_s: float | None = None) -> None:
         self.cuda = device.type == "cuda"
@@ -59,10 +55,7 @@ class TrainingClock:
     def later(self, record: dict, scalars: list[torch.Tensor]) -> None:
         """Hold `record` (with "step" and "tokens") until `scalars` reach the host."""
         stacked = torch.stack([s.detach().float().reshape(()) for s in scalars])
-        host = stacked
-        if self.cuda:
-            host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
+        host = stacked.to("cpu", non_blocking=True)  # from a GPU: into pinned memory, read once the mark has passed
         self.pending = record, host, self.mark(), self.seconds, self.origin
 
     def ready(self) -> tuple[dict, list[float]] | None:

@@ -189,7 +189,7 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.n_head = config.n_head
         self.causal = config.objective == "clm"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
@@ -205,9 +205,9 @@ class CausalSelfAttention(nn.Module):
     @torch.no_grad()
     def init_weights(self, config: GPTConfig) -> None:  # after GPT._init_weights: learned biases as sampled ones
         if self.learned_biases:
-            mean_q, std_q, mean_v, std_v = bias_distribution(config)
-            self.b_q.copy_(mean_q + std_q * torch.randn_like(self.b_q))
-            self.b_v.copy_(mean_v + std_v * torch.randn_like(self.b_v))
+            std_q, std_v = bias_stds(config)
+            self.b_q.copy_(config.mean_q + std_q * torch.randn_like(self.b_q))
+            self.b_v.copy_(config.mean_v + std_v * torch.randn_like(self.b_v))
 
     def forward(self, x: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, cache=None) -> torch.Tensor:
         B, T, C = x.shape
@@ -342,43 +342,31 @@ def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
 BIAS_STEPS_AHEAD = 64  # steps the trainer's sampler draws and copies to the device at once
 
 
-def bias_distribution(config: GPTConfig) -> tuple[float, torch.Tensor, float, torch.Tensor]:
-    """(μ_Q, σ_Q, μ_V, σ_V) with σ per dimension = linspace(min, max, d)."""
-    d = config.head_dim
-    std_q = torch.linspace(config.std_q_min, config.std_q_max, d)
-    std_v = torch.linspace(config.std_v_min, config.std_v_max, d)
-    return config.mean_q, std_q, config.mean_v, std_v
-
-
-def _bias_shape(config: GPTConfig) -> tuple[int, ...]:
-    return (config.n_layer, 2, config.n_head, config.head_dim) if config.bias_per_head else (
-        config.n_layer, 2, config.head_dim)
+def bias_stds(config: GPTConfig) -> torch.Tensor:
+    """(2, d): the per-dimension std of b_Q, then of b_V, linspace(min, max, d)."""
+    return torch.stack([torch.linspace(config.std_q_min, config.std_q_max, config.head_dim),
+                        torch.linspace(config.std_v_min, config.std_v_max, config.head_dim)])
 
 
 def mean_biases(config: GPTConfig) -> torch.Tensor:
-    """E[b_Q], E[b_V] per layer, in the sampler's layout: what evaluation uses."""
-    out = torch.empty(_bias_shape(config))
+    """E[b_Q], E[b_V] per layer, (n_layer, 2, [n_head,] d) as the sampler draws them: what evaluation uses."""
+    one_bias = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
+    out = torch.empty(config.n_layer, 2, *one_bias)
     out[:, 0] = config.mean_q
     out[:, 1] = config.mean_v
     return out
 
 
 class BiasSampler:
-    """Draws b_Q, b_V for one optimizer step: one draw per layer per training batch (docs/model.md), shared by every
-    micro-batch and every rank of the step.
-
-    Layer i's draw at `step` comes from numpy's SeedSequence([seed, step, i]): rows b_Q, b_K, b_V of standard normals,
-    b_K's unused (it cancels; kept so b_Q, b_V stay the draws of earlier runs). No state: a resumed run, or a run on
-    any number of GPUs with any micro-batch split, sees the same biases for the same data. With `ahead` > 1 it draws
-    that many steps at once and copies them to the device in one transfer, which the next steps then index: the same
-    numbers, without a host-to-device copy per step.
-    """
+    """Draws b_Q, b_V for one optimizer step, shared by every micro-batch and rank of the step: layer i's draw at
+    `step` from default_rng([seed, step, i]), no state (docs/model.md#reproducible-sampling). With `ahead` > 1 it
+    draws that many steps at once and copies them to the device in one transfer, which the next steps then index: the
+    same numbers, without a host-to-device copy per step."""
 
     def __init__(self, config: GPTConfig, seed: int, ahead: int = 1):
         self.config, self.seed, self.ahead = config, seed, ahead
-        _, std_q, _, std_v = bias_distribution(config)
         self.mean = mean_biases(config)[0].numpy()
-        std = np.stack([std_q.numpy(), std_v.numpy()])  # (2, d)
+        std = bias_stds(config).numpy()
         self.std = std[:, None, :] if config.bias_per_head else std
         self._drawn: tuple[int, torch.Tensor] | None = None  # (first step, draws of `ahead` steps on the device)
 
@@ -392,12 +380,12 @@ class BiasSampler:
         return self._drawn[1][step - self._drawn[0]]
 
     def _draw(self, steps: range, device: torch.device) -> torch.Tensor:
-        shape = _bias_shape(self.config)
-        draws = np.empty((len(steps), *shape), dtype=np.float32)
+        draws = np.empty((len(steps), self.config.n_layer, *self.mean.shape), dtype=np.float32)
         for i, step in enumerate(steps):
             for layer in range(self.config.n_layer):
                 rng = np.random.default_rng([self.seed, step, layer])
-                draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *shape[2:]))[::2]  # b_Q, b_V
+                # rows b_Q, b_K, b_V: b_K's unused (it cancels), kept so that b_Q, b_V stay earlier runs' draws
+                draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *self.mean.shape[1:]))[::2]
         tensor = torch.from_numpy(draws)
         if device.type == "cuda":
             tensor = tensor.pin_memory()
@@ -468,12 +456,11 @@ def single_batch_start(step: int, hp: TrainConfig) -> int | None:
 
 
 class Trainer:
-    """The run: built once from the config (data, model, optimizer, loader, bias sampler, objective, hooks), then
-    `restore` (for --resume), `open_run`, `train`, `finish`. `progress` is what changes and what a checkpoint saves
-    besides the model, optimizer and loader."""
+    """The run: built once from the config (data, its validation part checked before any step; model, optimizer,
+    loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `progress`
+    is what changes and what a checkpoint saves besides the model, optimizer and loader."""
 
     def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
-        """Data (the validation data is checked here, before any step), model, optimizer, loader, bias sampler."""
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
         train_files, self.val_files, self.data_record, lines = training_data(hp, cfg.model.vocab_size, rt.is_master)
@@ -496,17 +483,14 @@ class Trainer:
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = objective_for(cfg.model)
         self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.step_model: nn.Module = self.model  # what the loop calls (build_step_model)
         self.progress = Progress()
         self.run_dir: RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
-        # the training clock (MFU needs the device's peak) also holds the last log step's record until it is written
         self.clock = TrainingClock(rt.device, rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = ProfileWindow(hp.profile_steps, rt.device)
-        self.cudagraphs = False  # whether the compiled model replays CUDA graphs (--compile-mode)
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -580,10 +564,11 @@ class Trainer:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
         acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
         rt, hp = self.rt, self.cfg.train
-        if rt.device.type == "cuda" and hp.compile:
-            self.step_model = torch.compile(self.step_model, mode=None if hp.compile_mode == "default" else
-                                            hp.compile_mode)
-            self.cudagraphs = hp.compile_mode != "default"  # both other modes replay CUDA graphs
+        compiled = rt.device.type == "cuda" and hp.compile
+        self.step_model: nn.Module = self.model
+        if compiled:
+            self.step_model = torch.compile(self.model, mode=None if hp.compile_mode == "default" else hp.compile_mode)
+        self.cudagraphs = compiled and hp.compile_mode != "default"  # both other modes replay CUDA graphs
         if rt.world > 1 and not self.spec.reduces_gradients:
             self.step_model = nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)

@@ -98,7 +98,7 @@ def test_key_bias_is_a_no_op(per_head):
     idx = torch.randint(0, 97, (2, 16))
     biases = BiasSampler(cfg, seed=3).sample(step=5).double()
     before = model(idx, biases=biases, all_logits=True)[0]
-    _, std_q, _, _ = train_gpt.bias_distribution(cfg)
+    std_q, _ = train_gpt.bias_stds(cfg)
     C, gen = cfg.n_embd, torch.Generator().manual_seed(4)
     shifts = [cfg.mean_q + std_q.double() * torch.randn(cfg.n_head if per_head else 1, cfg.head_dim,
                                                          generator=gen, dtype=torch.float64) for _ in range(2)]
@@ -175,7 +175,7 @@ def test_sampler_keeps_the_stream_of_three_rows_per_layer(per_head):
     """Layer i's draw at a step is rows 0 and 2 of default_rng([seed, step, i]).standard_normal((3, [H,] d)) (the
     stream's rows b_Q, b_K, b_V; b_K's unused): b_Q and b_V are the draws of runs that also drew b_K."""
     cfg = tiny_config(bias_per_head=per_head, mean_v=0.3)
-    _, std_q, _, std_v = train_gpt.bias_distribution(cfg)
+    std_q, std_v = train_gpt.bias_stds(cfg)
     std = torch.stack([std_q, std_v]).double()[:, None] if per_head else torch.stack([std_q, std_v]).double()
     mean = torch.tensor([cfg.mean_q, cfg.mean_v]).double().view(2, *[1] * (std.dim() - 1))
     draws = BiasSampler(cfg, seed=11).sample(step=7)
