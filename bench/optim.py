@@ -125,6 +125,12 @@ def load_published_soap(path: Path) -> type:
     return module.SOAP
 
 
+def published_soap_settings(cfg: SOAPConfig) -> dict:
+    """Our SOAP's hyperparameters as the published SOAP's keyword arguments."""
+    return dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                precondition_frequency=cfg.soap_precondition_frequency, max_precond_dim=cfg.soap_max_precond_dim)
+
+
 def load_modded_muon(path: Path) -> type:
     """modded-nanogpt's Muon class from its train_gpt.py at `path`: only `zeropower_via_newtonschulz5` and `Muon` are
     executed (the script itself starts a training run), without decorators, with `OneProcess` as torch.distributed."""
@@ -164,9 +170,7 @@ def peer_optimizers(name: str, model: train_gpt.GPT, args) -> list[torch.optim.O
     if name == "soap:published":
         cfg = SOAPConfig()
         soap = load_published_soap(Path(args.published_soap))
-        return [soap(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                     weight_decay=cfg.weight_decay, precondition_frequency=cfg.soap_precondition_frequency,
-                     max_precond_dim=cfg.soap_max_precond_dim)]
+        return [soap(model.parameters(), **published_soap_settings(cfg))]
     cfg = MuonConfig()
     muon = load_modded_muon(Path(args.modded_nanogpt))
     groups, matrices = muon_groups(model, cfg), []

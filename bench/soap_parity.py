@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import train_gpt
-from bench.optim import load_published_soap
+from bench.optim import load_published_soap, published_soap_settings
 from cli import ArgumentParser
 from optim import OPTIMIZERS
 from optim.soap import SOAPConfig
@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         if soap is None:
             optimizer = OPTIMIZERS["soap"].build(model, cfg)
         else:
-            optimizer = soap(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, precondition_frequency=cfg.soap_precondition_frequency,
-                             max_precond_dim=cfg.soap_max_precond_dim)
+            optimizer = soap(model.parameters(), **published_soap_settings(cfg))
         train(model, optimizer, args)
         end[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
     reference = end["published"]
