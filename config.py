@@ -22,7 +22,7 @@ from run.checkpoint import (
     resolve_resume,
     run_dir_of,
 )
-from run.directory import existing_run_problem
+from run.directory import directory_name_problem, existing_run_problem
 from run.log import module_available
 from run.process import batch_layout, world_size_from_env
 from timing import parse_window
@@ -306,8 +306,9 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
         batch_layout(hp, world)
     except ValueError as exc:
         return str(exc)
-    if hp.run_name and cfg.continue_in is None:
-        return existing_run_problem(Path(hp.run_dir) / hp.run_name)
+    if hp.run_name and cfg.continue_in is None:  # a new run directory, <run-dir>/<run-name>
+        return (directory_name_problem("--run-name", hp.run_name)
+                or existing_run_problem(Path(hp.run_dir) / hp.run_name))
     return None
 
 

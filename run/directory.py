@@ -33,6 +33,14 @@ class RunInUseError(RuntimeError):
     """Another live trainer owns the run directory."""
 
 
+def directory_name_problem(flag: str, name: str) -> str | None:
+    """Why `name`, given as `flag`, cannot name one directory inside its parent (empty, a path separator, or '.' or
+    '..', which would write elsewhere); None when it can."""
+    if name in ("", ".", "..") or "/" in name or (os.altsep and os.altsep in name):
+        return f"{flag} {name!r}: one directory name, without '/' and not '.' or '..' (the parent is --run-dir)"
+    return None
+
+
 def run_holds_checkpoint(run_dir: Path) -> bool:
     checkpoints = run_dir / "checkpoints"
     return checkpoints.is_dir() and any(checkpoints.glob("*.pt"))

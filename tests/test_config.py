@@ -39,6 +39,8 @@ def test_presets_compose_with_flags():
     (["--optimizer", "sgdm", "--optim-seed", str(2**32)], "--optim-seed must be [0, 4294967295], got 4294967296"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--bias-mode", "bk"], "invalid choice: 'bk'"),
+    (["--run-name", "../escape"], "--run-name '../escape': one directory name, without '/' and not '.' or '..'"),
+    (["--run-name", ".."], "--run-name '..': one directory name"),
     (["--optimizer", "muon", "--dynamics-every", "10"], "muon has none (set --dynamics-every 0)"),
     (["--ecd-eta", "5"], "--ecd-eta is a flag of --optimizer ecd; this run uses adamw"),
 ])
