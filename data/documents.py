@@ -3,10 +3,12 @@ files of a Hugging Face Hub dataset repo. Bad input is never dropped silently: w
 repaired is counted, reported and kept in data.tokenize's manifest (docs/data.md#other-corpora)."""
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import fnmatch
 import glob
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -21,6 +23,7 @@ DROPPED = {  # CorpusStats counters of input that yields no document, and what e
     "bad_json_lines": "jsonl lines that are not JSON",
     "missing_field": "records without a string text field (see --text-field)",
     "unreadable_files": "parquet files without the text column or unreadable",
+    "duplicate_files": "files named again (another path to a file already read: a symlink, an overlapping glob)",
 }
 
 
@@ -43,6 +46,7 @@ class CorpusStats:
     bad_json_lines: int = 0
     missing_field: int = 0
     unreadable_files: int = 0
+    duplicate_files: int = 0
     problems: list[str] = dataclasses.field(default_factory=list)
 
     def note(self, counter: str, message: str) -> None:
@@ -71,23 +75,31 @@ class CorpusStats:
         return "\n".join(lines)
 
 
-def resolve_sources(patterns: Iterable[str]) -> list[Path]:
+def resolve_sources(patterns: Iterable[str], stats: CorpusStats | None = None) -> list[Path]:
     """Files named by `patterns` (paths or globs; `**` recursive), each glob's matches sorted (folders left out),
-    duplicates dropped, order kept."""
+    order kept, and each file once: a path to a file already listed (the same path again, a symlink to it, or the
+    same file through a symlinked folder, which a `**` glob follows, in a loop too) is dropped and counted in
+    `stats` (duplicate_files). A file is read through the path that named it first, or through its resolved path
+    where that one passes more symlinks than the system follows (a loop's deepest paths)."""
     paths: list[Path] = []
+    seen: dict[tuple[int, int], Path] = {}  # (device, inode) -> the path that named the file first
     for pattern in patterns:
         matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise TokenizeError(f"{pattern!r} matches no files")
         for match in matches:
-            path = Path(match)
-            if path.is_dir() and glob.has_magic(pattern):  # `notes/**` matches folders too
+            path, real = Path(match), Path(os.path.realpath(match))
+            if real.is_dir() and glob.has_magic(pattern):  # `notes/**` matches folders too
                 continue
-            if not path.is_file():
-                what = "a directory: give its files, e.g. DIR/**/*" if path.is_dir() else "no such file"
+            if not real.is_file():
+                what = "a directory: give its files, e.g. DIR/**/*" if real.is_dir() else "no such file"
                 raise TokenizeError(f"{path}: {what}")
-            if path not in paths:
-                paths.append(path)
+            info = real.stat()
+            first = seen.setdefault((info.st_dev, info.st_ino), path)
+            if first is path:
+                paths.append(path if os.path.exists(path) else real)
+            elif stats is not None:
+                stats.note("duplicate_files", f"{path}: the same file as {first}; read once")
     return paths
 
 
@@ -104,7 +116,7 @@ def _decode(data: bytes, where: str, utf8_errors: str, stats: CorpusStats) -> st
 
 
 def _read_text(path: Path, utf8_errors: str, txt_split: str, stats: CorpusStats) -> Iterator[str]:
-    data = path.read_bytes()
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # a byte-order mark says UTF-8; it is not text
     if b"\0" in data:
         stats.note("binary_files", f"{path}: NUL bytes, so not UTF-8 text (a binary file?); skipped")
         return
@@ -121,6 +133,7 @@ def _read_text(path: Path, utf8_errors: str, txt_split: str, stats: CorpusStats)
 def _read_jsonl(path: Path, text_field: str, utf8_errors: str, stats: CorpusStats) -> Iterator[str]:
     with open(path, "rb") as f:
         for i, raw in enumerate(f):
+            raw = raw.removeprefix(codecs.BOM_UTF8) if i == 0 else raw
             if not raw.strip():
                 continue
             where = f"{path}:{i + 1}"

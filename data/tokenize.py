@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
                      "e.g. --out data/mine --prefix mine)")
     stats = CorpusStats()
     try:
-        paths = resolve_sources(args.inputs)
+        paths = resolve_sources(args.inputs, stats)
         sources = [str(p) for p in paths]
         if args.hub_repo:
             hub = fetch_hub_files(args.hub_repo, args.hub_pattern, args.hub_max_files, revision=args.hub_revision,

@@ -312,3 +312,35 @@ def test_a_prefix_that_is_not_a_file_name_is_refused_before_anything_is_written(
     assert excinfo.value.code == 2
     assert f"--prefix {prefix!r}: a name for the shard files, without '/'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_each_file_is_read_once_whatever_paths_lead_to_it(tmp_path, capsys):
+    """A `**` glob that follows a symlink to a parent folder (a loop), a symlink to a file and a second pattern name
+    the same two files many times: each is tokenized once, and the other paths are counted and reported."""
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("the first document")
+    (corpus / "sub" / "b.txt").write_text("the second document")
+    (corpus / "sub" / "up").symlink_to("..")
+    (corpus / "link.txt").symlink_to("a.txt")
+    out = tmp_path / "out"
+    tok.main([str(corpus / "**" / "*.txt"), str(corpus / "a.txt"), "--out", str(out), "--prefix", "p", "--workers",
+              "1"])
+    counts = json.loads((out / "p_manifest.json").read_text())["counts"]
+    assert counts["files"] == 2 and counts["documents"] == 2
+    shards = [out / "p_val_000000.bin", *sorted(out.glob("p_train_*.bin"))]
+    stream = np.concatenate([np.fromfile(p, dtype="<u2", offset=1024) for p in shards])  # after the 256-int32 header
+    assert np.array_equal(stream, expected_stream(["the first document", "the second document"]))
+    assert counts["duplicate_files"] > 2  # the link, the second pattern and the loop's paths (as deep as it goes)
+    assert f"duplicate_files={counts['duplicate_files']}" in capsys.readouterr().out
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    bom = "\ufeff".encode()
+    (tmp_path / "a.txt").write_bytes(bom + b"hello world")
+    (tmp_path / "b.jsonl").write_bytes(bom + b'{"text": "one"}\n{"text": "two"}\n')
+    (tmp_path / "c.md").write_bytes(bom + b"line one\nline two\n")
+    stats = CorpusStats()
+    assert list(iter_documents([tmp_path / "a.txt", tmp_path / "b.jsonl"], stats)) == ["hello world", "one", "two"]
+    assert stats.bad_json_lines == 0
+    assert list(iter_documents([tmp_path / "c.md"], CorpusStats(), txt_split="line")) == ["line one", "line two"]
