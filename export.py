@@ -146,6 +146,8 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
     generation_config.json, the tokenizer and, for PReLU, modeling_symgpt.py. The directory appears whole or not
     at all, readable as the umask allows (like a directory made by mkdir). Returns notes for the user."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ExportError(f"--out {out_dir} is a file; to-hf writes a directory: choose a new directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ExportError(f"--out {out_dir} exists and is not empty; choose a new directory")
     if model.config.attention != "standard":

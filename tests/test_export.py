@@ -316,6 +316,9 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(export.ExportError, match="exists and is not empty"):
         export.export_model(model, tmp_path / "full")
     assert (tmp_path / "full" / "other.txt").read_text() == "keep me"
+    with pytest.raises(export.ExportError, match="--out .*other.txt is a file; to-hf writes a directory"):
+        export.export_model(model, tmp_path / "full" / "other.txt")
+    assert (tmp_path / "full" / "other.txt").read_text() == "keep me"
     (tmp_path / "empty").mkdir()
     with pytest.raises(export.ExportError, match="not a directory holding config.json"):
         export.load_exported(tmp_path / "missing")
