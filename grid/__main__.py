@@ -9,12 +9,13 @@
 Each --axis FLAG=V1,V2,... names a train_gpt.py flag; everything after -- goes to every run. A run per combination
 goes to <--run-dir>/<--name>/<flag=value,...>. On CUDA each run gets one GPU (CUDA_VISIBLE_DEVICES), or N under
 torchrun with --gpus-per-run N; on a CPU --workers N processes share the cores. The same command again skips
-finished runs, resumes interrupted ones and reruns failed ones only with --retry-failed; Ctrl-C stops every run with
-a checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md).
+finished runs, resumes interrupted ones, waits for runs their trainers still hold and reruns failed ones only with
+--retry-failed; Ctrl-C (or the grid process dying) stops every run with a checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 import socket
@@ -23,10 +24,11 @@ from pathlib import Path
 
 from cli import ArgumentParser
 from data.lookup import resolve_data_files
-from grid.execute import Journal, Scheduler, claim, initial_state, make_slots, owner
+from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
 from grid.plan import GridError, build_spec, check_flags, plan_runs, slurm_script, train_command, train_flags
 from grid.progress import Display, run_finished, run_row, summary_line, table
 from grid.report import report_grid
+from run.directory import run_holder, run_holds_checkpoint
 
 
 def visible_gpus(given: str | None) -> list[str]:
@@ -86,6 +88,10 @@ def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:
         slot = next((s for s in free if s.kind == run.device), None)
         if slot is not None:
             free.remove(slot)
+        if state == "held":
+            print(f"  [held] {run.name}: its trainer still runs ({run_holder(run.path)}): the grid waits for it"
+                  + (f" in {slot.label}" if slot else ""))
+            continue
         print(f"  [{state}] {run.name} -> {slot.label if slot else 'queued: the next free ' + run.device + ' slot'}")
         env = slot.env if slot else next(s.env for s in slots if s.kind == run.device)
         command = train_command(run, gpus_per_run if run.device == "cuda" else 1, state == "resume")
@@ -152,10 +158,12 @@ def run_grid(argv: list[str]) -> int:
     for run in runs:
         if states[run.name] == "invalid" and previous.get(run.name, {}).get("error") != run.problem:
             journal.append({"run": run.name, "state": "invalid", "error": run.problem})
-    todo = [(r, states[r.name] == "resume") for r in runs if states[r.name] in ("new", "resume")]
-    counts = {s: list(states.values()).count(s) for s in ("new", "resume", "finished", "failed", "invalid")}
+    todo = [(r, states[r.name]) for r in runs if states[r.name] in ("new", "resume", "held")]
+    counts = {s: list(states.values()).count(s) for s in ("new", "resume", "held", "finished", "failed", "invalid")}
     print(f"grid {spec.name}: {len(runs)} runs in {spec.directory}: {counts['new']} to start, {counts['resume']} to "
-          f"resume, {counts['finished']} finished, {counts['failed']} failed before (--retry-failed runs them), "
+          f"resume, " + (f"{counts['held']} still held by their trainers (waited for), "
+                         if counts["held"] else "")
+          + f"{counts['finished']} finished, {counts['failed']} failed before (--retry-failed runs them), "
           f"{counts['invalid']} refused by train_gpt.py; slots: {', '.join(s.label for s in slots)}", flush=True)
     if any(not run.train_files for run, _ in todo):
         print("grid: preparing the default data once for every run", flush=True)
@@ -180,16 +188,18 @@ def grid_status(argv: list[str]) -> int:
     journal = Journal(args.directory)
     plan = journal.plan()
     states = journal.states()
-    rows = [run_row(p, states.get(p["name"], {"state": "invalid"} if p.get("problem") else {}))
-            for p in plan["runs"]]
+    holder = owner(args.directory)
+    now = {p["name"]: current_state(p, states.get(p["name"], {}), holder is not None) for p in plan["runs"]}
+    rows = [run_row(p, {**states.get(p["name"], {}), "state": now[p["name"]]}) for p in plan["runs"]]
     print(summary_line(args.directory.name, [row[1] for row in rows]))
     print("\n".join(table(rows)))
-    holder = owner(args.directory)
-    print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it")
+    held = sum(state == "running" for state in now.values())
+    print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it"
+          + (f" ({held} of its runs still held by their trainers, which it waits for)" if held else ""))
     for p in plan["runs"]:
         state = states.get(p["name"], {})
-        if state.get("state") in ("failed", "invalid"):
-            print(f"{p['name']}: {state['state']}: " + (state.get("error") or p.get("problem") or ""))
+        if now[p["name"]] in ("failed", "invalid"):
+            print(f"{p['name']}: {now[p['name']]}: " + (state.get("error") or p.get("problem") or ""))
     return 0
 
 
@@ -225,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_grid(argv)
     except GridError as exc:  # a grid that cannot run as given: one line naming what to change
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the grid's own files: a read-only or full filesystem, no permission
+        code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
+        print(f"error: {exc.filename or 'the grid directory'}: {exc.strerror or exc}{f' ({code})' * bool(code)}; "
+              "the grid stopped and every run it started stopped with a checkpoint where it could: fix that (free "
+              "space, or a --run-dir you may write to) and run the same command again", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before any run started (while planning), or in a report of its own
         print("\ngrid: interrupted; the same command continues", file=sys.stderr)

@@ -1,23 +1,28 @@
 """Running a grid: one process at a time owns its directory (a lock), each run goes to a free slot (a GPU, N GPUs
 under torchrun, or a CPU worker with its share of the cores) when its turn in the queue comes, every transition is
 appended to `grid.jsonl`, a failed run is reported with the last lines of its output and never stops the others,
-and SIGINT/SIGTERM stop every run cleanly (each writes its checkpoint) so the same command continues
-(docs/grid.md#running)."""
+SIGINT/SIGTERM stop every run cleanly (each writes its checkpoint) so the same command continues, and a trainer
+never outlives its grid process unseen: it stops with a checkpoint when the grid dies, and a run still held by a
+trainer is waited for, never started beside it (docs/grid.md#running)."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from fileio import LockHeldError, hold_lock, lock_holder
 from grid.plan import GridError, Run, train_command
 from grid.progress import Display, run_finished, run_row, summary_line, table
-from run.directory import run_holds_checkpoint
+from run.directory import run_holder, run_holds_checkpoint
 from run.log import format_duration
 
 JOURNAL = "grid.jsonl"
@@ -49,19 +54,36 @@ class Journal:
         self.path = directory / JOURNAL
 
     def append(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}) + "\n")
+        """Append `record` on a line of its own (after a line a crash cut short, on the next one)."""
+        line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}) + "\n"
+        with open(self.path, "a+b") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                line = ("" if f.read(1) == b"\n" else "\n") + line
+            f.write(line.encode())
 
     def records(self) -> list[dict]:
+        """Every record, a line a crash cut short left out; GridError naming the line where the file is damaged
+        otherwise (bytes that are not UTF-8, a line that is not a JSON object, a plan without its runs)."""
         if not self.path.is_file():
             return []
         records = []
-        for line in self.path.read_text().splitlines():
+        for number, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise self.damaged(number, "bytes that are not UTF-8 text") from None
             except ValueError:
                 continue  # a line cut by a crash
+            if problem := record_problem(record):
+                raise self.damaged(number, problem)
+            records.append(record)
         return records
+
+    def damaged(self, number: int, problem: str) -> GridError:
+        return GridError(f"{self.path} line {number}: {problem}: the grid's journal is damaged; move it aside (the "
+                         "runs' own directories keep their results) and run the grid command again")
 
     def states(self) -> dict[str, dict]:
         """The last transition of every run."""
@@ -73,6 +95,23 @@ class Journal:
         if plan is None:
             raise GridError(f"{self.path.parent}: no {self.path.name} here: not a grid directory")
         return plan
+
+
+def record_problem(record: object) -> str | None:
+    """What a grid.jsonl record lacks that `status`, `report` and the next invocation read; None when complete."""
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    if "run" in record and not (isinstance(record["run"], str) and isinstance(record.get("state"), str)):
+        return "a run's transition without the run's name and state"
+    if record.get("event") == "start":
+        runs = record.get("runs")
+        if not isinstance(runs, list):
+            return "a plan (\"event\": \"start\") without its runs"
+        for run in runs:
+            if not (isinstance(run, dict) and isinstance(run.get("name"), str) and isinstance(run.get("path"), str)
+                    and isinstance(run.get("steps"), int) and isinstance(run.get("batch_tokens"), int)):
+                return "a planned run without its name, path, steps or batch_tokens"
+    return None
 
 
 @dataclass
@@ -101,15 +140,68 @@ def make_slots(gpus: list[str], gpus_per_run: int, workers: int, cpus: int, kind
 
 
 def initial_state(run: Run, previous: dict, retry_failed: bool) -> str:
-    """What a run needs now: invalid (its flags are refused), finished, failed (an earlier attempt failed; skipped
-    without --retry-failed), resume (it holds a checkpoint) or new."""
+    """What a run needs now: invalid (its flags are refused), finished, held (a trainer still runs it, one that a
+    grid process which ended left behind: the grid waits for it), failed (an earlier attempt failed; skipped without
+    --retry-failed), resume (it holds a checkpoint) or new."""
     if run.problem is not None:
         return "invalid"
     if run_finished(run.path, run.steps, run.stop_at_target):
         return "finished"
+    if run_holder(run.path):
+        return "held"
     if previous.get("state") == "failed" and not retry_failed:
         return "failed"
     return "resume" if run_holds_checkpoint(run.path) else "new"
+
+
+def current_state(run: dict, last: dict, grid_running: bool) -> str:
+    """A planned run's state (`run`: its record in the plan; `last`: its last transition) as it stands now:
+    finished when its log says so, running while its trainer holds it, interrupted where the journal says running
+    but neither a trainer nor a grid process runs it (the grid process was killed, or could not write the end);
+    otherwise the journal's."""
+    state = last.get("state", "invalid" if run.get("problem") else "queued")
+    if run_finished(Path(run["path"]), run["steps"], run.get("stop_at_target", False)):
+        return "finished"
+    if run_holder(Path(run["path"])):
+        return "running"
+    return "interrupted" if state == "running" and not grid_running else state
+
+
+def stop_with_grid() -> Callable[[], None] | None:
+    """For Popen's preexec_fn on Linux: the child gets SIGTERM when the grid process dies, however it dies
+    (prctl PR_SET_DEATHSIG), so a trainer whose grid was killed stops at the end of its step with a checkpoint,
+    as on Ctrl-C. None elsewhere: there the next invocation waits for such a trainer (initial_state's held)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, grid = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+    pr_set_deathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_deathsig, signal.SIGTERM)
+        if os.getppid() != grid:  # the grid died before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
+class LeftTrainer:
+    """A trainer that an earlier grid process started and left running: polled through its run directory's lock,
+    signalled through its pid when it runs on this host (the Popen-like part the scheduler uses)."""
+
+    def __init__(self, path: Path, pid: int | None) -> None:
+        self.path, self.pid = path, pid
+
+    def poll(self) -> int | None:
+        return None if run_holder(self.path) else 0
+
+    def send_signal(self, signum: int) -> None:
+        if self.pid is not None and self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(self.pid, signum)
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.25)
+        return 0
 
 
 def output_tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -126,7 +218,7 @@ def output_tail(path: Path, lines: int = TAIL_LINES) -> str:
 class Active:
     run: Run
     slot: Slot
-    process: subprocess.Popen
+    process: subprocess.Popen | LeftTrainer
     output: Path
     started: float
 
@@ -172,18 +264,38 @@ class Scheduler:
             f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {slot.label}: {' '.join(command)}\n".encode())
             f.flush()  # the child appends through its own copy of the descriptor: the header goes first
             process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                       preexec_fn=stop_with_grid(),
                                        env={**os.environ, **slot.env, "PYTHONUNBUFFERED": "1"})
-        self.transition(run, "running", f"{'resumed' if resume else 'started'} on {slot.label} (pid {process.pid})",
-                        placement=slot.label, pid=process.pid, resume=resume, command=command)
+        try:
+            self.transition(run, "running", f"{'resumed' if resume else 'started'} on {slot.label} (pid "
+                            f"{process.pid})", placement=slot.label, pid=process.pid, host=socket.gethostname(),
+                            resume=resume, command=command)
+        except BaseException:  # the journal cannot be written (a full disk): no run goes on unrecorded
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+            raise
         return Active(run, slot, process, output, time.time())
+
+    def adopt(self, run: Run, slot: Slot) -> Active:
+        """Wait in `slot` for the trainer an earlier grid process left running on `run` (its pid is signalled
+        with the others when it runs on this host)."""
+        last = self.states.get(run.name, {})
+        pid = last.get("pid") if last.get("host") == socket.gethostname() else None
+        self.transition(run, "running", f"its trainer still runs ({run_holder(run.path)}; an earlier grid process "
+                        f"started it): waiting for it on {slot.label}", placement=slot.label, pid=pid,
+                        host=last.get("host"), adopted=True)
+        return Active(run, slot, LeftTrainer(run.path, pid), self.directory / "logs" / f"{run.name}.log",
+                      time.time())
 
     def settle(self, active: Active, code: int) -> None:
         run, took = active.run, format_duration(time.time() - active.started)
         if run_finished(run.path, run.steps, run.stop_at_target):
             self.transition(run, "finished", f"finished in {took}", placement=active.slot.label, rc=code)
-        elif self.signals or code in (128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM):
+        elif isinstance(active.process, LeftTrainer) or self.signals or code in (
+                128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM):
             kept = "checkpoint kept" if run_holds_checkpoint(run.path) else "no checkpoint yet: it starts again"
-            self.transition(run, "interrupted", f"interrupted after {took} (exit {code}; {kept})",
+            how = "its trainer stopped" if isinstance(active.process, LeftTrainer) else f"exit {code}"
+            self.transition(run, "interrupted", f"interrupted after {took} ({how}; {kept})",
                             placement=active.slot.label, rc=code)
         else:
             tail = output_tail(active.output)
@@ -191,32 +303,48 @@ class Scheduler:
                             + "\n".join("    " + line for line in tail.splitlines()),
                             placement=active.slot.label, rc=code, error=tail)
 
-    def execute(self, todo: list[tuple[Run, bool]]) -> int:
-        """Train every (run, resume) of `todo`; returns 0, or 128 + the signal that stopped the grid."""
-        queue = list(todo)
+    def fits(self, item: tuple[Run, str], slot: Slot) -> bool:
+        """Whether `slot` takes the queued (run, state): one of its kind; a held run's trainer already runs in the
+        slot it was placed in (when this grid has a slot of that label)."""
+        run, state = item
+        placed = self.states.get(run.name, {}).get("placement")
+        return run.device == slot.kind and (state != "held" or placed == slot.label
+                                            or placed not in {s.label for s in self.slots})
+
+    def execute(self, todo: list[tuple[Run, str]]) -> int:
+        """Train every (run, state) of `todo` (state: new, resume, or held, which is waited for first and resumed
+        when its trainer stopped before the end); returns 0, or 128 + the signal that stopped the grid."""
+        queue = sorted(todo, key=lambda item: item[1] != "held")
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             while queue or self.active:
                 for index, slot in enumerate(self.slots):
                     if self.signals or index in self.active:
                         continue
-                    pick = next((item for item in queue if item[0].device == slot.kind), None)
+                    pick = next((item for item in queue if self.fits(item, slot)), None)
                     if pick is not None:
                         queue.remove(pick)
-                        self.active[index] = self.start(pick[0], slot, pick[1])
+                        run, state = pick
+                        self.active[index] = (self.adopt(run, slot) if state == "held"
+                                              else self.start(run, slot, state == "resume"))
                 for index, active in list(self.active.items()):
                     code = active.process.poll()
                     if code is not None:
                         del self.active[index]
                         self.settle(active, code)
-                if self.signals and not self.active:
-                    break
+                        if isinstance(active.process, LeftTrainer) and not self.signals \
+                                and self.states[active.run.name]["state"] == "interrupted":
+                            resume = run_holds_checkpoint(active.run.path)
+                            queue.insert(0, (active.run, "resume" if resume else "new"))
+                if self.signals and all(active.process.pid is None for active in self.active.values()):
+                    break  # every run of ours has stopped (a trainer left on another host is not ours to stop)
                 self.display.refresh(self.rows())
                 time.sleep(0.25)
         finally:
             for active in self.active.values():  # an error in the grid itself: leave no run behind
-                active.process.send_signal(signal.SIGTERM)
-                active.process.wait()
+                if active.process.pid is not None:
+                    active.process.send_signal(signal.SIGTERM)
+                    active.process.wait()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         self.display.refresh(self.rows(), force=True)

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fileio import LockHeldError, atomic_write, dead_temporaries, hold_lock
+from fileio import LockHeldError, atomic_write, dead_temporaries, hold_lock, lock_holder
 from run.log import RunLog, open_trackers
 from run.process import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CODE_PACKAGES = ("", "run", "kernels", "optim", "gauge", "data")  # what <run>/code keeps
+RUN_LOCK = ".lock"  # held by the trainer that owns the run while it runs
 
 
 class RunInUseError(RuntimeError):
@@ -41,6 +42,11 @@ def directory_name_problem(flag: str, name: str) -> str | None:
     return None
 
 
+def run_holder(run_dir: Path) -> str | None:
+    """Who holds the run directory (its trainer: "pid N on host H"), None when no live process does."""
+    return lock_holder(run_dir / RUN_LOCK)
+
+
 def run_holds_checkpoint(run_dir: Path) -> bool:
     checkpoints = run_dir / "checkpoints"
     return checkpoints.is_dir() and any(checkpoints.glob("*.pt"))
@@ -53,7 +59,7 @@ def existing_run_problem(run_dir: Path) -> str | None:
     if run_holds_checkpoint(run_dir):
         return (f"--run-name {run_dir.name}: {run_dir} already holds a run; continue it with --resume {run_dir}, or "
                 "choose another --run-name")
-    if run_dir.is_dir() and not (run_dir / ".lock").exists() and any(run_dir.iterdir()):
+    if run_dir.is_dir() and not (run_dir / RUN_LOCK).exists() and any(run_dir.iterdir()):
         return (f"--run-name {run_dir.name}: {run_dir} exists and holds files that are not a run's; choose another "
                 "--run-name or --run-dir")
     return None
@@ -94,7 +100,7 @@ class RunDirectory:
         if new_run and (problem := existing_run_problem(self.path)):  # another run's, or not a run's at all
             raise RunInUseError(problem)
         try:
-            self._lock = hold_lock(self.path / ".lock", f"pid {os.getpid()} on host {socket.gethostname()}")
+            self._lock = hold_lock(self.path / RUN_LOCK, f"pid {os.getpid()} on host {socket.gethostname()}")
         except LockHeldError as exc:
             raise RunInUseError(f"{self.path} is in use by {exc.holder}: wait for it to finish or stop it, or choose "
                                 "another --run-name") from None
@@ -106,7 +112,7 @@ class RunDirectory:
         if new_run and (problem := existing_run_problem(self.path)):  # a checkpoint written before we locked
             self.release()
             raise RunInUseError(problem)
-        leftovers = [p for p in self.path.iterdir() if p.name != ".lock" and not p.name.startswith("failed-")]
+        leftovers = [p for p in self.path.iterdir() if p.name != RUN_LOCK and not p.name.startswith("failed-")]
         if new_run and leftovers:
             stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
             while (aside := self.path / (f"failed-{stamp}" + f"-{n}" * (n > 1))).exists():  # two in one second

@@ -1,0 +1,168 @@
+"""python -m grid under faults (docs/grid.md#running): a killed grid leaves no trainer running on and the same command
+resumes it; a run its trainer still holds is waited for, never failed nor doubled; the grid's own filesystem errors
+and a damaged grid.jsonl give one-line errors."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fileio import hold_lock, process_alive
+from grid import execute
+from grid.__main__ import main
+from grid.execute import Journal
+from run.log import read_log
+from tests.helpers import ROOT
+from tests.test_grid import ENV, grid, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
+
+
+def wait_for(condition, what: str, timeout: float = 300.0) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def states_in_order(directory: Path, run: str) -> list[str]:
+    return [r["state"] for r in Journal(directory).records() if r.get("run") == run]
+
+
+def test_a_killed_grid_stops_its_trainers_with_a_checkpoint_and_the_same_command_resumes_them(
+        tmp_path, tiny_flags, capsys):
+    args = ["--name", "gkill", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--no-report", "--", *tiny_flags,
+            "--steps", "100000"]
+    driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    directory, log = tmp_path / "gkill", tmp_path / "gkill" / "seed=1" / "log.jsonl"
+    wait_for(lambda: log.is_file() and '"train_loss"' in log.read_text(), "the first run's first step")
+    trainer = next(r["pid"] for r in Journal(directory).records() if r.get("state") == "running")
+    driver.kill()  # SIGKILL: the grid process has no say
+    driver.wait()
+    try:
+        wait_for(lambda: not process_alive(trainer), "the trainer to stop after its grid died", timeout=120)
+    finally:
+        if process_alive(trainer):
+            os.kill(trainer, signal.SIGKILL)
+    last = read_log(directory / "seed=1")[-1]
+    assert not last.get("summary") and last["step"] < 100000
+    assert (directory / "seed=1" / "checkpoints" / "latest.pt").is_file()
+
+    assert main(["status", str(directory)]) == 0  # right afterwards: nothing runs it, the journal said running
+    status = capsys.readouterr().out
+    assert "seed=1  interrupted" in status and "no grid process is running here" in status
+    assert main([*args[:6], "--dry-run", *args[6:]]) == 0
+    assert "[resume] seed=1" in capsys.readouterr().out
+
+
+def test_a_run_its_trainer_still_holds_is_waited_for_in_its_slot_then_trained(tmp_path, tiny_flags):
+    directory = tmp_path / "held"
+    (directory / "seed=1").mkdir(parents=True)
+    trainer = hold_lock(directory / "seed=1" / ".lock", f"pid {os.getpid()} on host test")  # as a live trainer
+    args = ["--name", "held", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "1", "--no-report",
+            "--", *tiny_flags, "--steps", "2"]
+    driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(r.get("adopted") for r in Journal(directory).records()) or driver.poll() is not None,
+                 "the grid to wait for the held run")
+        time.sleep(1.0)
+        assert driver.poll() is None and started(directory) == ["seed=1"]  # seed=2 waits: the one slot is taken
+    finally:
+        trainer.close()  # the trainer ends without finishing: the grid trains the run itself
+    out, err = driver.communicate(timeout=600)
+    assert driver.returncode == 0, out[-3000:] + err[-3000:]
+    assert states_in_order(directory, "seed=1") == ["running", "interrupted", "running", "finished"]
+    assert states_in_order(directory, "seed=2") == ["running", "finished"]
+    assert "2 of 2 runs finished" in out
+
+
+def test_status_says_how_each_run_stands_now(tmp_path, capsys):
+    directory = tmp_path / "g"
+    runs = {name: directory / name for name in ("done", "held", "orphaned", "failed-then-done")}
+    journal = Journal(directory)
+    directory.mkdir()
+    journal.append({"event": "start", "runs": [{"name": name, "path": str(path), "steps": 3, "batch_tokens": 32}
+                                               for name, path in runs.items()]})
+    for name in runs:
+        runs[name].mkdir()
+        journal.append({"run": name, "state": "failed" if name == "failed-then-done" else "running"})
+    for name in ("done", "failed-then-done"):
+        (runs[name] / "log.jsonl").write_text(json.dumps({"step": 3, "train_loss": 5.0}) + "\n"
+                                              + json.dumps({"step": 3, "summary": True}) + "\n")
+    lock = hold_lock(runs["held"] / ".lock", "pid 1 on host test")
+    try:
+        assert main(["status", str(directory)]) == 0
+    finally:
+        lock.close()
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:6]}
+    assert rows == {"done": "finished", "held": "running", "orphaned": "interrupted", "failed-then-done": "finished"}
+
+
+@pytest.mark.parametrize("damage, message", [
+    (b'{"event": "start", "runs": []}\n\xff\xfe\n', "line 2: bytes that are not UTF-8 text"),
+    (b'[1, 2]\n', "line 1: not a JSON object"),
+    (b'{"event": "start", "argv": []}\n', "line 1: a plan (\"event\": \"start\") without its runs"),
+    (b'{"event": "start", "runs": [{"name": "seed=1", "steps": 3, "batch_tokens": 32}]}\n',
+     "line 1: a planned run without its name, path, steps or batch_tokens"),
+    (b'{"event": "start", "runs": []}\n{"run": 5, "state": "running"}\n',
+     "line 2: a run's transition without the run's name and state"),
+])
+@pytest.mark.parametrize("command", ["status", "report"])
+def test_a_damaged_journal_is_refused_naming_the_line(tmp_path, capsys, damage, message, command):
+    (tmp_path / "grid.jsonl").write_bytes(damage)
+    assert main([command, str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'grid.jsonl'} {message}: the grid's journal is damaged" in err and err.count("\n") == 1
+
+
+def test_a_line_cut_by_a_crash_is_skipped_and_the_next_record_starts_a_line_of_its_own(tmp_path, capsys):
+    path = tmp_path / "g" / "grid.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"event": "start", "runs": [{"name": "seed=1", "path": str(tmp_path / "g" / "seed=1"),
+                                                            "steps": 3, "batch_tokens": 32}]}) + '\n{"run": "se')
+    Journal(path.parent).append({"run": "seed=1", "state": "failed", "error": "boom"})
+    assert Journal(path.parent).states()["seed=1"]["state"] == "failed"
+    assert main(["status", str(path.parent)]) == 0 and "seed=1: failed: boom" in capsys.readouterr().out
+
+
+def test_a_read_only_run_dir_is_one_line(tmp_path, monkeypatch, capsys):
+    mkdir = pathlib.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if str(self).startswith(str(tmp_path / "ro")):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    assert main(["--name", "g", "--run-dir", str(tmp_path / "ro"), "--axis", "seed=1", "--", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'ro' / 'g'}: Read-only file system (EROFS);") and err.count("\n") == 1
+
+
+def test_a_full_disk_under_the_journal_is_one_line_and_status_does_not_say_running(tmp_path, tiny_flags,
+                                                                                       monkeypatch, capsys):
+    append = Journal.append
+
+    def disk_fills(self, record: dict) -> None:
+        if record.get("state") == "finished":
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+        append(self, record)
+
+    monkeypatch.setattr(execute.Journal, "append", disk_fills)
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--no-report", "--", *tiny_flags,
+            "--steps", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'g' / 'grid.jsonl'}: No space left on device (ENOSPC);" in err, err
+    assert states_in_order(tmp_path / "g", "seed=1") == ["running"]  # what the journal could keep
+    monkeypatch.setattr(execute.Journal, "append", append)
+    assert main(["status", str(tmp_path / "g")]) == 0
+    assert "grid g: 1 runs: 1 finished" in capsys.readouterr().out
