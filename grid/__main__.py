@@ -9,8 +9,9 @@
 Each --axis FLAG=V1,V2,... names a train_gpt.py flag; everything after -- goes to every run. A run per combination
 goes to <--run-dir>/<--name>/<flag=value,...>. On CUDA each run gets one GPU (CUDA_VISIBLE_DEVICES), or N under
 torchrun with --gpus-per-run N; on a CPU --workers N processes share the cores. The same command again skips
-finished runs, resumes interrupted ones, waits for runs their trainers still hold and reruns failed ones only with
---retry-failed; Ctrl-C (or the grid process dying) stops every run with a checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md).
+finished runs, resumes interrupted ones, waits for runs their trainers still hold, reruns failed ones only with
+--retry-failed, and refuses runs trained with other flags; Ctrl-C (or the grid process dying) stops every run with a
+checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md).
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ import socket
 import sys
 from pathlib import Path
 
-from cli import ArgumentParser
+from cli import ArgumentParser, value_problem
 from data.lookup import resolve_data_files
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
-from grid.plan import GridError, build_spec, check_flags, plan_runs, slurm_script, train_command, train_flags
+from grid.plan import (GridError, build_spec, check_flags, plan_runs, recorded_changes, slurm_script, train_command,
+                       train_flags)
 from grid.progress import Display, run_finished, run_row, summary_line, table
 from grid.report import report_grid
 from run.directory import run_holder, run_holds_checkpoint
@@ -105,12 +107,30 @@ def plan_grid(args: argparse.Namespace, shared: list[str]):
     check_flags(spec, known)
     if args.workers < 1 or args.gpus_per_run < 1:
         raise GridError("--workers and --gpus-per-run take a number of at least 1")
+    if problem := value_problem("status_every", args.status_every, "> 0"):
+        raise GridError(problem)
     gpus = visible_gpus(args.gpus)
     if args.gpus and not (args.dry_run or args.print_slurm) and not visible_gpus(None):
         raise GridError(f"--gpus {args.gpus}: torch sees no CUDA device here (plan with --dry-run or --print-slurm)")
     if gpus and len(gpus) < args.gpus_per_run:
         raise GridError(f"--gpus-per-run {args.gpus_per_run}: only {len(gpus)} GPUs are visible ({','.join(gpus)})")
     return spec, known, gpus
+
+
+def check_history(spec, runs) -> None:
+    """GridError when a run that trained before (finished, holding a checkpoint, or still running) did so with
+    other flags than the grid asks now: it would count as this grid's run (docs/grid.md#running)."""
+    changed = {}
+    for run in runs:
+        trained = run_finished(run.path, run.steps, run.stop_at_target) or run_holds_checkpoint(run.path) \
+            or run_holder(run.path)
+        if run.problem is None and trained and (differences := recorded_changes(run)):
+            changed[run.name] = differences
+    if changed:
+        name, differences = next(iter(changed.items()))
+        raise GridError(f"{len(changed)} of the runs in {spec.directory} were trained with other flags than this "
+                        f"grid gives, e.g. {name}: {', '.join(differences)}; train these flags in a new directory "
+                        "(another --name), or give the flags the runs were trained with")
 
 
 def finish_grid(args, spec, runs, scheduler: Scheduler, states: dict[str, str]) -> int:
@@ -138,10 +158,11 @@ def run_grid(argv: list[str]) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = run_parser().parse_args(argv[:cut])
     spec, known, gpus = plan_grid(args, argv[cut + 1:])
-    lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
     runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
     if all(r.problem for r in runs):
         raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
+    check_history(spec, runs)
+    lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
     if args.print_slurm:
         print(slurm_script(spec, runs, args.gpus_per_run), end="")
         return 0

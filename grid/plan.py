@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import io
 import itertools
+import json
 import re
 import shlex
 import sys
@@ -16,7 +18,9 @@ from pathlib import Path
 
 import config
 import train_gpt
+from cli import option
 from optim import OPTIMIZERS
+from run.directory import directory_name_problem
 from run.process import batch_layout
 
 TRAIN_SCRIPT = Path(train_gpt.__file__).resolve()
@@ -25,12 +29,14 @@ RESERVED = {"run-dir": "give --run-dir to the grid (before --): runs go to <run-
             "resume": "the grid resumes interrupted runs itself: run the same grid command again"}
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 TOML_KEYS = ("name", "run_dir", "axes", "flags")
+TOML_SCALARS = (str, int, float, bool)  # what a TOML value of an axis or a flag may be
 
 
 class GridError(ValueError):
     """A grid that cannot be planned as given (the message names the flag, value or file and the fix)."""
 
 
+@functools.cache
 def train_flags() -> dict[str, bool]:
     """Every train_gpt.py flag (dash-separated, no leading dashes) -> whether it is a boolean, over every
     optimizer's flags."""
@@ -85,8 +91,30 @@ def _flag_words(name: str, value: object) -> list[str]:
     return [f"--{name}={value}"]
 
 
+def _flag_table(path: Path, section: str, table: dict) -> dict[str, object]:
+    """A TOML table of flags ([axes] or [flags]) keyed by each flag's spelling (underscores as dashes); GridError
+    where two keys name one flag (bias_mode and bias-mode) or a value is not a string, number or boolean (in [axes]:
+    a non-empty list of them)."""
+    flags: dict[str, object] = {}
+    for key, value in table.items():
+        name = key.replace("_", "-")
+        if name in flags:
+            other = next(k for k in table if k != key and k.replace("_", "-") == name)
+            raise GridError(f"--grid {path}: [{section}] names --{name} twice ({other} and {key}): keep one")
+        if section == "axes":
+            fits = isinstance(value, list) and value and all(isinstance(v, TOML_SCALARS) for v in value)
+            shape = "a non-empty list of strings, numbers or booleans, e.g. seed = [42, 83]"
+        else:
+            fits, shape = isinstance(value, TOML_SCALARS), "a string, a number or a boolean, e.g. steps = 100"
+        if not fits:
+            raise GridError(f"--grid {path}: [{section}] {key} = {value!r}: give {shape}")
+        flags[name] = value
+    return flags
+
+
 def read_toml(path: Path) -> dict:
-    """A grid file: {"name", "run_dir", "axes": {flag: [values]}, "flags": table or list}; every key checked."""
+    """A grid file: {"name", "run_dir", "axes": {flag: [values]}, "flags": table or list}; every key and the type
+    of every value checked (one-line GridErrors naming the file and the key)."""
     try:
         import tomllib
     except ImportError:  # Python 3.10
@@ -96,25 +124,40 @@ def read_toml(path: Path) -> dict:
             raise GridError("--grid: reading TOML needs Python 3.11 or newer, or on Python 3.10 the tomli package "
                             "(`pip install tomli`)") from None
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_bytes().decode("utf-8"))
     except OSError as exc:
         raise GridError(f"--grid {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise GridError(f"--grid {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                        "save the file as UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise GridError(f"--grid {path}: not valid TOML ({exc})") from None
     unknown = sorted(set(data) - set(TOML_KEYS))
     if unknown:
         raise GridError(f"--grid {path}: unknown keys {', '.join(unknown)} (a grid file holds {', '.join(TOML_KEYS)})")
+    for key, example in (("name", 'name = "paper"'), ("run_dir", 'run_dir = "runs"')):
+        if key in data and not (isinstance(data[key], str) and data[key]):
+            raise GridError(f"--grid {path}: {key} = {data[key]!r}: give a non-empty string, e.g. {example}")
     axes = data.get("axes", {})
-    if not isinstance(axes, dict) or not all(isinstance(v, list) and v for v in axes.values()):
-        raise GridError(f"--grid {path}: [axes] maps each flag to a non-empty list of values, e.g. seed = [42, 83]")
+    if not isinstance(axes, dict):
+        raise GridError(f"--grid {path}: axes is a table ([axes]) that maps each flag to its values, e.g. seed = [42, "
+                        "83]")
+    axes = _flag_table(path, "axes", axes)
     flags = data.get("flags", [])
     if isinstance(flags, dict):
-        flags = [word for name, value in flags.items() for word in _flag_words(name.replace("_", "-"), value)]
+        known = train_flags()
+        words = []
+        for name, value in _flag_table(path, "flags", flags).items():
+            if isinstance(value, bool) and known.get(name) is False:
+                raise GridError(f"--grid {path}: [flags] {name} = {str(value).lower()}: --{name} takes a value, not "
+                                f"true or false (python train_gpt.py --help describes it)")
+            words += _flag_words(name, value)
+        flags = words
     elif not (isinstance(flags, list) and all(isinstance(w, str) for w in flags)):
         raise GridError(f"--grid {path}: flags is a table (steps = 100) or a list of strings ([\"--steps\", \"100\"])")
     return {"name": data.get("name"), "run_dir": data.get("run_dir"), "flags": flags,
-            "axes": [Axis(k.replace("_", "-"), [str(v).lower() if isinstance(v, bool) else str(v) for v in values])
-                     for k, values in axes.items()]}
+            "axes": [Axis(name, [str(v).lower() if isinstance(v, bool) else str(v) for v in values])
+                     for name, values in axes.items()]}
 
 
 def build_spec(name: str | None, run_dir: str | None, axes: list[str], flags: list[str],
@@ -122,16 +165,21 @@ def build_spec(name: str | None, run_dir: str | None, axes: list[str], flags: li
     """The grid from a TOML file (if any) and the command line, which wins: its --name and --run-dir replace the
     file's, an --axis of a flag the file has replaces that axis, and its shared flags come after the file's."""
     base = read_toml(grid_file) if grid_file else {"name": None, "run_dir": None, "axes": [], "flags": []}
-    merged = {axis.flag: axis for axis in base["axes"]}
+    merged, given = {axis.flag: axis for axis in base["axes"]}, {}
     for text in axes:
         axis = Axis.parse(text)
+        if axis.flag in given:
+            raise GridError(f"--axis {axis.flag} is given twice ({given[axis.flag]} and {text}): give one --axis per "
+                            f"flag with all its values, e.g. --axis {axis.flag}="
+                            + ",".join(merged[axis.flag].values + axis.values))
+        given[axis.flag] = text
         merged[axis.flag] = axis
     name = name or base["name"]
     if not name:
         raise GridError("name the grid: --name NAME (or name = \"...\" in the --grid file); runs go to "
                         "<run-dir>/<name>/")
-    if "/" in name or name in (".", ".."):
-        raise GridError(f"--name {name}: a directory name, without '/'")
+    if problem := directory_name_problem("--name", name):
+        raise GridError(problem)
     if not merged:
         raise GridError("a grid needs at least one --axis FLAG=V1,V2,... (or an [axes] table in the --grid file)")
     return GridSpec(name, Path(run_dir or base["run_dir"] or "runs"), list(merged.values()), base["flags"] + flags)
@@ -170,7 +218,7 @@ def _safe(value: str) -> str:
 @dataclass
 class Run:
     """One run of the grid: its name (`flag=value,...`), axis values, train_gpt.py flags, directory and what the
-    trainer's parser says of them (problem, device, steps, tokens per step)."""
+    trainer's parser says of them (problem, device, steps, tokens per step, the parsed configuration)."""
 
     name: str
     values: dict[str, str]
@@ -182,6 +230,7 @@ class Run:
     batch_tokens: int = 0
     stop_at_target: bool = False
     train_files: str = ""
+    config: config.RunConfig | None = None
 
     def record(self) -> dict:
         """The run as grid.jsonl's start record keeps it (what `status`, `report` and the progress table read)."""
@@ -225,13 +274,34 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
             hp = cfg.train
             run.device = "cuda" if hp.device == "cuda" or (hp.device == "auto" and have_gpus) else "cpu"
             run.steps, run.batch_tokens, run.stop_at_target = hp.steps, hp.batch_tokens, hp.stop_at_target
-            run.train_files = hp.train_files
+            run.train_files, run.config = hp.train_files, cfg
         runs.append(run)
     names = [r.name for r in runs]
     if len(set(names)) < len(names):
         raise GridError("two runs get the same directory name (values that differ only in characters outside "
                         "A-Z a-z 0-9 . _ + -): choose values that differ in those")
+    same: dict[str, Run] = {}
+    for run in runs:
+        if run.problem is None and (twin := same.setdefault(json.dumps(run.config.to_dict()), run)) is not run:
+            axis = next(a.flag for a in spec.axes if twin.values[a.flag] != run.values[a.flag])
+            raise GridError(f"--axis {axis}: {twin.values[axis]} and {run.values[axis]} are one value to train_gpt.py "
+                            f"(runs {twin.name} and {run.name} would train the same configuration): give it once")
     return runs
+
+
+def recorded_changes(run: Run) -> list[str]:
+    """How the configuration the run's trainer recorded (its config.json) differs from what the grid asks now:
+    `--flag OLD (now NEW)` for every flag but those the grid sets itself (RESERVED); empty when they agree or
+    nothing is recorded yet (a trainer that holds the run writes config.json just after taking it)."""
+    try:
+        recorded = json.loads((run.path / "config.json").read_text())
+        changed = config.changed_settings(run.config, recorded)
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"its config.json cannot be read ({exc})"]
+    return [f"{option(flag)} {old} (now {new})" for key, (old, new) in changed.items()
+            if (flag := key.partition(".")[2]).replace("_", "-") not in RESERVED]
 
 
 def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:
@@ -243,14 +313,23 @@ def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.e
     return launcher + [str(TRAIN_SCRIPT)] + run.flags + where
 
 
+def sbatch_quote(value: str) -> str:
+    """`value` as one argument of an #SBATCH line: sbatch splits those lines at whitespace outside quotes and
+    reads a backslash as an escape, also inside quotes."""
+    if not re.search(r'[\s"\'\\#]', value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def slurm_script(spec: GridSpec, runs: list[Run], gpus_per_run: int) -> str:
     """A Slurm job-array script with one array task per valid run: the run's command, or its --resume command
     when the run holds a checkpoint, skipped when its log ends with the summary (finished)."""
     valid = [r for r in runs if r.problem is None]
     uses_gpus = any(r.device == "cuda" for r in valid)
-    lines = ["#!/bin/bash", f"# python -m grid --name {spec.name}: {len(valid)} runs, one array task each",
-             f"#SBATCH --job-name=grid-{spec.name}", f"#SBATCH --array=0-{max(len(valid) - 1, 0)}",
-             f"#SBATCH --output={spec.directory.absolute()}/logs/slurm-%A_%a.log", "#SBATCH --ntasks=1"]
+    output = str(spec.directory.absolute() / "logs").replace("%", "%%") + "/slurm-%A_%a.log"  # %% is sbatch's %
+    lines = ["#!/bin/bash", f"# python -m grid --name {shlex.quote(spec.name)}: {len(valid)} runs, one array task each",
+             f"#SBATCH --job-name={sbatch_quote('grid-' + spec.name)}", f"#SBATCH --array=0-{max(len(valid) - 1, 0)}",
+             f"#SBATCH --output={sbatch_quote(output)}", "#SBATCH --ntasks=1"]
     lines += [f"#SBATCH --gpus-per-task={gpus_per_run}"] if uses_gpus else []
     lines += [f"# not run: {r.name}: {r.problem}" for r in runs if r.problem is not None]
     lines += ["set -euo pipefail", f"cd {shlex.quote(str(TRAIN_SCRIPT.parent))}",

@@ -1,12 +1,14 @@
 """python -m grid under faults (docs/grid.md#running): a killed grid leaves no trainer running on and the same command
-resumes it; a run its trainer still holds is waited for, never failed nor doubled; the grid's own filesystem errors
-and a damaged grid.jsonl give one-line errors."""
+resumes it; a run its trainer still holds is waited for, never failed nor doubled; runs trained with other flags
+are not counted; bad grid files, duplicate axes, the grid's own filesystem errors and a damaged grid.jsonl give
+one-line errors; the Slurm script quotes what sbatch would split."""
 from __future__ import annotations
 
 import errno
 import json
 import os
 import pathlib
+import shlex
 import signal
 import subprocess
 import sys
@@ -106,6 +108,60 @@ def test_status_says_how_each_run_stands_now(tmp_path, capsys):
     assert rows == {"done": "finished", "held": "running", "orphaned": "interrupted", "failed-then-done": "finished"}
 
 
+def test_runs_trained_with_other_flags_are_not_counted_as_this_grids(tmp_path, tiny_flags, capsys):
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--no-report", "--", *tiny_flags,
+            "--steps", "2"]
+    assert main(args) == 0
+    for extra in ([], ["--dry-run"], ["--print-slurm"]):
+        capsys.readouterr()
+        assert main([*args[:6], *extra, *args[6:], "--lr", "0.05", "--warmup-steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "1 of the runs in" in err and "seed=1: --warmup-steps 0 (now 1), --lr 0.0001 (now 0.05)" in err
+    assert started(tmp_path / "g") == ["seed=1"]
+    assert main(args) == 0 and "0 to start, 0 to resume, 1 finished" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("axes, message", [
+    (["seed=1,2", "seed=3"], "--axis seed is given twice (seed=1,2 and seed=3): give one --axis per flag with all "
+                             "its values, e.g. --axis seed=1,2,3"),
+    (["seed=1,01"], "--axis seed: 1 and 01 are one value to train_gpt.py (runs seed=1 and seed=01 would train the "
+                    "same configuration)"),
+    (["compile=true,on"], "--axis compile: true and on are one value to train_gpt.py"),
+])
+def test_duplicate_axes_and_values_are_refused(tmp_path, capsys, axes, message):
+    argv = ["--name", "dup", "--run-dir", str(tmp_path), "--dry-run"]
+    assert main([*argv, *(word for axis in axes for word in ("--axis", axis)), "--", "--device", "cpu"]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'name = 5\n[axes]\nseed = [1]\n', "name = 5: give a non-empty string, e.g. name = \"paper\""),
+    (b'name = ["a"]\n[axes]\nseed = [1]\n', "name = ['a']: give a non-empty string"),
+    (b'name = "g"\nrun_dir = 7\n[axes]\nseed = [1]\n', "run_dir = 7: give a non-empty string"),
+    (b'name = "g\xff"\n[axes]\nseed = [1]\n', "not UTF-8 text (byte 0xff at offset 9)"),
+    (b'name = "g"\n[axes]\nbias_mode = ["none"]\nbias-mode = ["bq"]\n',
+     "[axes] names --bias-mode twice (bias_mode and bias-mode): keep one"),
+    (b'name = "g"\n[axes]\nseed = 1\n', "[axes] seed = 1: give a non-empty list of strings, numbers or booleans"),
+    (b'name = "g"\n[axes]\nseed = [1]\n[flags]\nsteps = [3]\n', "[flags] steps = [3]: give a string, a number"),
+    (b'name = "g"\n[axes]\nseed = [1]\n[flags]\nkeep-checkpoints = true\n',
+     "[flags] keep-checkpoints = true: --keep-checkpoints takes a value, not true or false"),
+])
+def test_bad_grid_files_are_refused_with_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "grid.toml"
+    path.write_bytes(content)
+    assert main(["--grid", str(path), "--run-dir", str(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_a_boolean_in_a_grid_file_sets_a_boolean_flag(tmp_path):
+    from grid import plan
+
+    path = tmp_path / "grid.toml"
+    path.write_text('name = "g"\n[axes]\nseed = [1]\n[flags]\nkeep_checkpoints = -1\ncompile = false\n')
+    assert plan.read_toml(path)["flags"] == ["--keep-checkpoints=-1", "--no-compile"]
+
+
 @pytest.mark.parametrize("damage, message", [
     (b'{"event": "start", "runs": []}\n\xff\xfe\n', "line 2: bytes that are not UTF-8 text"),
     (b'[1, 2]\n', "line 1: not a JSON object"),
@@ -166,3 +222,18 @@ def test_a_full_disk_under_the_journal_is_one_line_and_status_does_not_say_runni
     monkeypatch.setattr(execute.Journal, "append", append)
     assert main(["status", str(tmp_path / "g")]) == 0
     assert "grid g: 1 runs: 1 finished" in capsys.readouterr().out
+
+
+def test_status_every_must_be_a_positive_number(tmp_path, capsys):
+    argv = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--dry-run", "--status-every"]
+    assert main([*argv, "nan"]) == 2 and "--status-every must be a finite number, got nan" in capsys.readouterr().err
+    assert main([*argv, "0"]) == 2 and "--status-every must be > 0, got 0.0" in capsys.readouterr().err
+
+
+def test_the_slurm_script_quotes_a_grid_name_with_a_space(tmp_path, capsys):
+    assert main(["--name", "my grid", "--run-dir", str(tmp_path / "50%"), "--axis", "seed=1,2", "--print-slurm",
+                 "--", "--device", "cpu"]) == 0
+    lines = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("#SBATCH --")}
+    assert shlex.split(lines["#SBATCH --job-name"]) == ["grid-my grid"]  # sbatch reads quotes as the shell does
+    assert shlex.split(lines["#SBATCH --output"]) == [f"{tmp_path}/50%%/my grid/logs/slurm-%A_%a.log"]
