@@ -1,7 +1,8 @@
 """The grid's results: `eval.report` for every finished run (the quick evaluation set for small runs), one per slot at
-a time as the runs were trained, then `eval.compare` over them into the grid directory: `compare.md` with the
-optimizer × attention-bias table (best validation loss, mean ± std over seeds, Δ against the symmetric baseline), the
-per-run table and the loss curves (docs/grid.md#the-report)."""
+a time as the runs were trained (a process each, on its slot's GPU or threads), then eval's comparison over them into
+the grid directory: `compare.md` with the optimizer × attention-bias table (best validation loss, mean ± std over
+seeds, Δ against the symmetric baseline with its standard error), the per-run table and the loss curves
+(docs/grid.md#the-report)."""
 from __future__ import annotations
 
 import os
@@ -73,7 +74,7 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     if interrupted:
         print(f"grid: reports interrupted; `python -m grid report {directory}` finishes them", file=sys.stderr)
         return 130
-    compare.main([arg for run in run_dirs for arg in ("--run", str(run))] + ["--out", str(directory)])
+    compare.compare_runs(run_dirs, directory)
     if failed:
         page = directory / "compare.md"
         atomic_write(page, (page.read_text() + "Runs of the grid that did not finish (not in the tables): "
