@@ -4,6 +4,7 @@ loss, logic top-1/top-5, alignment, punctuation enrichment, Δ top-5 against the
 Pearson r between enrichment and Δ top-5.
 
     python -m eval.compare --run runs/A --run runs/B ... [--out runs/compare] [--suite NAME] [--alignment-mode raw]
+    python -m eval.compare runs/table2 --against-paper     # also scorecard.md: the runs against the paper's tables
 
 (`--checkpoint` is the same flag; run directories given without a flag, `python -m eval.compare runs/*`, work too, and
 a directory of runs, such as a grid's, stands for its runs.) Reads each run's log.jsonl and eval/*.json (`python -m
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import train_gpt
 from cli import ArgumentParser
+from eval import scorecard
 from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json
 from eval.figures import pyplot, save_figure
 from eval.curves import runs_loss_figure, validation_losses
@@ -320,11 +322,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--suite", default=None, help="logic suite name (default: the generated suite, else the first)")
     parser.add_argument("--alignment-mode", default="raw", choices=("raw", "ln", "residual"),
                         help="which keys' alignment the table shows (docs/evaluation.md#b_q-alignment-and-enrichment)")
+    parser.add_argument("--against-paper", nargs="?", const=scorecard.PUBLISHED, default=None, type=Path,
+                        metavar="PUBLISHED.toml", help="also write scorecard.md: the runs cell by cell against the "
+                        "paper's published numbers (default file: %(const)s; docs/reproduce.md)")
     args = parser.parse_args(argv)
     if not args.run and not args.positional:
         parser.error("name the runs to compare: --run DIR (repeatable) or run directories")
     run_dirs = run_directories(parser, args.run + args.positional)
-    return compare_runs(run_dirs, args.out, args.suite, args.alignment_mode)
+    try:  # before comparing: a missing or damaged file is a one-line error and nothing is written
+        published = scorecard.load_published(args.against_paper) if args.against_paper else None
+    except scorecard.PublishedDataError as exc:
+        parser.error(str(exc))
+    result = compare_runs(run_dirs, args.out, args.suite, args.alignment_mode)
+    if published is not None:
+        scorecard.write_scorecard(run_dirs, args.out, published)
+    return result
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def test_a_directory_of_runs_stands_for_its_runs(tmp_path):
     assert [r["path"] for r in result["runs"]] == [str(r) for r in runs]
 
 
-def test_the_grid_calls_the_comparison_as_a_function(tmp_path, monkeypatch):
+def test_the_grid_calls_the_comparison_and_the_scorecard_as_functions(tmp_path, monkeypatch):
     from grid import report
 
     runs = [write_run(tmp_path / "g", "a", "none", 1, 10.0), write_run(tmp_path / "g", "b", "bqbv", 1, 9.0)]
@@ -115,3 +115,4 @@ def test_the_grid_calls_the_comparison_as_a_function(tmp_path, monkeypatch):
     monkeypatch.setattr(compare, "main", lambda argv=None: pytest.fail(f"eval.compare.main({argv}) called"))
     assert report.report_grid(tmp_path / "g", runs, [], [], []) == 0
     assert pivot_rows(tmp_path / "g")["adamw"][:2] == ["10.0000", "9.0000"]
+    assert not (tmp_path / "g" / "scorecard.md").exists()  # seed 1 is no seed of the paper's tables
