@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import scorecard
+from eval import paper_run, scorecard
 from grid import plan
 from grid.__main__ import main as grid_main
 from grid.scale import scaled
@@ -90,7 +90,7 @@ def test_each_grids_runs_carry_its_tables_configuration(grid):
         assert {k: optim[k] for k in TABLE9[train["optimizer"]]} == TABLE9[train["optimizer"]]
         if train["optimizer"] == "sgdm":  # Table 1: a random initial velocity; its control: at rest
             assert optim["initial_velocity_std"] == (0.0 if grid.stem == "table1-sgdm-at-rest" else 0.1)
-        assert scorecard.paper_differences({**c, "data": FINEWEB}, [{"summary": True, "step": train["steps"]}]) == []
+        assert paper_run.paper_differences({**c, "data": FINEWEB}, [{"summary": True, "step": train["steps"]}]) == []
 
 
 FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
@@ -100,7 +100,7 @@ FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
 
 def test_the_published_numbers_cover_every_run_of_the_grids_and_every_cell_names_a_grid_that_trains_it():
     published = scorecard.load_published()
-    runs = {grid.stem: [scorecard.Run(Path(name), config, []) for name, config in planned(grid).items()]
+    runs = {grid.stem: [paper_run.Run(Path(name), config, []) for name, config in planned(grid).items()]
             for grid in GRIDS}
     used = set()
     for cell in published.cells:
@@ -109,7 +109,7 @@ def test_the_published_numbers_cover_every_run_of_the_grids_and_every_cell_names
         trained = [run for grid in cell.grids for run in runs[grid]]
         for seed in cell.seeds:
             for side in [cell.runs] + ([[cell.baseline]] if cell.baseline else []):
-                matched = [r for selector in side for r in trained if scorecard.matches(r, selector, [seed])]
+                matched = [r for selector in side for r in trained if paper_run.matches(r, selector, [seed])]
                 assert matched, f"{cell.name}: no run of {', '.join(cell.grids)} for seed {seed} and {side}"
                 used |= {id(r) for r in matched}
     unused = [(grid, r.path.name) for grid, rs in runs.items() for r in rs if id(r) not in used]

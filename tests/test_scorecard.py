@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt
-from eval import compare, scorecard
+from eval import compare, paper_run, scorecard
 
 PAPER_STEPS = 122070
 TABLE2 = {"none": {42: 3.93, 83: 3.82, 123: 3.94, 789: 3.81}, "bqbv": {42: 3.37, 83: 3.40, 123: 3.37, 789: 3.40}}
@@ -28,7 +28,7 @@ def data_record(kind: str) -> dict:
     return {**split, "fingerprint": {"fineweb": "f" * 16, "fineweb-copy": "c" * 16, "embedded": "e" * 16}[kind]}
 
 
-def paper_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best: float | None, *,
+def finished_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best: float | None, *,
               mean_v: float | None = None, gelu: bool = False, data: str = "fineweb", flags: tuple = (),
               finished: bool = True, logic: dict | None = None) -> Path:
     """A run directory as a finished paper run leaves it: config.json of the paper's preset with these settings,
@@ -52,12 +52,12 @@ def paper_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best:
 
 def table2_runs(root: Path, **changes: float) -> list[Path]:
     """Table 2's eight runs with the published values, `changes` ({"none_789": value}) replacing some."""
-    return [paper_run(root, f"{bias}-{seed}", "ecd", bias, seed, changes.get(f"{bias}_{seed}", value), mean_v=0.5)
+    return [finished_run(root, f"{bias}-{seed}", "ecd", bias, seed, changes.get(f"{bias}_{seed}", value), mean_v=0.5)
             for bias, values in TABLE2.items() for seed, value in values.items()]
 
 
 def results(run_dirs: list[Path]) -> dict[tuple[str, str, str], scorecard.Result]:
-    found = scorecard.score(scorecard.load_published(), [scorecard.Run.read(d) for d in run_dirs])
+    found = scorecard.score(scorecard.load_published(), [paper_run.Run.read(d) for d in run_dirs])
     return {(r.cell.table, r.cell.row, r.cell.column): r for r in found}
 
 
@@ -90,11 +90,11 @@ def test_claims_are_paired_by_seed_with_their_uncertainty_and_the_sign_per_seed(
 
 
 def test_the_least_of_the_seeds_and_the_best_configuration_per_seed(tmp_path):
-    runs = [paper_run(tmp_path, "ecd-none-42", "ecd", "none", 42, 3.99, mean_v=0.0),
-            paper_run(tmp_path, "ecd-none-123", "ecd", "none", 123, 3.93, mean_v=0.0),
-            paper_run(tmp_path, "g-none-42", "ecd", "none", 42, 3.185, gelu=True),
-            paper_run(tmp_path, "g-bq-42", "ecd", "bq", 42, 3.30, gelu=True),
-            paper_run(tmp_path, "g-v00-42", "ecd", "bqbv", 42, 3.137, gelu=True, mean_v=0.0)]
+    runs = [finished_run(tmp_path, "ecd-none-42", "ecd", "none", 42, 3.99, mean_v=0.0),
+            finished_run(tmp_path, "ecd-none-123", "ecd", "none", 123, 3.93, mean_v=0.0),
+            finished_run(tmp_path, "g-none-42", "ecd", "none", 42, 3.185, gelu=True),
+            finished_run(tmp_path, "g-bq-42", "ecd", "bq", 42, 3.30, gelu=True),
+            finished_run(tmp_path, "g-v00-42", "ecd", "bqbv", 42, 3.137, gelu=True, mean_v=0.0)]
     found = results(runs)
     table1 = found["1", "ECD", "Symmetric"]
     assert table1.ours == 3.93 and table1.n == 2 and table1.verdict == "reproduced"  # the better of 3.99, 3.93
@@ -114,28 +114,28 @@ def test_the_least_of_the_seeds_and_the_best_configuration_per_seed(tmp_path):
 ])
 def test_a_run_unlike_the_papers_is_not_comparable_and_says_why_even_at_the_published_value(tmp_path, cause,
                                                                                             changes):
-    run = paper_run(tmp_path, "run", "ecd", "none", 42, 3.93, mean_v=0.5, **changes)
+    run = finished_run(tmp_path, "run", "ecd", "none", 42, 3.93, mean_v=0.5, **changes)
     cell = results([run])["2", "42", "Symmetric"]
     assert cell.difference == 0 and cell.verdict == "not comparable"
     assert [reason.split(":")[0] for reason in cell.reasons] == [cause] * len(cell.reasons)
 
 
 def test_runs_of_one_cell_on_different_data_or_settings_are_not_comparable_and_never_averaged(tmp_path):
-    data = [paper_run(tmp_path, "a", "ecd", "none", 42, 3.93, mean_v=0.5),
-            paper_run(tmp_path, "b", "ecd", "none", 42, 3.50, mean_v=0.5, data="fineweb-copy")]
+    data = [finished_run(tmp_path, "a", "ecd", "none", 42, 3.93, mean_v=0.5),
+            finished_run(tmp_path, "b", "ecd", "none", 42, 3.50, mean_v=0.5, data="fineweb-copy")]
     cell = results(data)["2", "42", "Symmetric"]
     assert cell.verdict == "not comparable" and cell.ours is None
     assert any(r.startswith("mixed: the runs of this cell differ in data") for r in cell.reasons)
-    settings = [paper_run(tmp_path / "s", "a", "ecd", "none", 42, 3.93, mean_v=0.0),
-                paper_run(tmp_path / "s", "b", "ecd", "none", 42, 3.50, flags=("--ecd-eta", "10"))]
+    settings = [finished_run(tmp_path / "s", "a", "ecd", "none", 42, 3.93, mean_v=0.0),
+                finished_run(tmp_path / "s", "b", "ecd", "none", 42, 3.50, flags=("--ecd-eta", "10"))]
     cell = results(settings)["2", "42", "Symmetric"]
     assert cell.verdict == "not comparable" and cell.ours is None
     assert any(r.startswith("mixed: the runs of this cell differ in ecd_eta") for r in cell.reasons)
 
 
 def test_settings_a_bias_mode_does_not_use_do_not_split_a_cell(tmp_path):
-    runs = [paper_run(tmp_path, "a", "ecd", "none", 42, 3.92, mean_v=0.0),  # Table 1's symmetric run
-            paper_run(tmp_path, "b", "ecd", "none", 42, 3.94, mean_v=0.5)]  # Table 2's
+    runs = [finished_run(tmp_path, "a", "ecd", "none", 42, 3.92, mean_v=0.0),  # Table 1's symmetric run
+            finished_run(tmp_path, "b", "ecd", "none", 42, 3.94, mean_v=0.5)]  # Table 2's
     cell = results(runs)["2", "42", "Symmetric"]
     assert cell.verdict == "reproduced" and cell.n == 1 and cell.ours == pytest.approx(3.93)
 
@@ -145,13 +145,13 @@ def test_a_cell_without_its_evaluation_says_what_to_run(tmp_path):
     cell = results(runs)["3", "P 42 b_Q + b_V", "SB Top-5"]
     assert cell.verdict == "not evaluated" and "python -m eval.report --run" in cell.reasons[0]
     logic = {"top5": 0.5, "top1": 0.2, "logic_loss": 3.0, "top5_category_mean": 17 / 24, "top1_category_mean": 0.25}
-    evaluated = paper_run(tmp_path / "e", "sb", "ecd", "bqbv", 42, 3.37, mean_v=0.5, logic=logic)
+    evaluated = finished_run(tmp_path / "e", "sb", "ecd", "bqbv", 42, 3.37, mean_v=0.5, logic=logic)
     cell = results([evaluated])["3", "P 42 b_Q + b_V", "SB Top-5"]
     assert cell.ours == pytest.approx(100 * 17 / 24) and cell.verdict == "reproduced"
 
 
 def test_the_page_says_at_the_top_when_no_cell_with_runs_is_comparable(tmp_path, capsys):
-    runs = [paper_run(tmp_path, f"{bias}-{seed}", "ecd", bias, seed, 3.9, mean_v=0.5, data="embedded")
+    runs = [finished_run(tmp_path, f"{bias}-{seed}", "ecd", bias, seed, 3.9, mean_v=0.5, data="embedded")
             for seed in (42, 83) for bias in ("none", "bqbv")]
     page = scorecard.write_scorecard(runs, tmp_path / "out")
     text = page.read_text()
@@ -174,7 +174,7 @@ def test_a_missing_or_damaged_published_file_is_a_one_line_error_naming_it(tmp_p
     with pytest.raises(scorecard.PublishedDataError, match=expected) as error:
         scorecard.load_published(path)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
-    run = paper_run(tmp_path, "run", "ecd", "none", 42, 3.93)
+    run = finished_run(tmp_path, "run", "ecd", "none", 42, 3.93)
     with pytest.raises(SystemExit) as stopped:
         compare.main([str(run), "--out", str(tmp_path / "cmp"), "--against-paper", str(path)])
     err = capsys.readouterr().err.strip()
