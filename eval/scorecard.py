@@ -103,7 +103,10 @@ def load_published(path: Path | None = None) -> Published:
         raise PublishedDataError(f"{path}: reading TOML needs Python 3.11 or newer, or the tomli package") from None
     try:
         return _parse(path, data)
-    except (KeyError, TypeError, ValueError) as exc:
+    except KeyError as exc:
+        raise PublishedDataError(f"{path}: an entry lacks its {exc} (docs/reproduce.md#the-published-numbers)") \
+            from None
+    except (TypeError, ValueError) as exc:
         raise PublishedDataError(f"{path}: {exc}") from None
 
 
@@ -163,6 +166,7 @@ def _config_keys(selector: dict) -> dict:
     return {k: v for k, v in selector.items() if k != "grid"}
 
 
+# -- verdicts -------------------------------------------------------------------------------------------------
 
 
 def band(published_std: float | None, published_n: int, ours_sd: float | None, ours_n: int,
@@ -228,8 +232,8 @@ def judge(cell: Cell, runs: list[Run], tolerance: float) -> Result:
     names = sorted({r.path.name for r in used})
     identities = {json.dumps(data_identity(r.config)) for r in used}
     if len(identities) > 1:
-        problems.append(f"mixed: the runs of this cell were trained or validated on different data ({len(identities)} "
-                        "data fingerprints or budgets)")
+        problems.append(f"mixed: the runs of this cell were trained or validated on different data "
+                        f"({len(identities)} data fingerprints or budgets)")
     reasons = sorted({p for r in used for p in r.problems + [metric_problem(cell.metric, r)] if p})
     reasons += [p for p in problems if p.startswith("mixed")]
     evaluated = [p for p in problems if p.startswith("not evaluated")]
@@ -311,7 +315,7 @@ def _ours_text(r: Result) -> str:
 def _verdict_text(r: Result) -> str:
     """The verdict with its reasons: a run's differences from the paper by cause only (the runs' section below
     names them), a cell's own reasons (mixed runs, what to evaluate, which grid trains it) in full."""
-    own = [reason for reason in r.reasons if reason.split(":")[0] in CELL_REASONS]
+    own = [reason for reason in r.reasons if reason.split(":")[0] in CELL_REASONS or r.verdict == "no run"]
     causes = list(dict.fromkeys(reason.split(":")[0] for reason in r.reasons if reason not in own))
     words = own + ([f"the runs differ from the paper's in {', '.join(causes)} (below)"] if causes else [])
     return f"**{r.verdict}**" + (f": {'; '.join(words)}" if words else "")
