@@ -351,10 +351,12 @@ def _claim_ours(r: Result) -> str:
     if r.cell.pool:
         spread = f" ± {r.sd:{fmt}}" if r.sd is not None else ""
         return f"{r.ours:+{fmt}}{spread} (mean of the column's {r.n} Δ cells with runs)"
-    kind = "least − least" if r.cell.statistic == "least" else ("paired" if r.paired else "unpaired")
     se = f" ± {r.se:{fmt}} (se)" if r.se is not None else ""
     sd = f", sd {r.sd:{fmt}}" if r.sd is not None else ""
-    return f"{r.ours:+{fmt}}{se} ({kind}, n = {r.n}{sd})"
+    kind = f"{'paired' if r.paired else 'unpaired'}, n = {r.n}{sd}"
+    if r.cell.statistic == "least" and r.paired:  # the published statistic, then the paired Δ beside it
+        return f"{r.ours:+{fmt}} (least − least; paired by seed {Summary(r.per_seed).mean:+{fmt}}{se}, n = {r.n}{sd})"
+    return f"{r.ours:+{fmt}}{se} ({kind})"
 
 
 def scorecard_markdown(published: Published, results: list[Result], runs: list[Run], source: str) -> str:

@@ -1,6 +1,6 @@
 """A grid at another scale (docs/reproduce.md#cpu-scale): `--scale cpu` keeps a grid's axes and flags and adds, after
 its file's flags and before those after `--`, flags that shrink every run to seconds on a CPU (2 layers of width 64,
-8 sequences of 64 tokens per step, 40 steps, the default data); its runs go to <name>-cpu/, and the scorecard calls
+8 sequences of 64 tokens per step, 20 steps, the default data); its runs go to <name>-cpu/, and the scorecard calls
 every one of them not comparable with the paper."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from grid.plan import GridSpec
 SCALES: dict[str, list[str]] = {
     "paper": [],
     "cpu": ["--device=cpu", "--no-compile", "--n-layer=2", "--n-head=2", "--n-embd=64", "--block-size=64",
-            "--seq-len=64", "--batch-tokens=512", "--micro-batch=8", "--steps=40", "--val-every=10",
+            "--seq-len=64", "--batch-tokens=512", "--micro-batch=8", "--steps=20", "--val-every=10",
             "--val-tokens=4096", "--log-every=10", "--checkpoint-every=0"],
 }
 

@@ -188,3 +188,17 @@ def test_a_cell_naming_an_unknown_configuration_is_refused(tmp_path):
     with pytest.raises(scorecard.PublishedDataError, match="table 1, row 'ECD', column 'Symmetric': runs "
                                                            "ecd-symmetric not in the table's"):
         scorecard.load_published(tmp_path / "p.toml")
+
+
+def test_the_grids_report_names_a_missing_published_file_on_one_line_and_keeps_compare_md(tmp_path, monkeypatch,
+                                                                                          capsys):
+    from grid import report
+
+    runs = table2_runs(tmp_path / "g")
+    missing = tmp_path / "nowhere.toml"
+    monkeypatch.setattr(scorecard, "PUBLISHED", missing)
+    monkeypatch.setattr(report, "report_runs", lambda *args: ([], False))  # the runs' own reports: not needed here
+    assert report.report_grid(tmp_path / "g", runs, [], [], []) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if "scorecard" in line]
+    assert len(lines) == 1 and str(missing) in lines[0] and "cannot read the published numbers" in lines[0]
+    assert (tmp_path / "g" / "compare.md").is_file() and not (tmp_path / "g" / "scorecard.md").exists()
