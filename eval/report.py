@@ -2,12 +2,13 @@
 
     python -m eval.report --run runs/NAME [--quick | --full] [--skip-missing]
 
-Runs every evaluation (val_loss, logic_puzzles, alignment, dynamics) whose outputs are missing or were computed
-from another checkpoint than the one reported on (the outputs' records in `eval/manifest.json`: checkpoint path,
-step and sha256; docs/evaluation.md#outputs-and-reports), then writes `report.md` with the configuration, the
-training summary from log.jsonl, a table of the evaluations with the step each came from, each evaluation's headline
-numbers, figures and Markdown page, `eval/report_loss.png` and `eval/report.json`. `--skip-missing` runs nothing
-and reports what exists, marking outputs of another checkpoint as such.
+Runs every evaluation (val_loss, logic_puzzles with the fixed and the paper's suites, alignment, dynamics) whose
+outputs are missing or were computed from another checkpoint than the one reported on (the outputs' records in
+`eval/manifest.json`: checkpoint path, step and sha256; docs/evaluation.md#outputs-and-reports), then writes
+`report.md` with the configuration, the training summary from log.jsonl, a table of the evaluations with the step
+each came from, each evaluation's headline numbers, figures and Markdown page, `eval/report_loss.png` and
+`eval/report.json`. `--skip-missing` runs nothing and reports what exists, marking outputs of another checkpoint as
+such.
 
 Budgets follow the run: a run that trained fewer than 20M tokens (smoke and test runs) gets the quick evaluation set
 (25 generated logic prompts per category, 32,768 tokens of text for the residual alignment), a longer run the full
@@ -39,6 +40,9 @@ from run.log import read_log
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
                "dynamics": dynamics.main}
 QUICK_BELOW_TOKENS = 20_000_000  # runs that trained fewer tokens get the quick evaluation set by default
+# What a report evaluates besides the defaults: the paper's 14-item logic suite (under its own protocol) beside the
+# fixed one, so the scorecard finds the paper's numbers of every reported run (docs/reproduce.md).
+REPORT_FLAGS = {"logic_puzzles": ["--suite", "fixed", "--suite", "paper"]}
 QUICK_FLAGS = {"logic_puzzles": ["--per-category", "25"], "alignment": ["--residual-tokens", "32768"]}
 QUICK_WORDS = "25 generated logic prompts per category, 32,768 tokens of text for the residual alignment"
 
@@ -227,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"report: [{i}/{len(todo)}] eval.{name} ({reason}) ...", flush=True)
         start = time.perf_counter()
         try:
-            error = run_evaluation(name, target + (QUICK_FLAGS.get(name, []) if budget[0] == "quick" else []))
+            error = run_evaluation(name, target + REPORT_FLAGS.get(name, [])
+                                   + (QUICK_FLAGS.get(name, []) if budget[0] == "quick" else []))
         except KeyboardInterrupt:
             for later, _ in todo[i - 1:]:
                 page.status[later] = "interrupted: run the report again"

@@ -26,10 +26,12 @@ from pathlib import Path
 from cli import ArgumentParser, value_problem
 from data.lookup import resolve_data_files
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
+from grid.estimate import wall_time_lines
 from grid.plan import (GridError, build_spec, check_flags, plan_runs, recorded_changes, slurm_script, train_command,
                        train_flags)
 from grid.progress import Display, run_finished, run_row, summary_line, table
 from grid.report import report_grid
+from grid.scale import SCALES, scaled
 from run.directory import run_holder, run_holds_checkpoint
 
 
@@ -53,6 +55,8 @@ def run_parser() -> ArgumentParser:
     parser.add_argument("--grid", type=Path, metavar="FILE.toml", help="axes and shared flags from a TOML file "
                         "(docs/grid.md#grid-files); --name, --axis and flags after -- override it")
     parser.add_argument("--run-dir", default=None, help="parent of the grid's directory (default: runs)")
+    parser.add_argument("--scale", choices=sorted(SCALES), default="paper", help="cpu: the same grid with every run "
+                        "shrunk to seconds on a CPU, in <name>-cpu (docs/reproduce.md#cpu-scale; default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="CPU runs: processes at once, the cores divided "
                         "between them (default: %(default)s)")
     parser.add_argument("--gpus-per-run", type=int, default=1, help="CUDA runs: GPUs per run; more than 1 runs "
@@ -98,11 +102,12 @@ def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:
         env = slot.env if slot else next(s.env for s in slots if s.kind == run.device)
         command = train_command(run, gpus_per_run if run.device == "cuda" else 1, state == "resume")
         print("      " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command))
+    print("\n".join(wall_time_lines(runs, states, slots)))
 
 
 def plan_grid(args: argparse.Namespace, shared: list[str]):
     """(spec, runs, visible GPUs), every flag checked; GridError for a grid that cannot run as given."""
-    spec = build_spec(args.name, args.run_dir, args.axis, shared, args.grid)
+    spec = scaled(build_spec(args.name, args.run_dir, args.axis, shared, args.grid), args.scale, len(shared))
     known = train_flags()
     check_flags(spec, known)
     if args.workers < 1 or args.gpus_per_run < 1:

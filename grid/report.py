@@ -1,7 +1,8 @@
 """The grid's results: `eval.report` for every finished run (the quick evaluation set for small runs), one per slot at
-a time as the runs were trained, then `eval.compare` over them into the grid directory: `compare.md` with the
-optimizer × attention-bias table (best validation loss, mean ± std over seeds, Δ against the symmetric baseline), the
-per-run table and the loss curves (docs/grid.md#the-report)."""
+a time as the runs were trained (a process each, on its slot's GPU or threads), then eval's comparison over them into
+the grid directory: `compare.md` with the optimizer × attention-bias table (best validation loss, mean ± std over
+seeds, Δ against the symmetric baseline with its standard error), the per-run table and the loss curves, and, when
+runs match cells of the paper's tables, `scorecard.md` (docs/grid.md#the-report, docs/reproduce.md)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval import compare
+from eval import compare, scorecard
 from fileio import atomic_write
 from grid.execute import Slot, output_tail
 from grid.plan import TRAIN_SCRIPT
@@ -63,9 +64,9 @@ def report_runs(directory: Path, run_dirs: list[Path], budget: list[str], slots:
 
 def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed: list[str],
                 slots: list[Slot]) -> int:
-    """Report every run of `run_dirs` (finished runs), then compare them into `directory`; `failed` names the
-    runs that did not finish, listed at the end of compare.md. Returns 0, 1 when a report failed, or 130 when
-    interrupted."""
+    """Report every run of `run_dirs` (finished runs), then compare them into `directory` (compare.md, and
+    scorecard.md when runs match published cells); `failed` names the runs that did not finish, listed at the end
+    of compare.md. Returns 0, 1 when a report or the scorecard failed, or 130 when interrupted."""
     if not run_dirs:
         print("grid: no finished run to report", flush=True)
         return 0
@@ -73,7 +74,12 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     if interrupted:
         print(f"grid: reports interrupted; `python -m grid report {directory}` finishes them", file=sys.stderr)
         return 130
-    compare.main([arg for run in run_dirs for arg in ("--run", str(run))] + ["--out", str(directory)])
+    compare.compare_runs(run_dirs, directory)
+    try:
+        scorecard.write_scorecard(run_dirs, directory, source=f"the {len(run_dirs)} finished runs of the grid in "
+                                  f"{directory}", only_if_matched=True)
+    except scorecard.PublishedDataError as exc:  # named with the other failures below, on one line
+        failures.append(f"scorecard: {exc}")
     if failed:
         page = directory / "compare.md"
         atomic_write(page, (page.read_text() + "Runs of the grid that did not finish (not in the tables): "

@@ -291,8 +291,8 @@ def test_compare_pivots_optimizers_by_bias_mode_with_seed_statistics_and_names_m
     text = (out / "compare.md").read_text()
     pivot = table(text, "## Best validation loss")
     assert [row[0] for row in pivot] == ["adamw, activation prelu", "sgdm, activation prelu", "adamw, activation gelu"]
-    assert pivot[0][1:] == ["3.1000 ± 0.1414 (n = 2)", "2.6000 ± 0.1414 (n = 2)", "-0.5000"]
-    assert pivot[1][1:] == ["4.0000 ± 0.0000 (n = 2)", "4.3000 ± 0.2828 (n = 2)", "+0.3000"]
+    assert pivot[0][1:] == ["3.1000 ± 0.1414 (n = 2)", "2.6000 ± 0.1414 (n = 2)", "-0.5000 ± 0.0000 (paired, n = 2)"]
+    assert pivot[1][1:] == ["4.0000 ± 0.0000 (n = 2)", "4.3000 ± 0.2828 (n = 2)", "+0.3000 ± 0.2000 (paired, n = 2)"]
     assert pivot[2][1:] == ["2.0000", "no run", "-"]
     assert "## Best validation loss" in printed and f"compare: wrote {out / 'compare.json'}" in printed
     rows = {row[0]: row for row in table(text, "## Runs")}

@@ -16,7 +16,7 @@ from tests.helpers import ROOT, repository_modules
 pytest.importorskip("setuptools", reason="building the package needs setuptools in this environment")
 pytestmark = pytest.mark.slow  # two offline pip builds and two fresh interpreters importing torch: ~20 s on 2 cores
 MODULES = repository_modules()  # every one must travel in the wheel and import from it
-DATA_FILES = ["kernels/attention_table.json", "eval/suites/logic_fixed.json"]
+DATA_FILES = ["kernels/attention_table.json", "eval/suites/logic_fixed.json", "eval/published/arxiv-2601.22257.toml"]
 IMPORT_CHECK = (
     "import importlib, sys\n"
     f"mods = [importlib.import_module(m) for m in {MODULES!r}]\n"

@@ -1,0 +1,201 @@
+"""What the paper's run is and how far a run is from it (docs/reproduce.md#what-reproduced-means): a run directory
+as the scorecard reads it, the numbers the paper reports as a run keeps them (its metrics), the settings the runs of
+one published cell must share, and each way a run differs from the paper's run of Silverstein, Kunin and Shyam
+(arXiv:2601.22257): data, tokens, model, precision, configuration, validation."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import config as run_config
+import train_gpt
+from eval.common import EVAL_DIRNAME, read_config
+from eval.samples import data_identity
+from optim import OPTIMIZERS
+from run.log import read_log
+
+FINEWEB_EDU = re.compile(r"^finewebedu_(train|val)_\d{6}\.bin$")  # the paper's data (docs/data.md#fineweb-edu)
+TOKEN_FIELDS = {"steps", "batch_tokens", "seq_len"}  # how long a run trained, in the run's configuration
+PAPER_VAL_EVERY = 1000  # the published runs' validation cadence (docs/optimizers.md#paper-parity)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A number a published cell reports and where a run keeps ours: `read` takes a run (Run) and returns it or
+    None, `lower_is_better` says which of two is the best (a cell's `least` statistic, Table 23's best
+    configuration), `missing` what computes it."""
+
+    label: str
+    fmt: str
+    read: Callable[["Run"], float | None]
+    missing: str
+    lower_is_better: bool = True
+
+
+def _logic(key: str, scale: float = 100.0) -> Callable[["Run"], float | None]:
+    def read(run: Run) -> float | None:
+        suite = run.logic_paper
+        return None if suite is None else scale * suite["overall"][key]
+    return read
+
+
+def _alignment(path: tuple[str, ...]) -> Callable[["Run"], float | None]:
+    def read(run: Run) -> float | None:
+        value = run.alignment_raw
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+    return read
+
+
+LOGIC = "`python -m eval.report --run RUN` (the paper's suite under the paper's protocol)"
+ALIGNMENT = "`python -m eval.report --run RUN` (raw keys)"
+METRICS: dict[str, Metric] = {
+    "best_val_loss": Metric("best validation loss (least single-batch estimate)", ".4f",
+                            lambda run: run.best_val_loss_batch,
+                            "RUN/log.jsonl holds no single-batch validation estimate (one every --val-every steps)"),
+    "logic_loss": Metric("logic loss", ".3f", _logic("logic_loss", 1.0), LOGIC),
+    "logic_top5": Metric("logic top-5 % (items)", ".1f", _logic("top5"), LOGIC, False),
+    "logic_top1": Metric("logic top-1 % (items)", ".1f", _logic("top1"), LOGIC, False),
+    "logic_top5_category_mean": Metric("logic top-5 % (category mean)", ".1f", _logic("top5_category_mean"), LOGIC,
+                                       False),
+    "logic_top1_category_mean": Metric("logic top-1 % (category mean)", ".1f", _logic("top1_category_mean"), LOGIC,
+                                       False),
+    "alignment_mean_top": Metric("mean top alignment", ".3f", _alignment(("mean_top",)), ALIGNMENT, False),
+    **{f"enrichment_{c}": Metric(f"{c.replace('_', ' ')} enrichment (log2)", "+.2f",
+                                 _alignment(("enrichment", "pooled", c)), ALIGNMENT, False)
+       for c in ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")},
+}
+
+@dataclass
+class Run:
+    """A run directory as the scorecard reads it: config.json, log.jsonl and the evaluations it needs, and why it
+    is not comparable with the paper's run (`problems`, empty when it is)."""
+
+    path: Path
+    config: dict
+    log: list[dict]
+    problems: list[str] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, path: Path) -> Run:
+        run = cls(path, read_config(path), read_log(path))
+        run.problems = paper_differences(run.config, run.log)
+        return run
+
+    @property
+    def seed(self) -> int | None:
+        return self.config.get("train", {}).get("seed")
+
+    def setting(self, key: str) -> object:
+        """A configuration value by field name, from whichever section holds it (None when none does)."""
+        return next((section[key] for section in self.sections() if key in section), None)
+
+    def sections(self) -> list[dict]:
+        return [self.config.get(s, {}) for s in ("model", "train", "research", "optim")]
+
+    def _eval(self, name: str) -> dict | None:
+        path = self.path / EVAL_DIRNAME / f"{name}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    @property
+    def best_val_loss_batch(self) -> float | None:
+        values = [r["best_val_loss_batch"] for r in self.log if r.get("best_val_loss_batch") is not None]
+        return values[-1] if values else None
+
+    @functools.cached_property
+    def logic_paper(self) -> dict | None:
+        logic = self._eval("logic_puzzles") or {}
+        return next((s for s in logic.get("suites", []) if s["name"] == "paper" and s["protocol"] == "paper"), None)
+
+    @functools.cached_property
+    def alignment_raw(self) -> dict:
+        return ((self._eval("alignment") or {}).get("modes") or {}).get("raw") or {}
+
+
+def unused_by_bias_mode(model: dict) -> set[str]:
+    """The model fields a bias mode does not use (a symmetric run's b_V settings change nothing it computes)."""
+    q = {"mean_q", "std_q_min", "std_q_max"}
+    v = {"mean_v", "std_v_min", "std_v_max"}
+    mode = model.get("bias_mode")
+    unused = {"none": q | v | {"bias_per_head"}, "bq": v, "bv": q}.get(mode, set())
+    return unused | ({"key_bias"} if mode == "none" else set())
+
+
+def result_settings(config: dict) -> dict[str, object]:
+    """Every setting of a run that affects results, except the seed and what its bias mode does not use, plus the
+    data it was trained and validated on (samples.data_identity): what the runs of one cell must share."""
+    model = config.get("model", {})
+    unused = unused_by_bias_mode(model)
+    settings = {}
+    optimizer = config.get("train", {}).get("optimizer")
+    classes = run_config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer) \
+        if optimizer in OPTIMIZERS else {}
+    for section, cls in classes.items():
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("affects_results", True) and f.name not in unused:
+                settings[f.name] = config.get(section, {}).get(f.name)
+    return {**settings, **data_identity(config)}
+
+
+def paper_differences(config: dict, log: list[dict]) -> list[str]:
+    """Why a run is not comparable with the paper's run, by cause (data, tokens, model, precision, configuration),
+    each naming the values; empty when it is the paper's run. The cell's own settings (bias mode, μ_V, activation,
+    optimizer, an SGDM start at rest) are compared by the cell, not here: the reference is the paper's preset for
+    the run's activation and optimizer with the run's bias settings."""
+    problems = []
+    data = config.get("data") or {}
+    for split in ("train", "val"):
+        files = (data.get(split) or {}).get("files") or []
+        if not files or not all(FINEWEB_EDU.match(Path(f["path"]).name) for f in files):
+            where = (data.get(split) or {}).get("pattern") or config.get("train", {}).get(f"{split}_files") or "?"
+            problems.append(f"data: {'trained' if split == 'train' else 'validated'} on {where} "
+                            f"(fingerprint {data.get('fingerprint', 'not recorded')}), not FineWeb-Edu")
+    model, train = config.get("model", {}), config.get("train", {})
+    optimizer = train.get("optimizer")
+    if optimizer not in run_config.PAPER_OPTIMIZERS:
+        return problems + [f"configuration: --optimizer {optimizer} is not one of the paper's"]
+    preset = "gpt2-124m-gelu" if model.get("activation") == "gelu" else "gpt2-124m"
+    classes = run_config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer)
+    paper = run_config.preset_values(classes, preset, optimizer)
+    cell_settings = {"bias_mode", "mean_v", "activation", "initial_velocity_std"}
+    unused = unused_by_bias_mode(model) | cell_settings
+    for section, cls in classes.items():
+        for f in dataclasses.fields(cls):
+            value, published = config.get(section, {}).get(f.name), paper[section][f.name]
+            if not f.metadata.get("affects_results", True) or f.name in unused or value == published:
+                continue
+            cause = ("tokens" if f.name in TOKEN_FIELDS else "precision" if "dtype" in f.name
+                     else "model" if section == "model" else "configuration")
+            problems.append(f"{cause}: --{f.name.replace('_', '-')} {value} (paper {published})")
+    last = log[-1] if log else {}
+    if not last.get("summary") or last.get("step") != train.get("steps"):
+        problems.append(f"tokens: the run did not finish (step {last.get('step')} of {train.get('steps')})")
+    return problems
+
+
+def metric_problem(metric: str, run: Run) -> str | None:
+    """Why `metric` of `run` is not the published quantity even where the run is the paper's: the best validation
+    loss is the least single-batch estimate every 1000 steps."""
+    train = run.config.get("train", {})
+    if metric != "best_val_loss" or (train.get("val_batch_estimate") and train.get("val_every") == PAPER_VAL_EVERY):
+        return None
+    ours = f"every {train.get('val_every')} steps" if train.get("val_batch_estimate") else "off"
+    return f"validation: single-batch estimates {ours}, the paper's every {PAPER_VAL_EVERY}"
+
+
+def matches(run: Run, selector: dict, seeds: list[int]) -> bool:
+    """Whether `run` is a run of `selector` (config values by field name) with one of `seeds`."""
+    return run.seed in seeds and all(_same(run.setting(k), v) for k, v in selector.items())
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
