@@ -50,6 +50,11 @@ class OptimizerInterface:
     def finish_step(self) -> None:
         """The host's part after a step's device work is issued: counts and flags kept on the host."""
 
+    def first_step_state_bytes(self) -> int:
+        """Bytes of state that the first step will allocate (torch's optimizers create theirs then, SOAP its
+        Kronecker factors), 0 once it has run: with the state held now, what a memory estimate counts."""
+        return 0
+
     def first_moment_of(self, index: int) -> tuple[str, bool] | None:
         """(state key of parameter `index`'s first moment, whether the step moves along it), or None (SOAP's)."""
         return None

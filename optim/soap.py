@@ -268,6 +268,14 @@ class SOAP(ShardedOptimizer):
             values[f"step{g}"] = -group["lr"] * scale * values[f"decay{g}"]
         return values
 
+    def first_step_state_bytes(self) -> int:
+        """The Kronecker factors and their eigenbases, two (d, d) matrices per rotated dim of size d."""
+        if self.calls:
+            return 0
+        return sum(2 * len(batch.indices) * size * size * work.element_size()
+                   for batches, work in zip(self.batches, self.work) for batch in batches
+                   for size, rotated in zip(batch.shape, batch.rotated) if rotated)
+
     def steady_step(self) -> bool:
         """The first step takes the eigenbases and every precondition_frequency-th refreshes them: both run other
         kernels."""

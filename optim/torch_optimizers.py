@@ -125,6 +125,11 @@ class AdamW(TorchOptimizer, torch.optim.AdamW):
     def first_moment_of(self, index: int) -> tuple[str, bool]:
         return "exp_avg", False  # the step divides it by √v
 
+    def first_step_state_bytes(self) -> int:
+        """m, v and the step count of every parameter without state yet."""
+        return sum(2 * p.numel() * p.element_size() + 4 for g in self.param_groups for p in g["params"]
+                   if not self.state[p])
+
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
         """The bias-corrected update direction −m̂/(√v̂ + ε), without the decoupled weight decay."""
@@ -152,12 +157,20 @@ class SGDM(TorchOptimizer, torch.optim.SGD):
         if initial_velocity_std > 0 and momentum > 0:
             members = [p for group in self.param_groups for p in group["params"]]
             for index, p in enumerate(members):
+                if p.is_meta:  # a memory estimate (grid/memory.py): the buffer, not its numbers
+                    self.state[p]["momentum_buffer"] = torch.empty_like(p)
+                    continue
                 gen = torch.Generator().manual_seed(mixed_seed(optim_seed, index))
                 velocity = torch.randn(p.shape, generator=gen, dtype=torch.float32) * initial_velocity_std
                 self.state[p]["momentum_buffer"] = velocity.to(p.device, p.dtype)
 
     def first_moment_of(self, index: int) -> tuple[str, bool]:
         return "momentum_buffer", True
+
+    def first_step_state_bytes(self) -> int:
+        """The momentum buffer of every parameter without one yet."""
+        return sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"]
+                   if g["momentum"] and "momentum_buffer" not in self.state[p])
 
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
