@@ -160,10 +160,10 @@ class TrainConfig:
     dtype: str = uncompared("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset "
                                     "report states the precision separately)", choices=("bf16", "fp32"))
     compile: bool = uncompared(True, "torch.compile the model on CUDA")
-    compile_mode: str = uncompared("default", "default, reduce-overhead (the whole step, forward, backward and "
-                                              "optimizer, replayed from one CUDA graph: one launch, for small steps) "
-                                              "or max-autotune (the same with torch.compile's kernel tuning) "
-                                              "(docs/runs.md#cuda-graphs)", choices=tuple(COMPILE_MODES))
+    compile_mode: str = uncompared(
+        "default", "default, reduce-overhead (the whole step, forward, backward and optimizer, replayed from one CUDA "
+                   "graph: one launch, for small steps) or max-autotune (the same with torch.compile's kernel tuning) "
+                   "(docs/runs.md#cuda-graphs)", choices=tuple(COMPILE_MODES))
     profile_steps: str = uncompared("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace "
                                         "in the run directory, host and device time per step in log.txt (empty: off)")
     attention_impl: str = uncompared("auto", "attention implementation, all exact: auto (this GPU's row of "
