@@ -9,7 +9,7 @@ its own cap (STEPS):
                 bf16 matrix product and a Triton kernel (bench/session_env.py); a failure ends the session
   attention     bench.attention at the paper's 8x12x512x64, forward and forward+backward, writing this GPU's row of
                 the attention table into a copy (the report's diff); the later runs take the path it chose
-  e2e_default   bench.e2e of gpt2-124m at the paper's batch (8 x 512 tokens, AdamW) in the default compile mode,
+  e2e_kernels   bench.e2e of gpt2-124m at the paper's batch (8 x 512 tokens, AdamW) in the default compile mode,
                 with a profile of two steps: host time, device time, the top kernels
   e2e_graph     the same with --compile-mode reduce-overhead (the step replayed from a CUDA graph)
   concurrent_2  two such runs at once on the GPU, in the faster of the two modes: the GPU's tokens/s over the
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bench.session_report import faster_mode, markdown
+from bench.session_report import E2E_MODES, faster_mode, markdown
 from bench.throughput import concurrent_tokens_per_s
 from cli import ArgumentParser
 from fileio import atomic_write  # standard library only, as this driver must be
@@ -54,14 +54,11 @@ TEST_LIMIT_S = 120
 LOG_LIMIT_BYTES = 15 << 20  # one file back from the machine holds at most 16 MiB
 PRINT_LIMIT_CHARS = 11000  # the output's tail that comes back holds 12,000 characters
 E2E = ["-m", "bench.e2e", "--preset", "gpt2-124m", "--warmup", "2"]
-E2E_RUNS = {  # name: (compile mode, flags for bench.e2e); 200 steps, the profile at the end, well after a capture
-    "e2e_default": ("default", ["--steps", "200", "--log-every", "20"]),
-    "e2e_graph": ("reduce-overhead", ["--steps", "200", "--log-every", "20"]),
-}
+E2E_ONE_RUN = ["--steps", "200", "--log-every", "20"]  # the one-run steps (E2E_MODES), profiled long after a capture
 PROFILE = ["--profile-steps", "186:188"]
 CONCURRENT_S = 30  # seconds of training each run of a concurrency step is given, at one run's speed
 STEPS = {  # name: cap in seconds (cold compiles on a bare machine, estimated), in the order they run
-    "attention": 100, "e2e_default": 120, "e2e_graph": 100, "concurrent_2": 90, "concurrent_3": 100,
+    "attention": 100, "e2e_kernels": 120, "e2e_graph": 100, "concurrent_2": 90, "concurrent_3": 100,
     "cuda_tests": 570,
 }
 LEFT_OUT = ["the end-to-end run with SDPA attention", "the attention shape 16x12x1024x64",
@@ -217,10 +214,9 @@ class Session:
         return ["--attention-impl", choice] if choice else []
 
     def e2e(self, name: str) -> None:
-        mode, flags = E2E_RUNS[name]
         path = self.work / f"{name}.json"
-        self.step(name, [self.python, *E2E, *flags, "--out", str(path), "--", "--compile-mode", mode, *PROFILE,
-                         *self.attention_flags()], STEPS[name])
+        self.step(name, [self.python, *E2E, *E2E_ONE_RUN, "--out", str(path), "--", "--compile-mode",
+                         E2E_MODES[name], *PROFILE, *self.attention_flags()], STEPS[name])
         result = read_json(path)
         self.report["e2e"][name] = result
         if isinstance(result, dict) and result.get("profile"):
@@ -230,7 +226,7 @@ class Session:
         """n paper-batch runs at once in the faster compile mode, each long enough to train CONCURRENT_S seconds at
         one run's speed; the GPU's tokens/s over the seconds they all trained."""
         mode = faster_mode(self.report["e2e"])
-        alone = self.report["e2e"].get("e2e_graph" if mode == "reduce-overhead" else "e2e_default")
+        alone = self.report["e2e"].get("e2e_graph" if mode == "reduce-overhead" else "e2e_kernels")
         step_ms = alone["step_time_ms"] if isinstance(alone, dict) else 20.0
         steps = min(max(round(CONCURRENT_S * 1e3 / (step_ms * n)), 200), 20000)
         paths = [self.work / f"concurrent_{n}_{i}.json" for i in range(n)]
@@ -362,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     actions = {"attention": session.attention, "cuda_tests": session.cuda_tests,
-               **{name: (lambda name=name: session.e2e(name)) for name in E2E_RUNS},
+               **{name: (lambda name=name: session.e2e(name)) for name in E2E_MODES},
                **{f"concurrent_{n}": (lambda n=n: session.concurrent(n)) for n in (2, 3)}}
     try:
         if session.find_python(args.python):

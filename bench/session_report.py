@@ -15,6 +15,7 @@ from bench import throughput
 COMPILE_DEFAULT = (Path("train_gpt.py"), re.compile(r'(compile_mode: str = uncompared\(\s*")([\w-]+)(")'))
 RUNS_PER_GPU_DEFAULT = (Path("grid/__main__.py"), re.compile(r'("--runs-per-gpu", type=int, default=)(\d+)()'))
 STEP_TARGET, SHARING_TARGET = 1.3, 1.5  # paper-batch step / its device time; best runs-per-GPU / one run
+E2E_MODES = {"e2e_kernels": "default", "e2e_graph": "reduce-overhead"}  # the session's one-run steps: compile mode
 
 
 def _num(value: object, fmt: str) -> str:
@@ -29,7 +30,7 @@ def captured(result: dict | None) -> bool:
 
 def faster_mode(e2e: dict) -> str:
     """The compile mode whose paper-batch run had more tokens/s (reduce-overhead only if its step was captured)."""
-    default, graph = e2e.get("e2e_default"), e2e.get("e2e_graph")
+    default, graph = e2e.get("e2e_kernels"), e2e.get("e2e_graph")
     if captured(graph) and (not isinstance(default, dict) or graph["tokens_per_s"] > default["tokens_per_s"]):
         return "reduce-overhead"
     return "default"
@@ -47,7 +48,7 @@ def throughput_rows(report: dict) -> list[dict]:
                 "compile_mode": mode, "runs_per_gpu": n, "tokens_per_s": round(tokens_per_s),
                 "step_ms": round(1e3 * 4096 * n / tokens_per_s, 3), "source": source}
 
-    for name, mode in (("e2e_default", "default"), ("e2e_graph", "reduce-overhead")):
+    for name, mode in E2E_MODES.items():
         result = e2e.get(name)
         if isinstance(result, dict) and (mode == "default" or captured(result)):
             rows.append(row(mode, 1, result["tokens_per_s"]))
@@ -101,13 +102,13 @@ def changes(report: dict, repo: Path) -> tuple[list[str], str]:
 
 def _mode_line(report: dict, mode: str) -> str:
     e2e, profiles = report["e2e"], report["profiles"]
-    times = {name: r["step_time_ms"] for name, r in e2e.items() if isinstance(r, dict)}
+    times = {E2E_MODES[name]: r["step_time_ms"] for name, r in e2e.items() if isinstance(r, dict)}
     device = next((p["device_ms_per_step"] for p in profiles.values() if p.get("device_ms_per_step")), None)
-    chosen = times.get("e2e_graph" if mode == "reduce-overhead" else "e2e_default")
+    chosen = times.get(mode)
     ratio = f"; {chosen / device:.2f}x its device time {device:.2f} ms (target <= {STEP_TARGET}x)" if (
         chosen and device) else ""
     return (f"train_gpt.py --compile-mode default: {mode} ("
-            + ", ".join(f"{name.removeprefix('e2e_')} {ms:.2f} ms per step" for name, ms in times.items())
+            + ", ".join(f"{name} {ms:.2f} ms per step" for name, ms in times.items())
             + ratio + ")")
 
 
@@ -140,7 +141,7 @@ def markdown(report: dict, repo: Path, compact: bool = False) -> str:
     lines += ["", "Left out to make room, most valuable first: " + "; ".join(report["left_out"]) + "."]
     lines += _attention_lines(report["attention"]) + _e2e_lines(report["e2e"])
     for name, profile in report["profiles"].items():
-        lines += _profile_lines(name, profile, kernels=not compact)
+        lines += _profile_lines(f"--compile-mode {E2E_MODES[name]}", profile, kernels=not compact)
     lines += _concurrent_lines(report["concurrent"]) + _test_lines(report, compact)
     summary, diff = changes(report, repo)
     lines += ["", "## Changes these numbers justify", ""]
@@ -181,12 +182,12 @@ def _e2e_lines(e2e: dict) -> list[str]:
     if not rows:
         return []
     lines = ["", "## End-to-end training, one run (gpt2-124m, AdamW, bf16, torch.compile, 8 x 512 tokens per step)",
-             "", "| run | attention | tokens/s | ms/step | MFU | peak GiB | last loss | CUDA graph |",
+             "", "| compile mode | attention | tokens/s | ms/step | MFU | peak GiB | last loss | CUDA graph |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
         graph = "; ".join(r.get("graph") or []) or "-"
-        lines.append(f"| {name.removeprefix('e2e_')} | {(r.get('attention') or {}).get('choice', '?')} | "
+        lines.append(f"| {E2E_MODES[name]} | {(r.get('attention') or {}).get('choice', '?')} | "
                      f"{r['tokens_per_s']:,.0f} | {r['step_time_ms']:.2f} | {mfu} | "
                      f"{_num(r.get('peak_memory_gib'), '.1f')} | {_num(r.get('train_loss'), '.4f')} | {graph[:160]} |")
     return lines

@@ -15,9 +15,22 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 WARMUP_STEPS = 2  # eager steps before the capture: compilation, lazy state, the allocator's and libraries' set-up
+
+
+def tensors(inputs: object) -> list[torch.Tensor]:
+    """The tensors of nested lists and tuples, in order."""
+    if isinstance(inputs, torch.Tensor):
+        return [inputs]
+    return [t for item in inputs for t in tensors(item)] if isinstance(inputs, (list, tuple)) else []
+
+
+def cloned(inputs: object) -> object:
+    """Nested lists and tuples with each tensor cloned."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.clone()
+    return type(inputs)(cloned(item) for item in inputs) if isinstance(inputs, (list, tuple)) else inputs
 
 
 def one_line(exc: BaseException) -> str:
@@ -91,11 +104,10 @@ class StepGraph:
     def copy_inputs(self, inputs: tuple) -> None:
         """Copy the inputs' tensors into the static buffers (allocated at the first step); the only way they change."""
         if self.static is None:
-            self.static = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, inputs)
+            self.static = cloned(inputs)
             return
-        for buffer, value in zip(tree_flatten(self.static)[0], tree_flatten(inputs)[0], strict=True):
-            if isinstance(buffer, torch.Tensor):
-                buffer.copy_(value, non_blocking=True)
+        for buffer, value in zip(tensors(self.static), tensors(inputs), strict=True):
+            buffer.copy_(value, non_blocking=True)
 
     def eager(self) -> torch.Tensor:
         """One step without the graph, on a side stream (the warm-up a later capture needs: PyTorch's CUDA-graph

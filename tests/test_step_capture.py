@@ -144,7 +144,7 @@ def test_every_steady_step_does_the_same_work_on_the_same_tensors_fed_only_by_co
         assert len(replayed) >= 3, steady  # for SOAP, on both sides of a basis refresh (run eagerly)
         for i in replayed[1:]:  # what the graph captured at the first would do at each later one
             assert fn_traces[i] == fn_traces[replayed[0]], (i, first_difference(fn_traces[replayed[0]], fn_traces[i]))
-        static = {t.untyped_storage().data_ptr() for t in tree_flatten(graph.static)[0] if isinstance(t, torch.Tensor)}
+        static = {t.untyped_storage().data_ptr() for t in capture.tensors(graph.static)}
         read = {arg[1] for op in fn_traces[-1] for arg in op[1] if isinstance(arg, tuple) and arg[:1] == ("ext",)}
         assert static <= read  # the step reads its batch and biases from the static buffers
         inside = {k for a, b in zip(trace.marks["fn"], trace.marks["end"]) for k in range(a, b)}
