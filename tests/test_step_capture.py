@@ -1,12 +1,15 @@
 """The training step that a CUDA graph replays (run/capture.py, docs/runs.md#cuda-graphs). On the CPU: the rehearsal
 of --compile-mode reduce-overhead (the step run eagerly from the static buffers a graph replays) gives the default
-mode's losses bit for bit with every optimizer; two steady steps issue the same operations with the same scalars on
-the same tensors (what a replayed graph does), the batch and the biases reach them only by copies into static
-buffers, and the optimizers' per-step scalars only through their staged device buffers; a run that cannot be
-captured says why in one line and trains in the default mode. On CUDA (marked cuda): every attention path with every
-optimizer captures and matches the default mode, and a capture that fails falls back to the default mode."""
+mode's losses bit for bit with every optimizer; every steady step after the warm-up issues the same operations with
+the same scalars on the same tensors (what a replayed graph does), the batch and the biases reach them only by copies
+into static buffers, and the optimizers' per-step scalars only through their staged device buffers; StepGraph's
+order of eager steps, capture and replays, and its fallback when a capture fails, with CUDA's graph API stood in for;
+a run that cannot be captured says why in one line and trains in the default mode. On CUDA (marked cuda): every
+attention path with every optimizer captures and matches the default mode, and a capture that fails falls back to
+the default mode."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 
@@ -161,6 +164,96 @@ def first_difference(a: list, b: list) -> tuple:
         if x != y:
             return k, x, y
     return len(a), len(b)
+
+
+class FakeCuda:
+    """torch.cuda's stream and graph API as StepGraph uses it, on the CPU: a capture runs the function (recording what
+    a graph would launch), a replay runs it again; `fail` makes the capture end with CUDA's error."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.events, self.capturing = fail, [], None
+
+    def install(self, monkeypatch) -> None:
+        class Graph:
+            def replay(graph):
+                self.events.append("replay")
+                graph.fn(*graph.args)
+
+        class Capture:
+            def __init__(capture, graph, capture_error_mode):
+                capture.graph = graph
+
+            def __enter__(capture):
+                self.events.append("capture")
+                self.capturing = capture.graph
+
+            def __exit__(capture, *exc):
+                self.capturing = None
+                if self.fail:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+        class Stream:
+            def __init__(stream, device=None):
+                pass
+
+            def wait_stream(stream, other):
+                pass
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+
+
+class StepOptimizer:
+    """What StepGraph asks of an optimizer, recorded."""
+
+    def __init__(self, steady: list[bool]) -> None:
+        self.steady, self.calls = steady, []
+
+    def steady_step(self) -> bool:
+        return self.steady[len([c for c in self.calls if c == "step"])]
+
+    def prepare_capture(self) -> None:
+        self.calls.append("prepare")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.calls.append("zero_grad")
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_step_graph_warms_up_captures_replays_and_falls_back(monkeypatch, fail):
+    cuda, lines = FakeCuda(fail), []
+    cuda.install(monkeypatch)
+    steady = [False, True, True, True, False, True, True]  # a first step and a refresh (SOAP's) that differ
+    optimizer = StepOptimizer(steady)
+    seen, out = [], torch.zeros(())  # a graph's output lives at one address, rewritten by every replay
+
+    def step(x):
+        seen.append((x.item(), cuda.capturing is not None))
+        if cuda.capturing is not None:  # what the graph replays: this step's function and its static input
+            cuda.capturing.fn, cuda.capturing.args = step, (x,)
+        return out.copy_(x * 2)
+
+    graph = capture.StepGraph(step, torch.device("cuda"), optimizer, lines.append)
+    losses = []
+    for k in range(len(steady)):
+        losses.append(graph(torch.tensor(float(k))).item())
+        optimizer.calls.append("step")
+    assert losses == [2.0 * k for k in range(len(steady))]  # every step computed on its own input
+    if not fail:
+        assert cuda.events == ["capture", "replay", "replay", "replay", "replay"]  # from step 2; step 4 eager
+        assert [capturing for _, capturing in seen].count(True) == 1 and graph.replays == 4
+        assert optimizer.calls.count("prepare") == 1 and "zero_grad" not in optimizer.calls
+        assert lines == ["CUDA graph: the training step is captured after 2 eager steps and replayed from now on "
+                         "(steps that differ run eagerly)"]
+    else:
+        assert cuda.events == ["capture"] and graph.disabled.startswith("RuntimeError: CUDA error: operation not")
+        assert lines == [f"CUDA graph: capturing the training step failed ({graph.disabled}); the run continues in "
+                         "the default mode"] and "\n" not in lines[0]
+        assert optimizer.calls.count("zero_grad") == 1  # the gradients the capture left behind
+        assert [x for x, capturing in seen if not capturing] == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_a_run_that_cannot_be_captured_says_why_and_trains_in_the_default_mode(corpus, tmp_path):
