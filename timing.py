@@ -59,8 +59,9 @@ class TrainingClock:
         self.pending = record, host, self.mark(), self.seconds, self.origin
 
     def ready(self) -> tuple[dict, list[float]] | None:
-        """The held record (None if none) with train_time_s, step_ms, tokens_per_s and mfu since the last one, and the
-        scalars as floats; waits for the device only if it has not passed the record's mark yet."""
+        """The held record (None if none) with train_time_s, step_ms, tokens_per_s and mfu since the last one, the
+        host's wall_time (Unix seconds), and the scalars as floats; waits for the device only if it has not passed the
+        record's mark yet."""
         if self.pending is None:
             return None
         (record, host, mark, *run), self.pending = self.pending, None
@@ -70,7 +71,8 @@ class TrainingClock:
         elapsed = max(seconds - self.last["time"], 1e-9)
         record.update(train_time_s=seconds, elapsed_s=seconds,
                       step_ms=1e3 * elapsed / max(record["step"] - self.last["step"], 1),
-                      tokens_per_s=(record["tokens"] - self.last["tokens"]) / elapsed)
+                      tokens_per_s=(record["tokens"] - self.last["tokens"]) / elapsed,
+                      wall_time=time.time())  # when its numbers reached the host: runs side by side line up on it
         record["mfu"] = self.mfu_per_token_s * record["tokens_per_s"] if self.mfu_per_token_s else None
         self.last = {"step": record["step"], "tokens": record["tokens"], "time": seconds}
         return record, host.tolist()

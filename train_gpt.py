@@ -38,6 +38,7 @@ from kernels import attention_paths
 from kernels.attention_paths import attention
 from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
 from optim.distributed import all_reduce_sum
+from run import capture
 from run.checkpoint import CheckpointError, Progress, link_tied, load_checkpoint, load_initial_weights
 from run.checkpoint import restore_training_state, save_run_checkpoint, training_checkpoint
 from run.directory import RunDirectory, RunInUseError, open_run_directory
@@ -45,13 +46,15 @@ from run.log import RunLog, done_line, next_steps, step_line
 from run.process import Runtime, setup_process
 from run.stop import StopRequest, TrainingStopped, all_finite, non_finite_stop_message
 from timing import ProfileWindow, TrainingClock, summary_lines
-from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
+from variants import ModelVariants, RelationalAttention, TrainingHook, objective_for, symmetric_init, training_hooks
 
 # -----------------------------------------------------------------------------------------------------------------
 # Flags. Every field of GPTConfig, TrainConfig, variants.ResearchConfig and the chosen optimizer's config is a flag
 # `--field-name` (cli.flag: default, help, range and role written once, in the field); config.py parses them.
 
 model_flag = functools.partial(flag, fixed_on_resume=True)  # a resumed run keeps the checkpoint's model
+# --compile-mode → torch.compile's own mode: the CUDA graphs of the other two are the trainer's (run/capture.py)
+COMPILE_MODES = {"default": None, "reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 @dataclass
@@ -157,9 +160,10 @@ class TrainConfig:
     dtype: str = uncompared("bf16", "autocast dtype on CUDA: bf16 or fp32 (CPU always computes in fp32; the preset "
                                     "report states the precision separately)", choices=("bf16", "fp32"))
     compile: bool = uncompared(True, "torch.compile the model on CUDA")
-    compile_mode: str = uncompared("default", "torch.compile mode: default, reduce-overhead (CUDA graphs: one launch "
-                                              "per graph, for small steps) or max-autotune (also tunes its kernels)",
-                                   choices=("default", "reduce-overhead", "max-autotune"))
+    compile_mode: str = uncompared(
+        "default", "default, reduce-overhead (the whole step, forward, backward and optimizer, replayed from one CUDA "
+                   "graph: one launch, for small steps) or max-autotune (the same with torch.compile's kernel tuning) "
+                   "(docs/runs.md#cuda-graphs)", choices=tuple(COMPILE_MODES))
     profile_steps: str = uncompared("", "A:B profiles the steps after step A up to step B with torch.profiler: a trace "
                                         "in the run directory, host and device time per step in log.txt (empty: off)")
     attention_impl: str = uncompared("auto", "attention implementation, all exact: auto (this GPU's row of "
@@ -562,49 +566,61 @@ class Trainer:
 
     def build_step_model(self) -> None:
         """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
-        acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself."""
+        acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself; and the step,
+        replayed from a CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py)."""
         rt, hp = self.rt, self.cfg.train
-        compiled = rt.device.type == "cuda" and hp.compile
         self.step_model: nn.Module = self.model
-        if compiled:
-            self.step_model = torch.compile(self.model, mode=None if hp.compile_mode == "default" else hp.compile_mode)
-        self.cudagraphs = compiled and hp.compile_mode != "default"  # both other modes replay CUDA graphs
+        if rt.device.type == "cuda" and hp.compile:
+            self.step_model = torch.compile(self.model, mode=COMPILE_MODES[hp.compile_mode])
         if rt.world > 1 and not self.spec.reduces_gradients:
             self.step_model = nn.parallel.DistributedDataParallel(
                 self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
         # an accumulating micro-step's backward pass averages nothing across ranks (DDP's no_sync, or the optimizer's)
         self.no_sync = (self.optimizer.no_sync if self.spec.reduces_gradients
                         else getattr(self.step_model, "no_sync", contextlib.nullcontext))
+        self.run_step = self.step_on_device
+        if hp.compile_mode != "default":
+            step_hooks = [type(h).__name__ for h in self.hooks if type(h).after_step is not TrainingHook.after_step]
+            self.run_step = capture.graph_step(self.step_on_device, rt.device, rt.world, step_hooks, self.optimizer,
+                                               hp.compile_mode, self.log.line)
 
     # -- one step -------------------------------------------------------------------------------------------------
 
     def train_step(self) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor."""
+        """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor (under
+        a CUDA graph, the graph's output: read it before the next step). The host's part, then `step_on_device`."""
         hp, rt, progress = self.cfg.train, self.rt, self.progress
         factor = lr_factor(progress.step, hp)
         for group, values in zip(self.optimizer.param_groups, self.peak_settings):
             group["lr"] = values["lr"] * factor
         biases = self.sampler.sample(progress.step, rt.device)
-        loss_sum = torch.zeros((), device=rt.device)
-        for micro in range(rt.grad_accum):
+        batches = []
+        for _ in range(rt.grad_accum):
             x, y, chunk = self.loader.next_batch()  # chunk * micro_batch: the first row's index in the step's batch
-            x, y = self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step))
-            if self.cudagraphs:  # the last replay's outputs (the loss, added below) are no longer read
-                torch.compiler.cudagraph_mark_step_begin()
-            with self.no_sync() if micro < rt.grad_accum - 1 else contextlib.nullcontext(), rt.autocast():
-                loss = self.step_model(x, y, biases)[1]
-                (loss / rt.grad_accum).backward()
-            loss_sum += loss.detach()
-        self.last_batch = (x, y, biases)
-        loss = loss_sum / rt.grad_accum
-        befores = [hook.snapshot(self.model) for hook in self.hooks]
-        # the optimizer clips the gradient norm to --grad-clip itself (after averaging it)
-        self.optimizer.step(loss) if self.spec.needs_loss else self.optimizer.step()
-        for hook, before in zip(self.hooks, befores):
+            batches.append(self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step)))
+        self.last_batch = (*batches[-1], biases)
+        self.optimizer.stage_step()
+        loss = self.run_step(batches, biases)
+        self.optimizer.finish_step()
+        for hook, before in zip(self.hooks, self.befores):
             hook.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
         self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
+        return loss
+
+    def step_on_device(self, batches: list[tuple[torch.Tensor, ...]], biases: torch.Tensor | None) -> torch.Tensor:
+        """The step's device work, what a CUDA graph captures: each micro-batch's forward and backward, the hooks'
+        snapshots, the optimizer's device step (it clips to --grad-clip itself); returns the mean loss."""
+        loss_sum = torch.zeros((), device=self.rt.device)
+        for micro, (x, y) in enumerate(batches):
+            with self.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext(), self.rt.autocast():
+                loss = self.step_model(x, y, biases)[1]
+                (loss / len(batches)).backward()
+            loss_sum += loss.detach()
+        loss = loss_sum / len(batches)
+        self.befores = [hook.snapshot(self.model) for hook in self.hooks]  # the gradients are ready
+        self.optimizer.device_step(loss)
         return loss
 
     # -- validation and logs --------------------------------------------------------------------------------------

@@ -227,6 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write-table", action="store_true",
                         help=f"write this GPU's rows of {paths.TABLE} (what --attention-impl auto runs here) from "
                              "these timings, replacing its earlier rows")
+    parser.add_argument("--table", type=Path, default=paths.TABLE,
+                        help="the table --write-table writes (default: the repository's, which auto reads; the GPU "
+                             "session writes a copy and reports the change)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/attention.py needs a CUDA GPU and torch.cuda.is_available() is False here; "
@@ -252,9 +255,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.non_causal:
             raise SystemExit("--write-table records causal attention (the model's): drop --non-causal")
         rows = table_rows(report, commit())
-        atomic_write(paths.TABLE, paths.table_text(rows).encode())
+        atomic_write(args.table, paths.table_text(rows, args.table).encode())
         for row in rows:
-            print(f"{paths.TABLE.name}: {row['gpu']}, head dim {row['head_dim']}, {row['dtype']} -> {row['impl']}")
+            print(f"{args.table}: {row['gpu']}, head dim {row['head_dim']}, {row['dtype']} -> {row['impl']}")
 
 
 if __name__ == "__main__":

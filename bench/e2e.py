@@ -12,7 +12,9 @@ model, the optimizer, the loader and the loop together. The first `--warmup` log
 allocator warm-up) are excluded from the steady-state figures, and so is an interval that overlaps a
 `--profile-steps` window (whose summary, host and device time per step and the top kernels, goes into the JSON).
 The run ends without the final checkpoint and validation unless `--final`. MFU uses the datasheet dense bf16 peak of
-the GPU.
+the GPU. The JSON also holds the last timed training loss, the log's lines about a CUDA graph (--compile-mode), the
+peak GPU memory the run reserved, and every log record's (wall time, step, tokens), which line up runs that share a
+GPU (bench/throughput.py).
 """
 from __future__ import annotations
 
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
             return
         records = read_log(summary["run_dir"])
         attention = json.loads((Path(summary["run_dir"]) / "config.json").read_text())["attention"]
+        notes = [line for line in (Path(summary["run_dir"]) / "log.txt").read_text().splitlines()
+                 if line.startswith(("CUDA graph:", "--compile-mode"))]
     profile = next((r["profile"] for r in records if "profile" in r), None)
     timed = steady_intervals(records, args.warmup, profile["steps"] if profile else None)
     if not timed:
@@ -82,7 +86,11 @@ def main(argv: list[str] | None = None) -> None:
         "batch_tokens": hp.batch_tokens, "steps": args.steps, "tokens_per_s": tok_s,
         "step_time_ms": 1000 * hp.batch_tokens / tok_s, "mfu": statistics.median(mfus) if mfus else None,
         "passthrough": passthrough, "final_val_loss": summary["val_loss"] if args.final else None,
-        "attention": attention, "profile": profile, "load_average_before": load, "cores": cores,
+        "train_loss": timed[-1]["train_loss"], "attention": attention, "graph": notes, "profile": profile,
+        "peak_memory_gib": torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
+        "records": [[r["wall_time"], r["step"], r["tokens"]] for r in records if "tokens_per_s" in r
+                    and not r.get("summary")],
+        "load_average_before": load, "cores": cores,
     }
     print(f"\n{'preset':>12} {'optimizer':>9} {'device':>24} {'ranks':>5} {'attention':>9} {'tokens/s':>12} "
           f"{'step ms':>9} {'MFU':>6}")

@@ -5,22 +5,28 @@
 
 The steps, in order of value, each given what is left of one budget counted from the start (--budget) and at most
 its own cap (STEPS):
-  env               the interpreter ($PYTHON, else the first of python3, python whose torch sees CUDA), torch, the
-                    GPU, a bf16 matrix product and a Triton kernel (bench/session_env.py); a failure ends the session
-  attention         bench.attention at 16x12x1024x64 and the paper's 8x12x512x64, forward and forward+backward
-  e2e_paper_triton  bench.e2e of gpt2-124m at the paper's batch (8 x 512 tokens), Triton attention, with a profile
-                    of two steps: host time, device time, the top kernels
-  e2e_paper_sdpa    the same with SDPA
-  e2e_32k_triton    64 x 512 tokens per step
-  optim             bench.optim: fused and unfused ECD, AdamW and SOAP step times against the memory floor
-  cuda_tests        every test marked cuda, the fused ECD kernels' first, each under its own limit (--test-limit),
-                    with a verdict per test even when the step is cut
+  env           the interpreter ($PYTHON, else the first of python3, python whose torch sees CUDA), torch, the GPU, a
+                bf16 matrix product and a Triton kernel (bench/session_env.py); a failure ends the session
+  attention     bench.attention at the paper's 8x12x512x64, forward and forward+backward, writing this GPU's row of
+                the attention table into a copy (the report's diff); the later runs take the path it chose
+  e2e_kernels   bench.e2e of gpt2-124m at the paper's batch (8 x 512 tokens, AdamW) in the default compile mode,
+                with a profile of two steps: host time, device time, the top kernels
+  e2e_graph     the same with --compile-mode reduce-overhead (the step replayed from a CUDA graph)
+  concurrent_2  two such runs at once on the GPU, in the faster of the two modes: the GPU's tokens/s over the
+                seconds they overlapped (their log records' wall times, bench/throughput.py)
+  concurrent_3  three at once
+  cuda_tests    every test marked cuda, the CUDA-graph and fused ECD kernel tests first, each under its own limit
+                (--test-limit), with a verdict per test even when the step is cut
+Left out to make room (LEFT_OUT), most valuable first: the end-to-end run with SDPA attention (the attention step
+compares the paths and the runs take its choice), the attention shape 16x12x1024x64, the optimizer steps against the
+memory floor (bench.optim; the profiles show the optimizer's kernels), and the 64 x 512 tokens-per-step run.
 
 Writes $OUT/report.md, $OUT/report.json (both rewritten after every step) and $OUT/session.log (every step's output)
-and prints the report last, so the output's tail alone carries the numbers. The commit comes from $SYMGPT_COMMIT,
-else a file SYMGPT_COMMIT in the repository root, else git. SIGTERM (an outer `timeout`) stops the step in progress
-and still writes and prints the report. The driver uses only the standard library, so any python3 runs it; the
-steps run under the interpreter the environment check chose.
+and prints the report last, so the output's tail alone carries the numbers; the report ends with the changes its
+numbers justify as one diff (bench/session_report.py). The commit comes from $SYMGPT_COMMIT, else a file
+SYMGPT_COMMIT in the repository root, else git. SIGTERM (an outer `timeout`) stops the step in progress and still
+writes and prints the report. The driver uses only the standard library, so any python3 runs it; the steps run under
+the interpreter the environment check chose.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from bench.session_report import E2E_MODES, faster_mode, markdown
+from bench.throughput import concurrent_tokens_per_s
 from cli import ArgumentParser
 from fileio import atomic_write  # standard library only, as this driver must be
 
@@ -45,17 +53,18 @@ ENV_LIMIT_S = 45
 TEST_LIMIT_S = 120
 LOG_LIMIT_BYTES = 15 << 20  # one file back from the machine holds at most 16 MiB
 PRINT_LIMIT_CHARS = 11000  # the output's tail that comes back holds 12,000 characters
-E2E = ["-m", "bench.e2e", "--preset", "gpt2-124m", "--steps", "30", "--log-every", "5", "--warmup", "2"]
-E2E_RUNS = {  # name: flags for train_gpt
-    "e2e_paper_triton": ["--attention-impl", "triton", "--profile-steps", "26:28"],
-    "e2e_paper_sdpa": ["--attention-impl", "sdpa"],
-    "e2e_32k_triton": ["--attention-impl", "triton", "--batch-tokens", "32768", "--micro-batch", "64"],
-}
+E2E = ["-m", "bench.e2e", "--preset", "gpt2-124m", "--warmup", "2"]
+E2E_ONE_RUN = ["--steps", "200", "--log-every", "20"]  # the one-run steps (E2E_MODES), profiled long after a capture
+PROFILE = ["--profile-steps", "186:188"]
+CONCURRENT_S = 30  # seconds of training each run of a concurrency step is given, at one run's speed
 STEPS = {  # name: cap in seconds (cold compiles on a bare machine, estimated), in the order they run
-    "attention": 170, "e2e_paper_triton": 120, "e2e_paper_sdpa": 75, "e2e_32k_triton": 75, "optim": 60,
+    "attention": 100, "e2e_kernels": 120, "e2e_graph": 100, "concurrent_2": 90, "concurrent_3": 100,
     "cuda_tests": 570,
 }
-FIRST_TESTS = ["tests/test_ecd_kernels.py"]  # the fused ECD kernels' correctness first
+LEFT_OUT = ["the end-to-end run with SDPA attention", "the attention shape 16x12x1024x64",
+            "the optimizer steps against the memory floor (bench.optim)", "the 64 x 512 tokens-per-step run"]
+FIRST_TESTS = ["tests/test_step_capture.py", "tests/test_ecd_kernels.py"]  # the CUDA graph's and fused ECD's first
+TABLE = Path("kernels/attention_table.json")
 
 
 class SessionStopped(Exception):
@@ -99,8 +108,8 @@ class Session:
         self.log_path.write_text("")
         self.python: str | None = None
         self.report: dict = {"commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M"), "budget_s": budget_s,
-                             "stopped": None, "env": None, "steps": {}, "attention": None, "e2e": {},
-                             "profile": None, "optim": None, "tests": {}}
+                             "stopped": None, "env": None, "steps": {}, "left_out": LEFT_OUT, "attention": None,
+                             "table": None, "e2e": {}, "profiles": {}, "concurrent": {}, "tests": {}}
 
     def remaining(self) -> float:
         return self.budget_s - (time.monotonic() - self.start)
@@ -110,32 +119,36 @@ class Session:
 
     # -- running one process --------------------------------------------------------------------------------------
 
-    def run(self, title: str, argv: list[str], limit_s: float, env: dict | None = None,
+    def run(self, title: str, argv: list[str] | list[list[str]], limit_s: float, env: dict | None = None,
             watch: Callable[[], str | None] = lambda: None) -> str:
-        """Run argv in its own process group with its output appended to session.log; its status: "ok", "failed
-        (exit N)", "timed out after N s", or what `watch` (polled) returned when it asked to stop."""
+        """Run argv (or several argv at once, side by side) each in its own process group with its output appended to
+        session.log; the status: "ok", "failed (exit N)", "timed out after N s", or what `watch` (polled) returned
+        when it asked to stop."""
+        argvs = argv if argv and isinstance(argv[0], list) else [argv]
         with open(self.log_path, "a") as log:
-            log.write(f"\n===== {title} (limit {limit_s:.0f} s): {' '.join(argv)}\n")
+            log.writelines(f"\n===== {title} (limit {limit_s:.0f} s): {' '.join(a)}\n" for a in argvs)
         start = time.monotonic()
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with open(self.log_path, "ab") as log:
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            procs = [subprocess.Popen(a, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, env=environment) for a in argvs]
         try:
             while True:
-                try:
-                    rc = proc.wait(timeout=0.2)
-                    return "ok" if rc == 0 else f"failed (exit {rc})"
-                except subprocess.TimeoutExpired:
-                    pass
+                codes = [proc.poll() for proc in procs]
+                if all(code is not None for code in codes):
+                    failed = [str(code) for code in codes if code]
+                    return f"failed (exit {', '.join(failed)})" if failed else "ok"
                 reason = watch()
                 if reason:
                     return reason
                 if time.monotonic() - start >= limit_s:
                     return f"timed out after {limit_s:.0f} s"
+                time.sleep(0.2)
         finally:
-            _stop(proc)
+            for proc in procs:
+                _stop(proc)
 
-    def step(self, name: str, argv: list[str], cap_s: float) -> None:
+    def step(self, name: str, argv: list[str] | list[list[str]], cap_s: float) -> None:
         """Run one step under min(cap, what is left); record and print its status."""
         limit = min(cap_s, self.remaining() - 2)
         if limit < 5:
@@ -184,28 +197,54 @@ class Session:
         return False
 
     def attention(self) -> None:
-        path = self.work / "attention.json"
-        self.step("attention", [self.python, "-m", "bench.attention", "--shapes", "16x12x1024x64", "8x12x512x64",
-                                "--warmup-ms", "25", "--rep-ms", "100", "--out", str(path)], STEPS["attention"])
+        """The paper's attention shape, this GPU's table row written into a copy of the table."""
+        path, table = self.work / "attention.json", self.work / "attention_table.json"
+        before = (REPO / TABLE).read_text()
+        table.write_text(before)
+        self.step("attention", [self.python, "-m", "bench.attention", "--shapes", "8x12x512x64", "--warmup-ms", "25",
+                                "--rep-ms", "100", "--out", str(path), "--write-table", "--table", str(table)],
+                  STEPS["attention"])
         self.report["attention"] = read_json(path)
+        self.report["table"] = {"before": before, "after": table.read_text()}
+
+    def attention_flags(self) -> list[str]:
+        """The path the attention step chose for sampled biases (what auto takes once its row is committed)."""
+        shapes = (self.report["attention"] or {}).get("shapes") or [None]
+        choice = ((shapes[0] or {}).get("auto") or {}).get("+bias")
+        return ["--attention-impl", choice] if choice else []
 
     def e2e(self, name: str) -> None:
         path = self.work / f"{name}.json"
-        self.step(name, [self.python, *E2E, "--out", str(path), "--", *E2E_RUNS[name]], STEPS[name])
+        self.step(name, [self.python, *E2E, *E2E_ONE_RUN, "--out", str(path), "--", "--compile-mode",
+                         E2E_MODES[name], *PROFILE, *self.attention_flags()], STEPS[name])
         result = read_json(path)
         self.report["e2e"][name] = result
         if isinstance(result, dict) and result.get("profile"):
-            self.report["profile"] = {"run": name, **result["profile"]}
+            self.report["profiles"][name] = result["profile"]
 
-    def optim(self) -> None:
-        offset = self.log_path.stat().st_size
-        self.step("optim", [self.python, "-m", "bench.optim", "--optimizers", "ecd,ecd:unfused,adamw,soap",
-                            "--rounds", "2", "--steps", "10"], STEPS["optim"])
-        with open(self.log_path, "rb") as log:
-            log.seek(offset)
-            lines = log.read().decode(errors="replace").splitlines()
-        self.report["optim"] = [line for line in lines if "ms/step" in line or "bandwidth" in line
-                                or "x adamw (" in line] or None  # the ratio lines: SOAP's step against AdamW's
+    def concurrent(self, n: int) -> None:
+        """n paper-batch runs at once in the faster compile mode, each long enough to train CONCURRENT_S seconds at
+        one run's speed; the GPU's tokens/s over the seconds they all trained."""
+        mode = faster_mode(self.report["e2e"])
+        alone = self.report["e2e"].get("e2e_graph" if mode == "reduce-overhead" else "e2e_kernels")
+        step_ms = alone["step_time_ms"] if isinstance(alone, dict) else 20.0
+        steps = min(max(round(CONCURRENT_S * 1e3 / (step_ms * n)), 200), 20000)
+        paths = [self.work / f"concurrent_{n}_{i}.json" for i in range(n)]
+        argvs = [[self.python, *E2E, "--steps", str(steps), "--log-every", str(max(steps // 40, 5)), "--out",
+                  str(path), "--", "--compile-mode", mode, "--seed", str(i), *self.attention_flags()]
+                 for i, path in enumerate(paths)]
+        name = f"concurrent_{n}"
+        self.step(name, argvs, STEPS[name])
+        results = [read_json(path) for path in paths]
+        shared = {"mode": mode, "steps": steps, "runs": results,
+                  "alone_tokens_per_s": alone["tokens_per_s"] if isinstance(alone, dict) else None}
+        if all(isinstance(r, dict) for r in results):
+            overlap = concurrent_tokens_per_s([r["records"] for r in results])
+            if overlap:
+                shared["tokens_per_s"], shared["overlap_s"] = overlap
+            else:
+                shared["note"] = "the runs did not train side by side long enough to measure"
+        self.report["concurrent"][str(n)] = shared
 
     def cuda_tests(self) -> None:
         """pytest -m cuda with bench.session_tests reporting each test; a test past --test-limit is stopped and the
@@ -269,7 +308,7 @@ class Session:
     def write_report(self) -> str:
         self.report["elapsed_s"] = round(time.monotonic() - self.start, 1)
         atomic_write(self.out / "report.json", json.dumps(self.report, indent=1).encode())
-        text = markdown(self.report)
+        text = markdown(self.report, REPO)
         atomic_write(self.out / "report.md", text.encode())
         return text
 
@@ -284,7 +323,8 @@ class Session:
                 tail = f.read()
             self.log_path.write_bytes(head + f"\n[... {size - LOG_LIMIT_BYTES} bytes cut ...]\n".encode() + tail)
         shutil.rmtree(self.work, ignore_errors=True)
-        print("\n" + (text if len(text) <= PRINT_LIMIT_CHARS else markdown(self.report, compact=True)), flush=True)
+        print("\n" + (text if len(text) <= PRINT_LIMIT_CHARS else markdown(self.report, REPO, compact=True)),
+              flush=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -295,91 +335,6 @@ def _stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, sig)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
-
-
-# -- Markdown ---------------------------------------------------------------------------------------------------
-
-
-def _num(value: object, fmt: str) -> str:
-    return format(value, fmt) if isinstance(value, (int, float)) else "n/a"
-
-
-def markdown(report: dict, compact: bool = False) -> str:
-    """The report as Markdown; `compact` lists only the tests that did not pass (for the printed tail)."""
-    env = report["env"] or {}
-    lines = ["# GPU session", "",
-             f"commit {report['commit']} | {env.get('gpu', '?')} | torch {env.get('torch', '?')} | Triton "
-             f"{env.get('triton', '?')} | CUDA {env.get('cuda', '?')} | driver {env.get('driver', '?')} | "
-             f"{report['date']} | {report.get('elapsed_s', '?')} s of a {report['budget_s']:.0f} s budget"]
-    if report["stopped"]:
-        lines += ["", f"**Stopped: {report['stopped']}**"]
-    if env and not env.get("tokenizer_ranks", True):
-        lines += ["", "Tokenizer ranks not cached (data/cache/tiktoken): carry data/cache, or the sampling test "
-                      "reaches for the network."]
-    lines += ["", "| step | status | s | limit s |", "| --- | --- | --- | --- |"]
-    lines += [f"| {name} | {r['status']} | {r.get('seconds', '')} | {r.get('limit_s', '')} |"
-              for name, r in report["steps"].items()]
-    lines += _attention_lines(report["attention"]) + _e2e_lines(report["e2e"]) + _profile_lines(report["profile"])
-    if report["optim"]:
-        lines += ["", "## Optimizer step (floor: bytes a step must move / copy bandwidth)", "", "```",
-                  *report["optim"], "```"]
-    tests = report["tests"]
-    if tests:
-        shown = {t: r for t, r in tests.items() if not compact or r["verdict"] != "passed"}
-        lines += ["", f"## CUDA tests: {report['steps'].get('cuda_tests', {}).get('status', '')}"
-                      + (" (passed ones not listed)" if compact else ""), "", "| test | verdict | s |",
-                  "| --- | --- | --- |"]
-        lines += [f"| {t.removeprefix('tests/')} | {r['verdict']} | {r.get('seconds', '')} |" for t, r in shown.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _attention_lines(attention: dict | None) -> list[str]:
-    if not attention or not attention.get("shapes"):
-        return []
-    lines = ["", "## Attention (bf16; x = fastest library path's time / this, same biases)"]
-    for shape in attention["shapes"]:
-        if not shape:
-            continue
-        auto = ", ".join(f"{k}: {v}" for k, v in (shape.get("auto") or {}).items())
-        lines += ["", f"B={shape['B']} H={shape['H']} T={shape['T']} d={shape['d']} "
-                      f"{'causal' if shape['causal'] else 'bidirectional'}"
-                      + ("" if shape.get("complete", True) else " (cut short)") + (f"; auto picks {auto}" if auto
-                                                                                     else ""),
-                  "", "| variant | fwd ms | x | fwd+bwd ms | x | first s |", "| --- | --- | --- | --- | --- | --- |"]
-        for name, r in shape["variants"].items():
-            if "error" in r:
-                lines.append(f"| {name} | {r['error'][:70]} | | | | |")
-            else:
-                lines.append(f"| {name} | {_num(r.get('fwd_ms'), '.3f')} | {_num(r.get('x_fwd'), '.2f')} | "
-                             f"{_num(r.get('fwd_bwd_ms'), '.3f')} | {_num(r.get('x_fwd_bwd'), '.2f')} | "
-                             f"{_num(r.get('first_s'), '.1f')} |")
-    return lines
-
-
-def _e2e_lines(e2e: dict) -> list[str]:
-    rows = [(name, r) for name, r in e2e.items() if isinstance(r, dict)]
-    if not rows:
-        return []
-    lines = ["", "## End-to-end training (gpt2-124m, AdamW, bf16, torch.compile)", "",
-             "| run | tokens/step | tokens/s | ms/step | MFU |", "| --- | --- | --- | --- | --- |"]
-    for name, r in rows:
-        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "n/a"
-        lines.append(f"| {name.removeprefix('e2e_')} | {r['batch_tokens']:,} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['step_time_ms']:.2f} | {mfu} |")
-    return lines
-
-
-def _profile_lines(profile: dict | None) -> list[str]:
-    if not profile:
-        return []
-    wall, device = profile["wall_ms_per_step"], profile.get("device_ms_per_step")
-    ratio = f" = {wall / device:.2f}x the device's work" if device else ""
-    lines = ["", f"## Profile of steps {profile['steps'][0]}-{profile['steps'][1]} ({profile['run']}, profiler on)", "",
-             f"{wall:.2f} ms per step{ratio}; host {profile['host_ms_per_step']:.2f} ms issuing it; device busy "
-             f"{_num(device, '.2f')} ms", "", "| kernel | ms/step | share | calls |", "| --- | --- | --- | --- |"]
-    lines += [f"| {row['name'][:80]} | {row['ms_per_step']:.3f} | {100 * row['share']:.1f}% | {row['calls']} |"
-              for row in profile.get("top", [])]
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SessionStopped(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, terminate)
-    actions = {"attention": session.attention, "optim": session.optim, "cuda_tests": session.cuda_tests,
-               **{name: (lambda name=name: session.e2e(name)) for name in E2E_RUNS}}
+    actions = {"attention": session.attention, "cuda_tests": session.cuda_tests,
+               **{name: (lambda name=name: session.e2e(name)) for name in E2E_MODES},
+               **{f"concurrent_{n}": (lambda n=n: session.concurrent(n)) for n in (2, 3)}}
     try:
         if session.find_python(args.python):
             session.write_report()

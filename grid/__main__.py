@@ -27,6 +27,7 @@ from cli import ArgumentParser, value_problem
 from data.lookup import resolve_data_files
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
 from grid.estimate import wall_time_lines
+from grid.memory import GIB, fit_problem, grid_memory, memory_line
 from grid.plan import (GridError, build_spec, check_flags, plan_runs, recorded_changes, slurm_script, train_command,
                        train_flags)
 from grid.progress import Display, run_finished, run_row, summary_line, table
@@ -47,6 +48,17 @@ def visible_gpus(given: str | None) -> list[str]:
     return listed or [str(i) for i in range(torch.cuda.device_count())]
 
 
+def gpu_memory(given_gib: float | None) -> int | None:
+    """Bytes of each GPU: --gpu-memory, else the smallest GPU torch sees, else None (none here)."""
+    if given_gib is not None:
+        return int(given_gib * GIB)
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
 def run_parser() -> ArgumentParser:
     parser = ArgumentParser(module="grid", description=__doc__)
     parser.add_argument("--name", help="the grid's name: its runs go to <--run-dir>/<name>/ (or name in --grid)")
@@ -62,6 +74,11 @@ def run_parser() -> ArgumentParser:
     parser.add_argument("--gpus-per-run", type=int, default=1, help="CUDA runs: GPUs per run; more than 1 runs "
                         "each under torchrun (default: %(default)s)")
     parser.add_argument("--gpus", default=None, help="comma-separated GPU ids to use (default: every visible GPU)")
+    parser.add_argument("--runs-per-gpu", type=int, default=1, help="CUDA runs: runs that share each GPU (or each "
+                        "--gpus-per-run group) at once; refused when a memory estimate says they do not fit "
+                        "(default: %(default)s)")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="memory of each GPU for that "
+                        "check (default: what torch reports; give it to plan on a machine without the GPUs)")
     parser.add_argument("--retry-failed", action="store_true", help="run again the runs whose last attempt failed")
     parser.add_argument("--dry-run", action="store_true", help="print the runs, their commands and placement; "
                         "start nothing")
@@ -77,11 +94,12 @@ def run_parser() -> ArgumentParser:
     return parser
 
 
-def print_plan(spec, runs, states, slots, gpus_per_run: int) -> None:
+def print_plan(spec, runs, states, slots, gpus_per_run: int, memory_text: str) -> None:
     """--dry-run: every run, its state, where the first wave goes, and its command with the slot's environment."""
     sizes = " × ".join(f"{a.flag} {len(a.values)}" for a in spec.axes)
     print(f"grid {spec.name} in {spec.directory}: {len(runs)} runs ({sizes}); slots: "
           + (", ".join(s.label for s in slots) or "none"))
+    print(memory_text)
     free = list(slots)
     for run in runs:
         state = states[run.name]
@@ -110,8 +128,13 @@ def plan_grid(args: argparse.Namespace, shared: list[str]):
     spec = scaled(build_spec(args.name, args.run_dir, args.axis, shared, args.grid), args.scale, len(shared))
     known = train_flags()
     check_flags(spec, known)
-    if args.workers < 1 or args.gpus_per_run < 1:
-        raise GridError("--workers and --gpus-per-run take a number of at least 1")
+    if min(args.workers, args.gpus_per_run, args.runs_per_gpu) < 1:
+        raise GridError("--workers, --gpus-per-run and --runs-per-gpu take a number of at least 1")
+    if args.gpu_memory is not None and not args.gpu_memory > 0:
+        raise GridError(f"--gpu-memory {args.gpu_memory}: a GPU's memory in GiB, e.g. 80")
+    if args.print_slurm and args.runs_per_gpu > 1:
+        raise GridError("--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with "
+                        "--print-slurm")
     if problem := value_problem("status_every", args.status_every, "> 0"):
         raise GridError(problem)
     gpus = visible_gpus(args.gpus)
@@ -171,16 +194,21 @@ def run_grid(argv: list[str]) -> int:
     if args.print_slurm:
         print(slurm_script(spec, runs, args.gpus_per_run), end="")
         return 0
+    memory = grid_memory(runs, args.gpus_per_run)
+    gpu_bytes = gpu_memory(args.gpu_memory)
+    if gpu_bytes is not None and (problem := fit_problem(memory, args.runs_per_gpu, gpu_bytes)):
+        raise GridError(problem)
     slots = make_slots(gpus, args.gpus_per_run, args.workers, len(os.sched_getaffinity(0)),
-                       {r.device for r in runs if r.problem is None})
+                       {r.device for r in runs if r.problem is None}, args.runs_per_gpu)
     journal = Journal(spec.directory)
     previous = journal.states()
     states = {r.name: initial_state(r, previous.get(r.name, {}), args.retry_failed) for r in runs}
     if args.dry_run:
-        print_plan(spec, runs, states, slots, args.gpus_per_run)
+        print_plan(spec, runs, states, slots, args.gpus_per_run, memory_line(memory, args.runs_per_gpu, gpu_bytes))
         return 0
     journal.append({"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
-                    "runs": [r.record() for r in runs], "slots": [s.label for s in slots]})
+                    "runs": [{**r.record(), "memory_gib": round(sum(memory.get(r.name, {}).values()) / GIB, 2)}
+                             for r in runs], "slots": [s.label for s in slots], "runs_per_gpu": args.runs_per_gpu})
     for run in runs:
         if states[run.name] == "invalid" and previous.get(run.name, {}).get("error") != run.problem:
             journal.append({"run": run.name, "state": "invalid", "error": run.problem})
@@ -218,6 +246,9 @@ def grid_status(argv: list[str]) -> int:
     now = {p["name"]: current_state(p, states.get(p["name"], {}), holder is not None) for p in plan["runs"]}
     rows = [run_row(p, {**states.get(p["name"], {}), "state": now[p["name"]]}) for p in plan["runs"]]
     print(summary_line(args.directory.name, [row[1] for row in rows]))
+    if plan.get("runs_per_gpu", 1) > 1:
+        heaviest = max((p.get("memory_gib", 0) for p in plan["runs"]), default=0)
+        print(f"{plan['runs_per_gpu']} runs share each GPU (about {heaviest:.1f} GiB each at most, estimated)")
     print("\n".join(table(rows)))
     held = sum(state == "running" for state in now.values())
     print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it"

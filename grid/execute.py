@@ -124,16 +124,20 @@ class Slot:
     processes: int = 1
 
 
-def make_slots(gpus: list[str], gpus_per_run: int, workers: int, cpus: int, kinds: set[str]) -> list[Slot]:
-    """For the kinds of run the grid has ("cuda", "cpu"): slots of `gpus_per_run` consecutive GPUs
-    (CUDA_VISIBLE_DEVICES), and `workers` CPU slots; the cores divided between every process (OMP_NUM_THREADS)."""
+def make_slots(gpus: list[str], gpus_per_run: int, workers: int, cpus: int, kinds: set[str],
+               runs_per_gpu: int = 1) -> list[Slot]:
+    """For the kinds of run the grid has ("cuda", "cpu"): `runs_per_gpu` slots on each group of `gpus_per_run`
+    consecutive GPUs (CUDA_VISIBLE_DEVICES; labelled "GPU 0 #2" when runs share it; in the order that fills every GPU
+    once before any twice), and `workers` CPU slots; the cores divided between every process (OMP_NUM_THREADS)."""
     groups = [gpus[i:i + gpus_per_run] for i in range(0, len(gpus) - gpus_per_run + 1, gpus_per_run)]
     groups = groups if "cuda" in kinds else []
     workers = workers if "cpu" in kinds else 0
-    processes = len(groups) * gpus_per_run + workers
+    processes = len(groups) * gpus_per_run * runs_per_gpu + workers
     threads = str(max(1, cpus // max(processes, 1)))
-    slots = [Slot("cuda", ("GPU " if len(g) == 1 else "GPUs ") + ",".join(g),
-                  {"CUDA_VISIBLE_DEVICES": ",".join(g), "OMP_NUM_THREADS": threads}, gpus_per_run) for g in groups]
+    share = [f" #{k + 1}" for k in range(runs_per_gpu)] if runs_per_gpu > 1 else [""]
+    slots = [Slot("cuda", ("GPU " if len(g) == 1 else "GPUs ") + ",".join(g) + mark,
+                  {"CUDA_VISIBLE_DEVICES": ",".join(g), "OMP_NUM_THREADS": threads}, gpus_per_run)
+             for mark in share for g in groups]
     slots += [Slot("cpu", f"CPU worker {i + 1}", {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": threads})
               for i in range(workers)]
     return slots

@@ -69,10 +69,11 @@ def moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torch.Tensor, 
 
 
 def moments_reference(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, d: torch.Tensor,
-                      table: BlockTable | None, beta1: float, beta2: float, eps: float, seed: int = 0,
+                      table: BlockTable | None, beta1: float, beta2: float, eps: float | torch.Tensor, seed: int = 0,
                       stochastic: bool = False) -> None:
     """`moments` in torch ops over the whole chunk, computed in g's dtype widened to at least fp32, a bf16 m, v
-    rounded to nearest (table, seed and stochastic are the kernel's and unused here)."""
+    rounded to nearest (table, seed and stochastic are the kernel's and unused here). `eps` may be a 0-dim device
+    tensor (Muon's bias-corrected ε, staged for a CUDA graph)."""
     compute = torch.promote_types(g.dtype, torch.float32)
     g = g.to(compute)
     m_c, v_c = m.to(compute), v.to(compute)

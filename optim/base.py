@@ -17,10 +17,43 @@ class OptimizerInterface:
     """Mixed into every optimizer of the registry before its torch.optim.Optimizer base: what the gauge tools read
     and move, tensors by parameter name in the parameters' coordinates (docs/optimizers.md#what-an-optimizer-
     implements). step() clips the global gradient norm to grad_clip (0: off) and keeps the norm before in grad_norm.
+    The trainer runs a step in three parts, so that a CUDA graph can replay the middle one (run/capture.py,
+    docs/optimizers.md#steps-that-a-cuda-graph-replays): `stage_step` (host), `device_step` (device only),
+    `finish_step` (host); step() is the three in a row.
     """
 
     grad_clip: float = 0.0
     grad_norm: Tensor | None = None
+
+    def capture_problem(self) -> str | None:
+        """Why `device_step` cannot be replayed from a CUDA graph as configured (one line); None when it can."""
+        return None
+
+    def prepare_capture(self) -> None:
+        """Before the first capture: what a graph needs beyond `stage_step` (device copies of the hyperparameters
+        that change between steps)."""
+
+    def steady_step(self) -> bool:
+        """Whether the next step does the same device work as the one before it, so that one captured graph
+        replays it (False for a step that creates state or, as SOAP's basis refresh, runs other kernels)."""
+        return True
+
+    def stage_step(self) -> None:
+        """The host's part before a step, outside any graph: write the step's scalars that change from step to step
+        (learning rates, bias corrections) into the device buffers `device_step` reads."""
+
+    def device_step(self, loss: Tensor | None = None) -> None:
+        """The step's device work, with no host read of a device value and no wait: what a CUDA graph captures.
+        `loss`: the global-batch loss as a device tensor (read by optimizers whose spec says needs_loss)."""
+        raise NotImplementedError
+
+    def finish_step(self) -> None:
+        """The host's part after a step's device work is issued: counts and flags kept on the host."""
+
+    def first_step_state_bytes(self) -> int:
+        """Bytes of state that the first step will allocate (torch's optimizers create theirs then, SOAP its
+        Kronecker factors), 0 once it has run: with the state held now, what a memory estimate counts."""
+        return 0
 
     def first_moment_of(self, index: int) -> tuple[str, bool] | None:
         """(state key of parameter `index`'s first moment, whether the step moves along it), or None (SOAP's)."""

@@ -268,10 +268,12 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     """Base of the owner-computes optimizers: flat layout, gradient averaging that overlaps the backward pass,
     gradient-norm clipping, zero_grad on the buffers, consolidated state dicts, the decoupled step, first moments.
 
-    Subclasses start step() with `grads = self.reduced_gradients()` (this rank's averaged, clipped chunk per region)
-    and end it with `region.gather_params()`. `grad_clip` > 0 clips the global gradient norm to it (the norm of
-    the averaged gradient, so it needs the reduction first: gradients are local until step()); `grad_norm` then
-    holds the norm before clipping as a device tensor. `overlap_reduce` = False leaves every reduction to step().
+    Subclasses implement `device_step`, which starts with `grads = self.reduced_gradients()` (this rank's averaged,
+    clipped chunk per region) and ends with `region.gather_params()`, and list the scalars it reads that change from
+    step to step in `host_scalars` (the base's: each group's decay 1 − ℓλ): `stage_step` copies them into one device
+    buffer, read through `staged(name, dtype)`, so that a replayed CUDA graph sees each step's values. `grad_clip` >
+    0 clips the global gradient norm to it (the norm of the averaged gradient, so it needs the reduction first:
+    gradients are local until step()); `grad_norm` then holds the norm before clipping as a device tensor. `overlap_reduce` = False leaves every reduction to step().
 
     `layout_key(index)` orders each rank's tensors in the tensor regions (`Region`): optimizers that batch
     same-shaped matrices (SOAP, Muon) key them by shape. `Region.runs` cuts a chunk into runs of equal key.
@@ -280,7 +282,8 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     scatters it) and may override
     `_tensor_state` / `_load_tensor_state` for per-tensor state (SOAP's Kronecker factors) and `_global_state` /
     `_load_global_state` for optimizer-wide scalars beyond `calls` (the number of completed steps, which the base
-    saves and restores). `decoupled_step` applies a direction with the group's learning rate and weight decay.
+    saves and restores). `decoupled_step` applies a direction with the group's weight decay and its staged step
+    coefficient `step<group>`.
     state_dict() is a collective: every rank must call it; every rank returns the full state in torch's layout
     ({"state": {index: {name: tensor}}, "param_groups": [...]}), loadable under any world size.
     """
@@ -299,6 +302,8 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
         self.region_of = {i: region for region in self.regions for i in region.indices}
         self.flat_state: dict[str, list[Tensor | None]] = {}
         self.calls = 0
+        self._staged_names: tuple[str, ...] = ()
+        self._staged: dict[torch.dtype, tuple[Tensor, dict[str, Tensor]]] = {}  # float64, float32 buffers and views
         self._sync = True
         if self.regions[0].world_size > 1:
             for i, p in enumerate(self.params_in_order):
@@ -347,19 +352,62 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
         fp32 = {p.dtype for p in self.params_in_order} == {torch.float32}
         return fp32 and (self.params_in_order[0].device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
-    def step_coefficients(self, group: int, scale: float, decay_first: bool = True) -> tuple[float, float]:
-        """(β, α) of θ ← β·θ + α·N with the group's ℓ, λ: (1 − ℓλ)·θ − ℓ·scale·N (torch's AdamW), or with
-        decay_first=False (1 − ℓλ)·(θ − ℓ·scale·N) (the published SOAP)."""
-        lr, weight_decay = self.param_groups[group]["lr"], self.param_groups[group]["weight_decay"]
-        decay = 1 - lr * weight_decay
-        return decay, -lr * scale * (1 if decay_first else decay)
+    @torch.no_grad()
+    def step(self, loss=None):
+        """One step: `stage_step`, `device_step`, `finish_step`. `loss`: the global-batch loss (a tensor or float) or
+        a closure returning it; returned."""
+        if callable(loss):
+            with torch.enable_grad():
+                loss = loss()
+        self.stage_step()
+        self.device_step(loss)
+        self.finish_step()
+        return loss
 
-    def decoupled_step(self, theta: Tensor, direction: Tensor, group: int, scale: float, decay_first=True) -> None:
-        """θ ← β·θ + α·direction in place (`step_coefficients`), the decay skipped where it is 1."""
-        decay, alpha = self.step_coefficients(group, scale, decay_first)
-        if decay != 1:
-            theta.mul_(decay)
-        theta.add_(direction, alpha=alpha)
+    def host_scalars(self) -> dict[str, float]:
+        """The next step's scalars that change from step to step (or on resume), computed on the host in float64:
+        each group's decay 1 − ℓλ as `decay<group>`. Subclasses add theirs (a group's step coefficient `step<group>`
+        for `decoupled_step`)."""
+        return {f"decay{g}": 1 - group["lr"] * group["weight_decay"] for g, group in enumerate(self.param_groups)}
+
+    def stage_step(self) -> None:
+        """Copy `host_scalars` into the device buffers that `staged` reads (allocated once: a CUDA graph keeps their
+        addresses), in float64 and float32."""
+        values = self.host_scalars()
+        if tuple(values) != self._staged_names:
+            device = self.params_in_order[0].device
+            self._staged_names = tuple(values)
+            for dtype in (torch.float64, torch.float32):
+                buffer = torch.zeros(len(values), dtype=dtype, device=device)
+                self._staged[dtype] = buffer, dict(zip(values, buffer.unbind()))
+        host = torch.tensor(list(values.values()), dtype=torch.float64)
+        wide, narrow = self._staged[torch.float64][0], self._staged[torch.float32][0]
+        wide.copy_(host.pin_memory() if wide.is_cuda else host, non_blocking=True)
+        narrow.copy_(wide)
+
+    def staged(self, name: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The staged scalar `name` as a 0-dim device tensor: float64 for float64 work, else float32 (what a Python
+        float becomes in a float32 or bf16 kernel)."""
+        return self._staged[torch.float64 if dtype == torch.float64 else torch.float32][1][name]
+
+    def finish_step(self) -> None:
+        self.calls += 1
+
+    def capture_problem(self) -> str | None:
+        """bf16 state rounded stochastically takes a new seed every step, which a graph would fix."""
+        stochastic = getattr(self, "fused", False) and any(
+            buf is not None and buf.dtype == torch.bfloat16 for bufs in self.flat_state.values() for buf in bufs)
+        if stochastic:
+            return (f"{type(self).__name__}'s bf16 state is rounded stochastically with a new seed every step, which "
+                    "a CUDA graph would fix; use --optim-state-dtype fp32")
+        return None
+
+    def decoupled_step(self, theta: Tensor, direction: Tensor, group: int, value: float = 1.0) -> None:
+        """θ ← (1 − ℓλ)·θ + value·c·direction in place, c the group's staged step coefficient `step<group>` (its
+        sign and scale are the optimizer's); the decay is skipped where λ = 0."""
+        if self.param_groups[group]["weight_decay"]:
+            theta.mul_(self.staged(f"decay{group}", theta.dtype))
+        theta.addcmul_(direction, self.staged(f"step{group}", theta.dtype), value=value)
 
     @torch.no_grad()
     def gathered(self, name: str, indices: set[int] | None = None) -> dict[int, Tensor]:

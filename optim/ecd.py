@@ -148,12 +148,14 @@ class ECD(ShardedOptimizer):
         self.warned = False
         self._lam_cache: tuple[tuple[float, ...], Tensor] | None = None
 
-    def _lam(self, device) -> Tensor:
-        """Weight decay λ per key as a float64 device vector (rebuilt only when a group's value changes)."""
+    def _lam(self) -> Tensor:
+        """Weight decay λ per key as a float64 device vector, rebuilt (by `stage_step`, outside any graph, in place)
+        when a group's value changes."""
         per_group = tuple(float(g["weight_decay"]) for g in self.param_groups)
         if self._lam_cache is None or self._lam_cache[0] != per_group:
-            values = [per_group[g] for g in self.group_of_key]
-            self._lam_cache = (per_group, torch.tensor(values, dtype=torch.float64, device=device))
+            values = torch.tensor([per_group[g] for g in self.group_of_key], dtype=torch.float64)
+            vector = self._lam_cache[1] if self._lam_cache else torch.empty_like(values, device=self.pending.device)
+            self._lam_cache = (per_group, vector.copy_(values))
         return self._lam_cache[1]
 
     def _lr(self) -> float:
@@ -161,6 +163,26 @@ class ECD(ShardedOptimizer):
         if len(lrs) != 1:
             raise ValueError(f"ECD moves all parameters with one step size; param groups have lr {sorted(lrs)}")
         return lrs.pop()
+
+    def host_scalars(self) -> dict[str, float]:
+        """h = ℓ/√η and κ = ½·h·η·D/(D−1) (docs/optimizers.md#ecd), which follow the learning rate."""
+        h = self._lr() / math.sqrt(self.eta)
+        return {"h": h, "kappa": 0.5 * h * self.eta * self.D / (self.D - 1)}
+
+    def stage_step(self) -> None:
+        """Warn (once) about steps skipped below F0, update λ, then stage h and κ."""
+        self._check_skipped()
+        self._lam()
+        super().stage_step()
+
+    def steady_step(self) -> bool:
+        return self.calls > 0  # the first step sets Π from the gradient
+
+    def capture_problem(self) -> str | None:
+        if self.nu > 0:
+            return ("ECD's momentum noise (--ecd-nu > 0) is drawn from a generator seeded on the host every step, "
+                    "which a CUDA graph would fix; use --ecd-nu 0")
+        return super().capture_problem()
 
     def _logical_scale(self, pp_total: Tensor) -> Tensor:
         """c with logical Π = c·(stored Π), from the stored ‖Π‖² (see module docstring)."""
@@ -176,19 +198,12 @@ class ECD(ShardedOptimizer):
             )
 
     @torch.no_grad()
-    def step(self, loss=None):
-        """One ECD step (docs/optimizers.md). `loss` is this rank's mean loss (tensor or float) or a closure returning
-        it."""
-        if callable(loss):
-            with torch.enable_grad():
-                loss = loss()
+    def device_step(self, loss=None) -> None:
+        """One ECD step (docs/optimizers.md) from the staged h, κ; `loss` is this rank's mean loss (tensor or float)."""
         if loss is None:
             raise ValueError("ECD.step needs the training loss: call opt.step(loss) or opt.step(closure)")
-        self._check_skipped()
         device = self.pending.device
         loss_t = torch.as_tensor(loss).detach().to(device=device, dtype=torch.float64).reshape(1)
-        h = self._lr() / math.sqrt(self.eta)
-        kappa = 0.5 * h * self.eta * self.D / (self.D - 1)
         first = self.calls == 0
         if first:
             self.pending.fill_(True)
@@ -201,8 +216,8 @@ class ECD(ShardedOptimizer):
             rows.append(self.partial_dots(region.local_params, g, pi, table))
         sums = self.sum_by_key(torch.cat(rows), self.block_gather)
         vec = all_reduce_sum(torch.cat([loss_t, sums.reshape(-1)]))
-        coef = self._coefficients(vec, h, kappa)
-        lam = self._lam(device) if any(g["weight_decay"] for g in self.param_groups) else None
+        coef = self._coefficients(vec, self.staged("h", torch.float64), self.staged("kappa", torch.float64))
+        lam = self._lam() if any(g["weight_decay"] for g in self.param_groups) else None
         for j, (region, pi, table, g) in enumerate(zip(self.regions, self.flat_state["pi"], self.tables, grads)):
             z = None
             if self.nu > 0:
@@ -219,15 +234,18 @@ class ECD(ShardedOptimizer):
         self.sigma.copy_(torch.where(active & noisy, coef["s"], self.sigma))
         self.pending.copy_(torch.where(active, noisy, self.pending))
         self.skipped.value.add_((~active).long())
-        self.skipped.publish()
-        self.calls += 1
-        return loss
 
-    def _coefficients(self, vec: Tensor, h: float, kappa: float) -> dict[str, Tensor]:
-        """docs/optimizers.md#ecd scalars from the all-reduced sums, all on device in float64 (no host sync)."""
+    def finish_step(self) -> None:
+        """Start the skipped-step counter on its way to the host (read at a later step), count the step."""
+        self.skipped.publish()
+        super().finish_step()
+
+    def _coefficients(self, vec: Tensor, h: Tensor, kappa: Tensor) -> dict[str, Tensor]:
+        """docs/optimizers.md#ecd scalars from the all-reduced sums and the staged h, κ, all on device in float64 (no
+        host sync)."""
         loss = vec[0] / self.world_size
         tt, tg, gg, pg, pt, pp = vec[1:].view(self.num_keys, 6).unbind(1)
-        lam = self._lam(vec.device)
+        lam = self._lam()
         gap = loss + 0.5 * (lam * tt).sum() - self.F0  # F̃ − F0
         active = gap > 1e-40  # step 2: below this gap nothing moves
         pp_total = pp.sum()

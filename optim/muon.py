@@ -131,20 +131,24 @@ class Muon(ShardedOptimizer):
         shape = self.params_in_order[index].shape
         return self.group_of[index], shape.numel() // (self.blocks_of(index) * shape[-1]), shape[-1]
 
+    def host_scalars(self) -> dict[str, float]:
+        """Each group's decay and step coefficient (−ℓ for the matrices, whose per-shape scale is a constant; −ℓ·s for
+        the AdamW part, s its bias correction at this step) and the AdamW part's ε, bias-corrected
+        (optim.base.adam_scale)."""
+        values = super().host_scalars()
+        scale, values["eps"] = adam_scale(*self.betas, self.eps, self.calls + 1)
+        for g, group in enumerate(self.param_groups):
+            values[f"step{g}"] = -group["lr"] * (1.0 if group["use_muon"] else scale)
+        return values
+
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.calls += 1
+    def device_step(self, loss=None) -> None:
         for j, (region, g) in enumerate(zip(self.regions, self.reduced_gradients())):
             if region.tensor_owned:
                 self._muon(j, region, g, self.flat_state["momentum_buffer"][j])
             else:
                 self._adamw(j, region, g, self.flat_state["exp_avg"][j], self.flat_state["exp_avg_sq"][j])
             region.gather_params()
-        return loss
 
     def first_moment_of(self, index: int) -> tuple[str, bool]:
         """The momentum of the matrices (the step moves along it), Adam's m elsewhere."""
@@ -160,16 +164,15 @@ class Muon(ShardedOptimizer):
         for run in self.runs[j]:  # adjacent matrices of one shape: views, no copies
             group, rows, cols = run.key
             ortho = zeropower_via_newtonschulz5(run.of(update).view(-1, rows, cols), self.ns_steps)
-            self.decoupled_step(run.of(theta).view(-1, rows, cols), ortho, group, max(1.0, rows / cols) ** 0.5)
+            self.decoupled_step(run.of(theta).view(-1, rows, cols), ortho, group, value=max(1.0, rows / cols) ** 0.5)
 
     def _adamw(self, j: int, region, g: Tensor, m: Tensor, v: Tensor) -> None:
-        """torch's AdamW with its bias corrections folded into the step and ε (optim.base.adam_scale)."""
-        scale, eps = adam_scale(*self.betas, self.eps, self.calls)
+        """torch's AdamW, its bias corrections folded into the staged step coefficient and ε (optim.base.adam_scale)."""
         direction = self.scratch[j]
-        self.adam_moments(g, m, v, direction, None, *self.betas, eps)
+        self.adam_moments(g, m, v, direction, None, *self.betas, self.staged("eps", direction.dtype))
         theta = region.local_params
         for run in self.runs[j]:
-            self.decoupled_step(run.of(theta), run.of(direction), run.key, scale)
+            self.decoupled_step(run.of(theta), run.of(direction), run.key)
 
 
 def muon_groups(model: nn.Module, cfg: MuonConfig) -> list[dict]:

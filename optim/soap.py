@@ -219,19 +219,22 @@ class SOAP(ShardedOptimizer):
             if factor is not None:
                 accumulate_gram(factor, g, dim, self.shampoo_beta)
 
-    def _apply(self, theta: Tensor, direction: Tensor, bases: list[Tensor | None], beta: float, alpha: float) -> None:
-        """θ ← β·θ + α·(direction rotated back), the last back-projection fused with the update in one baddbmm."""
+    def _apply(self, theta: Tensor, direction: Tensor, bases: list[Tensor | None], group: int) -> None:
+        """θ ← (1 − ℓλ)·θ + c·(direction rotated back), c the group's staged step coefficient: the direction (scratch)
+        is scaled in place and the last back-projection accumulates into θ in one baddbmm."""
         dims = [k for k, q in enumerate(bases) if q is not None]
         last = dims[-1]
-        y = direction
+        y = direction.mul_(self.staged(f"step{group}", direction.dtype))
         for k in dims[:-1]:
             y = contract(y, bases[k].mT, k)
         compute = theta if theta.dtype == y.dtype else theta.to(y.dtype)
+        if self.param_groups[group]["weight_decay"]:
+            compute.mul_(self.staged(f"decay{group}", compute.dtype))
         if last == y.dim() - 2:
             rows = compute.view(y.shape[0], -1, y.shape[-1])
-            rows.baddbmm_(y.reshape(rows.shape), bases[last].mT, beta=beta, alpha=alpha)
+            rows.baddbmm_(y.reshape(rows.shape), bases[last].mT)
         else:
-            compute.mul_(beta).add_(contract(y, bases[last].mT, last), alpha=alpha)
+            compute.add_(contract(y, bases[last].mT, last))
         if compute is not theta:
             theta.copy_(compute)
 
@@ -242,7 +245,8 @@ class SOAP(ShardedOptimizer):
         for dim, (factor, q) in enumerate(zip(batch.factors, batch.bases)):
             if factor is None:
                 continue
-            batch.bases[dim], order = refresh_basis(factor, q)
+            q_new, order = refresh_basis(factor, q)
+            q.copy_(q_new)  # in place: a captured step keeps reading these addresses
             index = order.view(order.shape[0], *(-1 if k == dim else 1 for k in range(len(batch.shape))))
             v.copy_(torch.take_along_dim(v, index, dim=dim + 1))
         m.copy_(rotate(m_original, batch.bases))
@@ -255,12 +259,30 @@ class SOAP(ShardedOptimizer):
                 if factor is not None:
                     state[f"GG{dim}"], state[f"Q{dim}"] = factor[b], q[b]
 
+    def host_scalars(self) -> dict[str, float]:
+        """Each group's decay and step coefficient −ℓ·s·(1 − ℓλ), s Adam's bias correction at this step (the published
+        SOAP: ε not bias-corrected; the decay applies after the step)."""
+        values = super().host_scalars()
+        scale = adam_scale(*self.betas, self.eps, max(self.calls, 1))[0]
+        for g, group in enumerate(self.param_groups):
+            values[f"step{g}"] = -group["lr"] * scale * values[f"decay{g}"]
+        return values
+
+    def first_step_state_bytes(self) -> int:
+        """The Kronecker factors and their eigenbases, two (d, d) matrices per rotated dim of size d."""
+        if self.calls:
+            return 0
+        return sum(2 * len(batch.indices) * size * size * work.element_size()
+                   for batches, work in zip(self.batches, self.work) for batch in batches
+                   for size, rotated in zip(batch.shape, batch.rotated) if rotated)
+
+    def steady_step(self) -> bool:
+        """The first step takes the eigenbases and every precondition_frequency-th refreshes them: both run other
+        kernels."""
+        return self.calls > 0 and self.calls % self.precondition_frequency != 0
+
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def device_step(self, loss=None) -> None:
         grads = self.reduced_gradients()
         if self.calls == 0:  # accumulate the factors and take eigenbases; no update (published behaviour)
             for batches, g, work in zip(self.batches, grads, self.work):
@@ -269,11 +291,9 @@ class SOAP(ShardedOptimizer):
                     self._update_factors(batch, batch.view(g).to(work.dtype))
                     batch.bases = [eigenbasis(f) if f is not None else None for f in batch.factors]
                     self._expose(batch)
-            self.calls = 1
-            return loss
+            return
         t = self.calls
         beta1, beta2 = self.betas
-        scale = adam_scale(beta1, beta2, self.eps, t)[0]  # the published SOAP: ε not bias-corrected
         seed = mixed_seed(self.seed, t, bits=31)
         refresh = t % self.precondition_frequency == 0
         for j, region in enumerate(self.regions):
@@ -284,16 +304,13 @@ class SOAP(ShardedOptimizer):
             self.moments(work if batches else g, m, v, work, self.tables[j], beta1, beta2, self.eps, seed)
             theta = region.local_params
             for run in self.group_runs[j]:
-                self.decoupled_step(run.of(theta), run.of(work), run.key, scale, decay_first=False)
+                self.decoupled_step(run.of(theta), run.of(work), run.key)
             for batch in batches:
-                self._apply(batch.view(theta), batch.view(work), batch.bases,
-                            *self.step_coefficients(batch.group, scale, decay_first=False))
+                self._apply(batch.view(theta), batch.view(work), batch.bases, batch.group)
                 self._update_factors(batch, batch.view(g).to(work.dtype))
                 if refresh:
                     self._refresh(batch, batch.view(m), batch.view(v), work.dtype)
             region.gather_params()
-        self.calls += 1
-        return loss
 
     def _tensor_state(self, index: int) -> dict:
         region = self.region_of[index]

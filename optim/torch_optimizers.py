@@ -55,13 +55,60 @@ def _implementation(params: list, fused: bool) -> dict:
 
 
 class TorchOptimizer(OptimizerInterface):
-    """For torch.optim subclasses: step() clips the gradient norm, as the sharded optimizers do after averaging."""
+    """For torch.optim subclasses: step() clips the gradient norm, as the sharded optimizers do after averaging.
+    Captured in a CUDA graph (`prepare_capture`), the step runs torch's capturable path with each group's learning
+    rate read from a device tensor that `stage_step` fills; the groups keep floats for everything else."""
+
+    graph_lrs: list[Tensor] | None = None  # after prepare_capture on CUDA: each group's learning rate on the device
 
     def step(self, closure=None):
         if self.grad_clip > 0:
             params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
             self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
         return super().step(closure)
+
+    def _on_cuda(self) -> bool:
+        return self.param_groups[0]["params"][0].is_cuda
+
+    def capture_problem(self) -> str | None:
+        if isinstance(self, torch.optim.SGD) and self._on_cuda() and not self.param_groups[0]["fused"]:
+            return "SGD's unfused step reads a tensor learning rate on the host; use its fused step (--fused)"
+        return None
+
+    def prepare_capture(self) -> None:
+        """On CUDA: torch's capturable step (its step counts on the device) and a device learning rate per group."""
+        if not self._on_cuda():
+            return
+        for group in self.param_groups:
+            group["capturable"] = True
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(p.device)
+        self.graph_lrs = [torch.tensor(float(group["lr"]), device=self.param_groups[0]["params"][0].device)
+                          for group in self.param_groups]
+
+    def steady_step(self) -> bool:
+        """After the first step, which creates the state."""
+        return all(self.state.get(p) for group in self.param_groups for p in group["params"])
+
+    def stage_step(self) -> None:
+        for lr, group in zip(self.graph_lrs or (), self.param_groups):
+            lr.fill_(group["lr"])
+
+    def device_step(self, loss: Tensor | None = None) -> None:
+        """step() with each group's learning rate read from its device tensor once capture is prepared."""
+        if self.graph_lrs is None:
+            self.step()
+            return
+        floats = [group["lr"] for group in self.param_groups]
+        for group, lr in zip(self.param_groups, self.graph_lrs):
+            group["lr"] = lr
+        try:
+            self.step()
+        finally:
+            for group, lr in zip(self.param_groups, floats):
+                group["lr"] = lr
 
 
 class AdamW(TorchOptimizer, torch.optim.AdamW):
@@ -77,6 +124,11 @@ class AdamW(TorchOptimizer, torch.optim.AdamW):
 
     def first_moment_of(self, index: int) -> tuple[str, bool]:
         return "exp_avg", False  # the step divides it by √v
+
+    def first_step_state_bytes(self) -> int:
+        """m, v and the step count of every parameter without state yet."""
+        return sum(2 * p.numel() * p.element_size() + 4 for g in self.param_groups for p in g["params"]
+                   if not self.state[p])
 
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
@@ -105,12 +157,20 @@ class SGDM(TorchOptimizer, torch.optim.SGD):
         if initial_velocity_std > 0 and momentum > 0:
             members = [p for group in self.param_groups for p in group["params"]]
             for index, p in enumerate(members):
+                if p.is_meta:  # a memory estimate (grid/memory.py): the buffer, not its numbers
+                    self.state[p]["momentum_buffer"] = torch.empty_like(p)
+                    continue
                 gen = torch.Generator().manual_seed(mixed_seed(optim_seed, index))
                 velocity = torch.randn(p.shape, generator=gen, dtype=torch.float32) * initial_velocity_std
                 self.state[p]["momentum_buffer"] = velocity.to(p.device, p.dtype)
 
     def first_moment_of(self, index: int) -> tuple[str, bool]:
         return "momentum_buffer", True
+
+    def first_step_state_bytes(self) -> int:
+        """The momentum buffer of every parameter without one yet."""
+        return sum(p.numel() * p.element_size() for g in self.param_groups for p in g["params"]
+                   if g["momentum"] and "momentum_buffer" not in self.state[p])
 
     @classmethod
     def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
