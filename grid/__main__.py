@@ -59,6 +59,13 @@ def gpu_memory(given_gib: float | None) -> int | None:
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
 
 
+def gpu_name() -> str | None:
+    """The name of the first GPU torch sees (the key of bench/throughput.json's rows), None without CUDA."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
 def run_parser() -> ArgumentParser:
     parser = ArgumentParser(module="grid", description=__doc__)
     parser.add_argument("--name", help="the grid's name: its runs go to <--run-dir>/<name>/ (or name in --grid)")
@@ -94,7 +101,7 @@ def run_parser() -> ArgumentParser:
     return parser
 
 
-def print_plan(spec, runs, states, slots, gpus_per_run: int, memory_text: str) -> None:
+def print_plan(spec, runs, states, slots, gpus_per_run: int, runs_per_gpu: int, memory_text: str) -> None:
     """--dry-run: every run, its state, where the first wave goes, and its command with the slot's environment."""
     sizes = " × ".join(f"{a.flag} {len(a.values)}" for a in spec.axes)
     print(f"grid {spec.name} in {spec.directory}: {len(runs)} runs ({sizes}); slots: "
@@ -120,7 +127,7 @@ def print_plan(spec, runs, states, slots, gpus_per_run: int, memory_text: str) -
         env = slot.env if slot else next(s.env for s in slots if s.kind == run.device)
         command = train_command(run, gpus_per_run if run.device == "cuda" else 1, state == "resume")
         print("      " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command))
-    print("\n".join(wall_time_lines(runs, states, slots)))
+    print("\n".join(wall_time_lines(runs, states, slots, gpu_name(), runs_per_gpu)))
 
 
 def plan_grid(args: argparse.Namespace, shared: list[str]):
@@ -204,7 +211,8 @@ def run_grid(argv: list[str]) -> int:
     previous = journal.states()
     states = {r.name: initial_state(r, previous.get(r.name, {}), args.retry_failed) for r in runs}
     if args.dry_run:
-        print_plan(spec, runs, states, slots, args.gpus_per_run, memory_line(memory, args.runs_per_gpu, gpu_bytes))
+        print_plan(spec, runs, states, slots, args.gpus_per_run, args.runs_per_gpu,
+                   memory_line(memory, args.runs_per_gpu, gpu_bytes))
         return 0
     journal.append({"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
                     "runs": [{**r.record(), "memory_gib": round(sum(memory.get(r.name, {}).values()) / GIB, 2)}

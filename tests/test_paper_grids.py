@@ -133,6 +133,23 @@ def test_the_dry_run_prints_every_run_and_the_expected_wall_time(tmp_path, capsy
     assert f"expected wall time: {format_duration(seconds)} (8 runs on 7 GPU slots" in capsys.readouterr().out
 
 
+def test_before_any_run_measured_the_wall_time_comes_from_the_gpu_table_for_this_gpu(tmp_path, capsys, monkeypatch):
+    gpu, speed = "NVIDIA H100 80GB HBM3", 300_000.0  # the GPU's tokens/s with two ECD runs sharing it
+    row = {"gpu": gpu, "preset": "gpt2-124m", "optimizer": "ecd", "batch_tokens": 4096, "compile_mode": "default",
+           "runs_per_gpu": 2, "tokens_per_s": speed, "step_ms": 27.3, "source": "a test row"}
+    monkeypatch.setattr("grid.estimate.read_rows", lambda: [row])
+    args = ["--grid", str(ROOT / "grids" / "table2.toml"), "--run-dir", str(tmp_path), "--dry-run", "--gpus",
+            "0,1,2", "--runs-per-gpu", "2", "--gpu-memory", "80"]
+    for name, expected in ((gpu, "from bench/throughput.json's tokens/s on " + gpu), ("another GPU", "tokens / R")):
+        monkeypatch.setattr("grid.__main__.gpu_name", lambda name=name: name)
+        assert grid_main(args) == 0
+        assert expected in capsys.readouterr().out
+    monkeypatch.setattr("grid.__main__.gpu_name", lambda: gpu)
+    assert grid_main(args) == 0
+    seconds = 2 * PAPER_TOKENS / (speed / 2)  # 8 runs on 6 slots: the busiest slot trains two, at half the GPU each
+    assert f"expected wall time: {format_duration(seconds)} (8 runs on 6 GPU slots" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # two runs and their reports: about 25 s on 2 idle cores
 def test_the_cpu_scale_grid_runs_end_to_end_into_a_page_that_is_not_comparable_everywhere(tmp_path):
     tiny = ["--n-layer", "1", "--n-embd", "16", "--steps", "4", "--val-every", "2", "--val-tokens", "1024"]
