@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -86,16 +89,61 @@ def train_tiny_run(root: Path, *flags: str) -> Path:
     return root / "tiny"
 
 
+def held_env(step: int, env: dict[str, str] = ENV) -> dict[str, str]:
+    """`env` for a trainer subprocess that holds after its `step`-th step until SIGINT or SIGTERM arrives, printing
+    `held after step STEP (rank R)` (tests/hold/sitecustomize.py): a test signals it there and knows where it stops."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "hold"), env.get("PYTHONPATH", str(ROOT))]),
+            "SYMGPT_TEST_HOLD_AFTER_STEP": str(step)}
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 300) -> None:
+    """Poll `condition` until it holds; fail naming `what` did not happen if it still does not after `timeout` s
+    (a bound for a hang, never a measurement: keep it far above the time the event takes on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: did not happen within {timeout} s"
+        time.sleep(0.02)
+
+
+class PipedLines:
+    """A subprocess's piped stdout (text mode), read on a thread into `lines`, so a test can wait for a line with a
+    bound (`wait_for`) and read the whole output once the process has ended (`text`)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.lines = proc, []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, start: str, count: int = 1, timeout: float = 300) -> None:
+        """Until `count` lines start with `start` (e.g. one per rank); the failure shows the output so far."""
+        try:
+            wait_until(lambda: sum(line.startswith(start) for line in list(self.lines)) >= count,
+                       f"{count} line(s) starting {start!r}", timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the output so far:\n{self.text(wait=False)[-3000:]}") from None
+
+    def text(self, wait: bool = True, timeout: float = 300) -> str:
+        """The output so far; with wait=True, all of it, once the process has ended (within `timeout` s)."""
+        if wait:
+            self.proc.wait(timeout=timeout)
+            self._reader.join(timeout=timeout)
+        return "".join(list(self.lines))
+
+
 def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     """The trainer under torchrun with `nproc` gloo processes, output captured."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=120)
 
 
-def torchrun_in_background(args: list[str], nproc: int = 2) -> subprocess.Popen:
+def torchrun_in_background(args: list[str], nproc: int = 2, env: dict[str, str] = ENV) -> subprocess.Popen:
     """The trainer under torchrun in a session of its own (so a test can signal the whole job), output piped."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                             str(ROOT / "train_gpt.py"), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

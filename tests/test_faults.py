@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from pathlib import Path
 
@@ -20,11 +19,12 @@ from eval import compare, report
 from run.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
 from run.directory import RunDirectory, run_holds_checkpoint
 from run.log import read_log
-from tests.helpers import ENV, ROOT, VOCAB, tiny_args, torchrun, torchrun_in_background, train_losses
+from tests.helpers import (ENV, ROOT, VOCAB, PipedLines, held_env, tiny_args, torchrun, torchrun_in_background,
+                           train_losses)
 
 
-def run_in_background(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+def run_in_background(args: list[str], env: dict[str, str] = ENV) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -47,15 +47,14 @@ def test_two_trainers_started_together_on_one_run_name_one_is_refused(corpus, tm
 
 def test_a_second_trainer_on_a_running_run_is_refused_naming_the_owner(corpus, tmp_path):
     args = tiny_args(corpus, tmp_path, "busy", steps=100000, **{"val-every": 0, "log-every": 10})
-    owner = run_in_background(args)
-    for line in owner.stdout:
-        if line.startswith("optimizer state"):  # the owner holds the directory and is stepping
-            break
+    owner = run_in_background(args, held_env(1))
+    output = PipedLines(owner)
+    output.wait_for("held after step 1")  # the owner holds the directory and has stepped
     second = run_in_background(args)
     refused = second.communicate(timeout=300)[0]
     owner.send_signal(signal.SIGTERM)
-    owner.communicate(timeout=120)
-    assert second.returncode == 2 and owner.returncode == 128 + signal.SIGTERM
+    assert owner.wait(timeout=300) == 128 + signal.SIGTERM, output.text()
+    assert second.returncode == 2
     assert f"is in use by pid {owner.pid} on host" in refused and "choose another --run-name" in refused, refused
     steps = [r["step"] for r in read_log(tmp_path / "busy") if "train_loss" in r]
     assert steps == sorted(steps) and len(steps) == len(set(steps))  # one writer
@@ -82,18 +81,17 @@ def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_
 # ----- 2. a signal under torchrun is acted on at the next step, whatever the log interval -----
 
 def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_interval(corpus, tmp_path):
+    """SIGTERM to the whole job (a scheduler's preemption; torchrun passes it on too) while both ranks hold after
+    step 2: every rank stops at step 3, the next one, though the next log step is 1000 away. A rank that stopped
+    elsewhere would leave the others waiting in a collective until torchrun killed them: no checkpoint, no line."""
     args = tiny_args(corpus, tmp_path, "ranks", steps=100000, **{"val-every": 0, "log-every": 1000})
-    proc = torchrun_in_background(args)
-    for line in proc.stdout:
-        if line.startswith("optimizer state"):  # the first step is done
-            signalled = time.monotonic()
-            os.killpg(proc.pid, signal.SIGTERM)  # what torchrun forwards to every worker
-            break
-    output = proc.stdout.read()
-    proc.wait(timeout=120)
-    assert time.monotonic() - signalled < 25, output[-3000:]  # inside torchrun's 30 s grace period
-    ckpt = load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")
-    assert 1 <= ckpt["step"] < 50 and f"SIGTERM at step {ckpt['step']}: checkpoint written" in output, output[-3000:]
+    proc = torchrun_in_background(args, env=held_env(2))
+    output = PipedLines(proc)
+    output.wait_for("held after step 2", count=2)  # one line per rank
+    os.killpg(proc.pid, signal.SIGTERM)
+    text = output.text()
+    assert load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")["step"] == 3, text[-3000:]
+    assert "SIGTERM at step 3: checkpoint written" in text, text[-3000:]
 
 
 # ----- 3. the validation tokens and loss do not depend on the number of processes -----
