@@ -137,7 +137,7 @@ class PipedLines:
 def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     """The trainer under torchrun with `nproc` gloo processes, output captured."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=120)
+                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=300)
 
 
 def torchrun_in_background(args: list[str], nproc: int = 2, env: dict[str, str] = ENV) -> subprocess.Popen:

@@ -162,7 +162,7 @@ def test_sigterm_stops_the_step_and_still_reports(tmp_path: Path, fake_python: P
     log = out / "session.log"
     wait_until(lambda: log.exists() and "e2e: hanging" in log.read_text(), "the e2e step hanging in session.log")
     proc.send_signal(signal.SIGTERM)
-    stdout, _ = proc.communicate(timeout=30)
+    stdout, _ = proc.communicate(timeout=300)
     report = json.loads((out / "report.json").read_text())
     assert report["stopped"].startswith("SIGTERM") and report["steps"]["attention"]["status"] == "ok"
     assert report["steps"]["e2e_paper_triton"]["status"] == "stopped by SIGTERM"
@@ -197,7 +197,7 @@ def test_the_pytest_plugin_writes_each_verdict_as_it_happens(tmp_path: Path) -> 
                     "@pytest.fixture\ndef broken():\n    raise RuntimeError\n\ndef test_setup(broken):\n    pass\n\n"
                     "@pytest.mark.skip(reason='no')\ndef test_skipped():\n    pass\n")
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.session_tests",
-                    "--rootdir", str(tmp_path), str(test)], cwd=ROOT, capture_output=True, timeout=120,
+                    "--rootdir", str(tmp_path), str(test)], cwd=ROOT, capture_output=True, timeout=300,
                    env={**os.environ, "PYTHONPATH": str(ROOT), "SYMGPT_SESSION_EVENTS": str(events)})
     lines = [line.rsplit(" ", 1)[0] if line[0] in "pfse" and not line.startswith("start") else line
              for line in events.read_text().splitlines()]

@@ -183,7 +183,7 @@ def test_the_non_finite_stop_without_an_earlier_checkpoint_says_so(tmp_path):
 def torchrun_with(args: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "train_gpt.py"), *args], env={**ENV, **env}, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
 
 
 def test_a_refusal_by_rank_0_ends_every_rank_with_its_one_line_message(corpus, tmp_path):

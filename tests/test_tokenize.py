@@ -284,7 +284,7 @@ def test_a_file_size_limit_names_the_file_and_the_flag_and_keeps_the_earlier_out
 
     proc = subprocess.run([sys.executable, "-m", "data.tokenize", str(tmp_path / "big.txt"), "--out", str(out),
                            "--prefix", "ow", "--overwrite", "--val-tokens", "200", "--shard-tokens", "20000",
-                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           preexec_fn=limit_file_size)
     assert proc.returncode == 1, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]

@@ -271,7 +271,7 @@ def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_
         "except OSError as exc:\n"
         "    print(exc)\n"
         "    sys.exit(3)\n")
-    result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr
     assert f"could not write checkpoint {tmp_path}/checkpoints/latest.pt" in result.stdout
     assert "MiB free there" in result.stdout and "enforce fail" not in result.stdout
