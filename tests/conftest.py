@@ -1,7 +1,24 @@
-"""Shared test setup: the repository root on sys.path, the `cuda` marker's skip rule, and the fixtures several test
-modules use (helpers they share are in tests/helpers.py)."""
+"""Shared test setup: the repository root on sys.path, the `cuda` marker's skip rule, how pytest-xdist shares the
+work, and the fixtures several test modules use (helpers they share are in tests/helpers.py).
+
+Markers (pyproject.toml lists them):
+- `@pytest.mark.cuda`: needs a CUDA GPU; skipped with the reason on a machine without one.
+- `@pytest.mark.serial`: holds more than one core (torchrun, a grid with two workers, two trainers at once). Under
+  `./run.sh test` (pytest-xdist, `-n auto --dist loadgroup`) one worker runs these one after another, starting
+  with them, while the others run the rest file by file (a module's fixtures are then built once per run); without
+  xdist the marker changes nothing. Mark a whole module with `pytestmark = pytest.mark.serial`.
+
+Fixtures for tiny trainer runs:
+- `corpus` (module scope): shards of the synthetic language of tests.helpers.synthetic_tokens (vocabulary
+  tests.helpers.VOCAB), 8,192 validation and 2 x 60,000 training tokens, read-only; with
+  `tests.helpers.tiny_args(corpus, tmp_path, NAME, **overrides)`, the flags of a 2-layer, 32-wide model on it.
+- `tiny_run` (session scope): one finished run of tiny_args' model (8 steps, a checkpoint at steps 4 and 8) for tests
+  that read a run and do not change it (evaluations, export, sampling): copy it first to change it.
+Tiny models without a run: `tests.helpers.tiny_gpt(**overrides)`.
+"""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,13 +32,30 @@ if str(ROOT) not in sys.path:
 from tests.helpers import synthetic_tokens  # noqa: E402  (needs the root on sys.path)
 
 
+def by_groups(config: pytest.Config) -> bool:
+    """Whether xdist shares the work by xdist_group (`--dist loadgroup`; a worker sees it as `loadgroup`)."""
+    return config.getoption("dist", "no") == "loadgroup" or config.getoption("loadgroup", False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # an xdist worker: share the cores, not fight for them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    if by_groups(config):
+        config.option.loadscopereorder = False  # the order below: the serial group, the longest unit, goes first
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    if by_groups(config):
+        for item in items:  # a module's tests together: its fixtures are built once
+            group = "serial" if "serial" in item.keywords else Path(item.location[0]).stem
+            item.add_marker(pytest.mark.xdist_group(group))
+        items.sort(key=lambda item: "serial" not in item.keywords)  # stable: each file's order is kept
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ def run_in_background(args: list[str], env: dict[str, str] = ENV) -> subprocess.
 
 # ----- 1. one owner per run directory -----
 
+@pytest.mark.serial
 def test_two_trainers_started_together_on_one_run_name_one_is_refused(corpus, tmp_path):
     """Whichever claims the directory first runs; the other is refused, as in use (the owner is running) or as
     holding a run (the owner has finished): never two writers."""
@@ -80,6 +81,7 @@ def test_a_run_in_use_refuses_a_resume_naming_its_owner_and_a_dead_owner_leaves_
 
 # ----- 2. a signal under torchrun is acted on at the next step, whatever the log interval -----
 
+@pytest.mark.serial
 def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_interval(corpus, tmp_path):
     """SIGTERM to the whole job (a scheduler's preemption; torchrun passes it on too) while both ranks hold after
     step 2: every rank stops at step 3, the next one, though the next log step is 1000 away. A rank that stopped
@@ -111,6 +113,7 @@ VALIDATE = textwrap.dedent("""
 """).format(vocab=VOCAB)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("objective", ["clm", "mlm"])
 def test_validation_loss_is_the_same_on_1_2_and_3_ranks(corpus, tmp_path, objective):
     script = tmp_path / "validate.py"
@@ -295,6 +298,7 @@ def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_
 
 # ----- exact resume: the same number of processes and split continue bit for bit -----
 
+@pytest.mark.serial
 def test_a_two_rank_run_resumes_bit_exactly_on_two_ranks(corpus, tmp_path):
     args = tiny_args(corpus, tmp_path, "straight", steps=4, **{"val-every": 0, "checkpoint-every": 2,
                                                                "keep-checkpoints": -1})

@@ -481,6 +481,7 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("optimizer,mode", [("ecd", "dress"), ("adamw", "project")])
 def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, optimizer, mode):
     """ECD (sharded, Π transported by state_dict/load_state_dict): 1e-7 apart after 8 steps; AdamW under DDP with

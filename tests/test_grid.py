@@ -61,6 +61,7 @@ def started(directory: Path) -> list[str]:
     return [r["run"] for r in Journal(directory).records() if r.get("state") == "running"]
 
 
+@pytest.mark.serial
 def test_a_2x2_grid_finishes_reports_and_compares_and_the_same_command_starts_nothing(tmp_path, tiny_flags, capsys):
     args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "optimizer=adamw,sgdm", "--axis",
             "bias-mode=none,bqbv", "--workers", "2", "--", *tiny_flags, "--steps", "3"]
@@ -99,6 +100,7 @@ def without(flags: list[str], *names: str) -> list[str]:
     return [word for i, word in enumerate(flags) if i not in drop]
 
 
+@pytest.mark.serial
 def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags, capsys):
     args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "n-head=2,3", "--axis", "val-tokens=32,100000000",
             "--workers", "2", "--no-report", "--", *without(tiny_flags, "--n-head", "--val-tokens"), "--steps", "2"]
@@ -121,6 +123,7 @@ def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags
     assert "[new] n-head=2,val-tokens=100000000 -> CPU worker 1" in capsys.readouterr().out
 
 
+@pytest.mark.serial
 def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes_them_bit_identically(
         tmp_path, tiny_flags, capsys):
     def args(name: str) -> list[str]:

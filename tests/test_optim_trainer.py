@@ -58,6 +58,7 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path, optimizer):
         assert loss == straight[step], (step, loss, straight[step])
 
 
+@pytest.mark.serial
 def test_ecd_two_gloo_ranks_match_one_process(corpus, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     one = args(corpus, tmp_path, "one", "ecd", steps=4, **{"ecd-nu": 0.1})

@@ -186,6 +186,7 @@ def torchrun_with(args: list[str], **env: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.serial
 def test_a_refusal_by_rank_0_ends_every_rank_with_its_one_line_message(corpus, tmp_path):
     result = torchrun_with(tiny_args(corpus, tmp_path, "bogus", steps=1, **{"attention-impl": "triton"}))
     refusal = ("error: --attention-impl triton: the Triton kernel runs on CUDA devices (this one is cpu); use auto or "

@@ -77,6 +77,7 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path):
         assert loss == straight[step], (step, loss, straight[step])
 
 
+@pytest.mark.serial
 def test_two_gloo_processes_match_one_whatever_the_micro_batch(corpus, tmp_path):
     """1 process with micro-batches of 2 (4 micro-steps) and 2 ranks deriving micro-batches of 4 from the default
     bound see the same rows and the same biases, so the same losses."""
@@ -97,6 +98,7 @@ def test_two_gloo_processes_match_one_whatever_the_micro_batch(corpus, tmp_path)
     assert vals2[-1] == pytest.approx(vals[-1], rel=1e-5)
 
 
+@pytest.mark.serial
 def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus, tmp_path):
     args = tiny_args(corpus, tmp_path, "single", steps=6, **{"val-every": 0, "micro-batch": 2})
     subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
