@@ -143,7 +143,9 @@ def test_a_hung_environment_check_is_stopped_within_its_limit(tmp_path: Path, fa
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(gpu_session, "ENV_LIMIT_S", 3)
     monkeypatch.setenv("FAKE_HANG", "env")
+    before = signal.getsignal(signal.SIGTERM)
     assert gpu_session.main(["--out", str(tmp_path), "--python", str(fake_python)]) == 1  # not after the 600 s hang
+    assert signal.getsignal(signal.SIGTERM) is before  # a later SIGTERM to this process is not taken for the session's
     assert "timed out after 3 s" in json.loads((tmp_path / "report.json").read_text())["stopped"]
     assert "**Stopped: environment check failed" in capsys.readouterr().out
 
