@@ -58,6 +58,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: "serial" not in item.keywords)  # stable: each file's order is kept
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, as in the subprocesses of tests.helpers.ENV: bit-exact comparisons between a
+    run in this process and one in a subprocess."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """Shards of the synthetic language (tests.helpers.synthetic_tokens): 8,192 validation and 2 x 60,000 training

@@ -483,13 +483,12 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
 
 @pytest.mark.serial
 @pytest.mark.parametrize("optimizer,mode", [("ecd", "dress"), ("adamw", "project")])
-def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, optimizer, mode):
+def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, one_thread, optimizer, mode):
     """ECD (sharded, Π transported by state_dict/load_state_dict): 1e-7 apart after 8 steps; AdamW under DDP with
     the step projected: 2e-7 (with its first moment projected as well, rounding grew to 1.1e-5). Muon's bf16
     Newton-Schulz differs by ~2e-5 between 1 and 2 ranks even without a gauge, so it cannot show such a match."""
     common = {"steps": 8, "val-every": 0, "optimizer": optimizer, "gauge": mode, "gauge-every": 2}
-    one = tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2})
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=ENV, capture_output=True)
+    train_gpt.main(tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2}))
     result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
     assert result.returncode == 0, result.stderr[-3000:]
     single, double = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")

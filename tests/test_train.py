@@ -78,14 +78,12 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path):
 
 
 @pytest.mark.serial
-def test_two_gloo_processes_match_one_whatever_the_micro_batch(corpus, tmp_path):
+def test_two_gloo_processes_match_one_whatever_the_micro_batch(corpus, tmp_path, one_thread):
     """1 process with micro-batches of 2 (4 micro-steps) and 2 ranks deriving micro-batches of 4 from the default
     bound see the same rows and the same biases, so the same losses."""
     common = {"steps": 5, "val-every": 0}
-    one = tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2})
-    two = tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8})
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=ENV, capture_output=True)
-    result = torchrun(two)
+    train_gpt.main(tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2}))
+    result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 ranks x 1 micro-steps x 4 sequences" in (tmp_path / "two" / "log.txt").read_text()
     assert "1 ranks x 4 micro-steps x 2 sequences" in (tmp_path / "one" / "log.txt").read_text()
@@ -99,11 +97,9 @@ def test_two_gloo_processes_match_one_whatever_the_micro_batch(corpus, tmp_path)
 
 
 @pytest.mark.serial
-def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus, tmp_path):
-    args = tiny_args(corpus, tmp_path, "single", steps=6, **{"val-every": 0, "micro-batch": 2})
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
-    args = tiny_args(corpus, tmp_path, "moved", steps=3, **{"val-every": 0, "micro-batch": 2})
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
+def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus, tmp_path, one_thread):
+    train_gpt.main(tiny_args(corpus, tmp_path, "single", steps=6, **{"val-every": 0, "micro-batch": 2}))
+    train_gpt.main(tiny_args(corpus, tmp_path, "moved", steps=3, **{"val-every": 0, "micro-batch": 2}))
     result = torchrun(["--resume", str(tmp_path / "moved"), "--steps", "6", "--micro-batch", "8"])
     assert result.returncode == 0, result.stderr[-3000:]
     single, moved = train_losses(tmp_path / "single"), train_losses(tmp_path / "moved")
@@ -227,9 +223,8 @@ def test_resuming_a_loose_checkpoint_starts_a_new_run_directory(corpus, tmp_path
     assert run_dir_of(origin / "checkpoints" / "latest.pt") == origin
 
 
-def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
-    args = tiny_args(corpus, tmp_path, "straight", steps=30, **{"val-every": 0})
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *args], check=True, env=ENV, capture_output=True)
+def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path, one_thread):
+    train_gpt.main(tiny_args(corpus, tmp_path, "straight", steps=30, **{"val-every": 0}))
     args = tiny_args(corpus, tmp_path, "stopped", steps=30, **{"val-every": 0, "checkpoint-every": 0})
     proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=held_env(3),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -240,8 +235,7 @@ def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path):
     run = tmp_path / "stopped"
     assert load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 3  # the step in progress
     assert "SIGTERM at step 3: checkpoint written" in output.text()
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), "--resume", str(run)], check=True, env=ENV,
-                   capture_output=True)  # one thread, as the runs above: bit-exact on the CPU
+    train_gpt.main(["--resume", str(run)])  # one thread, as the stopped run: bit-exact on the CPU
     straight, resumed = train_losses(tmp_path / "straight"), train_losses(run)
     assert sorted(resumed) == list(range(1, 31))
     assert all(resumed[step] == straight[step] for step in resumed)
