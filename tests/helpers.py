@@ -42,6 +42,24 @@ def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarr
     return np.concatenate([words[i] for i in picks])[:num_tokens].astype(np.uint16)
 
 
+TINY_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)  # tiny_gpt's model
+
+
+def tiny_gpt(seed: int = 0, noise: float = 0.0, **overrides):
+    """The tests' tiny GPT: TINY_GPT, `overrides` changing any GPTConfig field, initialised after
+    torch.manual_seed(seed); noise > 0 then adds noise · N(0, 1) to every parameter, so that biases, LayerNorms and
+    slopes are generic rather than at their initial values. In training mode, float32."""
+    import train_gpt
+
+    torch.manual_seed(seed)
+    model = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY_GPT, **overrides}))
+    if noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn_like(p))
+    return model
+
+
 def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
     """The trainer's flags for a tiny model (2 layers, width 32) on the `corpus` fixture for 8 CPU steps, the run in
     run_dir/name; `overrides` ({"flag-name": value}, booleans as switches) add to or replace them."""

@@ -4,8 +4,6 @@ assumes under every bias mode, the trainer's --gauge modes with every optimizer,
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +24,8 @@ from gauge.updates import (
 )
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
-from tests.helpers import ENV, ROOT, resume_in_new_directory, tiny_args, torchrun, train_losses, write_v1_checkpoint
+from tests.helpers import (ROOT, resume_in_new_directory, tiny_args, tiny_gpt, torchrun, train_losses,
+                           write_v1_checkpoint)
 
 F64 = torch.float64
 
@@ -204,10 +203,7 @@ def test_balancing_gauge_balances_the_grams_keeps_m_and_is_near_identity_when_re
 
 
 def tiny_model(bias_mode: str = "none", **config) -> train_gpt.GPT:
-    torch.manual_seed(0)
-    cfg = train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, bias_mode=bias_mode,
-                              **{"bias_per_head": True, **config})
-    model = train_gpt.GPT(cfg).double()
+    model = tiny_gpt(block_size=16, n_embd=16, bias_mode=bias_mode, **{"bias_per_head": True, **config}).double()
     with torch.no_grad():  # imbalanced heads with non-zero linear biases, so dressing has work to do
         for name, p in model.named_parameters():
             if name.endswith("attn.c_attn.weight"):

@@ -20,15 +20,14 @@ from kernels.attention_paths import attention_reference
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
 from run.log import read_log
-from tests.helpers import synthetic_tokens
+from tests.helpers import synthetic_tokens, tiny_gpt
 
 VOCAB, MASK = 136, 128  # the synthetic corpus uses ids 1..127, so 128 is free for [MASK]
 TINY = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32, mask_token=MASK)
 
 
 def tiny_model(seed: int = 0, **overrides) -> train_gpt.GPT:
-    torch.manual_seed(seed)
-    return train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, **overrides}))
+    return tiny_gpt(seed, **{**TINY, **overrides})
 
 
 def symmetry_score(m: torch.Tensor) -> float:
