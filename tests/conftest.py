@@ -1,20 +1,23 @@
-"""Shared test setup: the repository root on sys.path, the `cuda` marker's skip rule, how pytest-xdist shares the
-work, and the fixtures several test modules use (helpers they share are in tests/helpers.py).
+"""Shared test setup: the repository root on sys.path, the markers' rules, how pytest-xdist shares the work, and the
+fixtures several test modules use (helpers they share are in tests/helpers.py).
 
 Markers (pyproject.toml lists them):
 - `@pytest.mark.cuda`: needs a CUDA GPU; skipped with the reason on a machine without one.
 - `@pytest.mark.serial`: holds more than one core (torchrun, a grid with two workers, two trainers at once). Under
-  `./run.sh test` (pytest-xdist, `-n auto --dist loadgroup`) one worker runs these one after another, starting
-  with them, while the others run the rest file by file (a module's fixtures are then built once per run); without
-  xdist the marker changes nothing. Mark a whole module with `pytestmark = pytest.mark.serial`.
+  `./run.sh test` (pytest-xdist: `-n auto --dist loadgroup`) one worker runs these one after another, starting
+  with them, while the other workers take the rest a module at a time (so a module's fixtures are built once per
+  run); each worker runs torch on its share of the cores. Without xdist the marker changes nothing. A whole module:
+  `pytestmark = pytest.mark.serial`.
 
-Fixtures for tiny trainer runs:
-- `corpus` (module scope): shards of the synthetic language of tests.helpers.synthetic_tokens (vocabulary
-  tests.helpers.VOCAB), 8,192 validation and 2 x 60,000 training tokens, read-only; with
-  `tests.helpers.tiny_args(corpus, tmp_path, NAME, **overrides)`, the flags of a 2-layer, 32-wide model on it.
-- `tiny_run` (session scope): one finished run of tiny_args' model (8 steps, a checkpoint at steps 4 and 8) for tests
-  that read a run and do not change it (evaluations, export, sampling): copy it first to change it.
-Tiny models without a run: `tests.helpers.tiny_gpt(**overrides)`.
+Fixtures:
+- `corpus` (module scope): read-only shards of the synthetic language of tests.helpers.synthetic_tokens
+  (vocabulary tests.helpers.VOCAB), 8,192 validation and 2 x 60,000 training tokens. Train on it with
+  `train_gpt.main(tests.helpers.tiny_args(corpus, tmp_path, NAME, **overrides))`: a 2-layer, 32-wide model, 8 steps.
+- `one_thread`: one torch thread during the test, as in the subprocesses of tests.helpers.ENV, for bit-exact
+  comparisons between a run in the test process and one in a subprocess.
+A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)`. A trainer subprocess to signal at a
+known step: `env=tests.helpers.held_env(step)`, then `tests.helpers.PipedLines(proc).wait_for("held after step")`.
+Waits are bounded by `tests.helpers.wait_until` (never an assertion on how long something took).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
-the tiny trainer runs on it, torchrun, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
+output, torchrun, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import json
