@@ -137,11 +137,11 @@ class PipedLines:
         for line in self.proc.stdout:
             self.lines.append(line)
 
-    def wait_for(self, start: str, count: int = 1, timeout: float = 300) -> None:
-        """Until `count` lines start with `start` (e.g. one per rank); the failure shows the output so far."""
+    def wait_for(self, text: str, count: int = 1, timeout: float = 300) -> None:
+        """Until `text` has appeared `count` times (e.g. once per rank: ranks sharing the pipe may interleave their
+        lines, so occurrences are counted, not lines); the failure shows the output so far."""
         try:
-            wait_until(lambda: sum(line.startswith(start) for line in list(self.lines)) >= count,
-                       f"{count} line(s) starting {start!r}", timeout)
+            wait_until(lambda: self.text(wait=False).count(text) >= count, f"{count} x {text!r}", timeout)
         except AssertionError as exc:
             raise AssertionError(f"{exc}; the output so far:\n{self.text(wait=False)[-3000:]}") from None
 

@@ -89,7 +89,7 @@ def test_sigterm_under_torchrun_checkpoints_at_the_next_step_with_a_long_log_int
     args = tiny_args(corpus, tmp_path, "ranks", steps=100000, **{"val-every": 0, "log-every": 1000})
     proc = torchrun_in_background(args, env=held_env(2))
     output = PipedLines(proc)
-    output.wait_for("held after step 2", count=2)  # one line per rank
+    output.wait_for("held after step 2", count=2)  # once per rank
     os.killpg(proc.pid, signal.SIGTERM)
     text = output.text()
     assert load_checkpoint(tmp_path / "ranks" / "checkpoints" / "latest.pt")["step"] == 3, text[-3000:]

@@ -18,7 +18,8 @@ if HOLD:
         """StopRequest.agreed, called once per step: after step HOLD, first wait for the signal."""
         calls[0] += 1
         if calls[0] == int(HOLD):
-            print(f"held after step {HOLD} (rank {os.environ.get('RANK', '0')})", flush=True)
+            # one write of the whole line: under torchrun the ranks share the pipe, and print's two writes interleave
+            os.write(1, f"held after step {HOLD} (rank {os.environ.get('RANK', '0')})\n".encode())
             deadline = time.monotonic() + 300
             while not self.signum:
                 if time.monotonic() > deadline:
