@@ -16,7 +16,8 @@ Fixtures:
 - `one_thread`: one torch thread during the test, as in the subprocesses of tests.helpers.ENV, for bit-exact
   comparisons between a run in the test process and one in a subprocess.
 A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)`. A trainer subprocess to signal at a
-known step: `env=tests.helpers.held_env(step)`, then `tests.helpers.PipedLines(proc).wait_for("held after step")`.
+known step: `tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
+`tests.helpers.PipedLines(proc).wait_for("held after step STEP")`.
 Waits are bounded by `tests.helpers.wait_until` (never an assertion on how long something took).
 """
 from __future__ import annotations

@@ -153,6 +153,18 @@ class PipedLines:
         return "".join(list(self.lines))
 
 
+def stop_held_trainer(args: list[str], step: int, signum: int) -> str:
+    """Run the trainer with `args` in a subprocess held after `step` (held_env), send it `signum` there, and return
+    its output once it has exited, as it must, with 128 + signum."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=held_env(step),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = PipedLines(proc)
+    output.wait_for(f"held after step {step}")
+    proc.send_signal(signum)
+    assert proc.wait(timeout=300) == 128 + signum, output.text()
+    return output.text()
+
+
 def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     """The trainer under torchrun with `nproc` gloo processes, output captured."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",

@@ -22,7 +22,7 @@ from eval import report, val_loss
 from run.checkpoint import load_checkpoint, run_dir_of
 from run.log import RunLog, read_log
 from run.process import batch_layout, setup_process
-from tests.helpers import (ENV, ROOT, VOCAB, PipedLines, held_env, resume_in_new_directory, tiny_args, torchrun,
+from tests.helpers import (ENV, VOCAB, resume_in_new_directory, stop_held_trainer, tiny_args, torchrun,
                            train_losses)
 
 
@@ -226,15 +226,10 @@ def test_resuming_a_loose_checkpoint_starts_a_new_run_directory(corpus, tmp_path
 def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path, one_thread):
     train_gpt.main(tiny_args(corpus, tmp_path, "straight", steps=8, **{"val-every": 0}))
     args = tiny_args(corpus, tmp_path, "stopped", steps=8, **{"val-every": 0, "checkpoint-every": 0})
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=held_env(3),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = PipedLines(proc)
-    output.wait_for("held after step 3")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=300) == 128 + signal.SIGTERM, output.text()
+    output = stop_held_trainer(args, 3, signal.SIGTERM)
     run = tmp_path / "stopped"
     assert load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 3  # the step in progress
-    assert "SIGTERM at step 3: checkpoint written" in output.text()
+    assert "SIGTERM at step 3: checkpoint written" in output
     train_gpt.main(["--resume", str(run)])  # one thread, as the stopped run: bit-exact on the CPU
     straight, resumed = train_losses(tmp_path / "straight"), train_losses(run)
     assert sorted(resumed) == list(range(1, 9))
@@ -357,11 +352,6 @@ def test_corrupt_shard_names_the_file(corpus, tmp_path, capsys):
 
 def test_sigint_stops_a_single_process_promptly(corpus, tmp_path):
     args = tiny_args(corpus, tmp_path, "ctrlc", steps=100000, **{"val-every": 0, "log-every": 1000})
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=held_env(2),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = PipedLines(proc)
-    output.wait_for("held after step 2")
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=300) == 128 + signal.SIGINT, output.text()  # long before the next log step at 1000
+    output = stop_held_trainer(args, 2, signal.SIGINT)  # long before the next log step at 1000
     assert load_checkpoint(tmp_path / "ctrlc" / "checkpoints" / "latest.pt")["step"] == 2
-    assert "SIGINT at step 2: checkpoint written" in output.text()
+    assert "SIGINT at step 2: checkpoint written" in output
