@@ -33,7 +33,7 @@ setup() {
         echo "[setup] installing triton $TRITON_VERSION (CPU interpreter for the kernel tests)"
         $pip "triton==$TRITON_VERSION"
     fi
-    if ! python -c "import numpy, tiktoken, tqdm, huggingface_hub, matplotlib, pytest, pyarrow, safetensors, transformers" 2>/dev/null; then
+    if ! python -c "import numpy, tiktoken, tqdm, huggingface_hub, matplotlib, pytest, xdist, pyarrow, safetensors, transformers" 2>/dev/null; then
         echo "[setup] installing requirements.txt"
         $pip -r requirements.txt
     fi
@@ -44,7 +44,7 @@ setup
 if [ "${1:-}" = "test" ]; then
     shift
     set +e
-    python -m pytest -q "$@"
+    python -m pytest -q -n auto --dist loadgroup "$@"  # a worker per core; `serial` tests on one (tests/conftest.py)
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then

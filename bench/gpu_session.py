@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     def terminate(signum, frame):
         raise SessionStopped(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)  # given back at the end: main() may run inside a process
     actions = {"attention": session.attention, "cuda_tests": session.cuda_tests,
                **{name: (lambda name=name: session.e2e(name)) for name in E2E_MODES},
                **{f"concurrent_{n}": (lambda n=n: session.concurrent(n)) for n in (2, 3)}}
@@ -371,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, r in session.report["steps"].items():
             if r["status"] == "running":
                 r["status"] = f"stopped by {exc}"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     session.finish()
     return 1 if session.report["stopped"] else 0
 

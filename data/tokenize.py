@@ -49,7 +49,9 @@ def parallel_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
     if workers <= 1:
         yield from map(fn, items)
         return
-    with multiprocessing.Pool(workers) as pool:
+    # spawned, not forked: a fork copies the locks other threads of the caller hold (a test runner's, a library's)
+    # into a worker that has no thread left to release them, and that worker waits forever
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
         pending = collections.deque()
         for item in items:
             pending.append(pool.apply_async(fn, (item,)))

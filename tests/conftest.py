@@ -1,7 +1,28 @@
-"""Shared test setup: the repository root on sys.path, the `cuda` marker's skip rule, and the fixtures several test
-modules use (helpers they share are in tests/helpers.py)."""
+"""Shared test setup: the repository root on sys.path, the markers' rules, how pytest-xdist shares the work, and the
+fixtures several test modules use (helpers they share are in tests/helpers.py).
+
+Markers (pyproject.toml lists them):
+- `@pytest.mark.cuda`: needs a CUDA GPU; skipped with the reason on a machine without one.
+- `@pytest.mark.serial`: holds more than one core (torchrun, a grid with two workers, two trainers at once). Under
+  `./run.sh test` (pytest-xdist: `-n auto --dist loadgroup`) one worker runs these one after another, starting
+  with them, while the other workers take the rest a module at a time (so a module's fixtures are built once per
+  run); each worker runs torch on its share of the cores. Without xdist the marker changes nothing. A whole module:
+  `pytestmark = pytest.mark.serial`.
+
+Fixtures:
+- `corpus` (module scope): read-only shards of the synthetic language of tests.helpers.synthetic_tokens
+  (vocabulary tests.helpers.VOCAB), 8,192 validation and 2 x 60,000 training tokens. Train on it with
+  `train_gpt.main(tests.helpers.tiny_args(corpus, tmp_path, NAME, **overrides))`: a 2-layer, 32-wide model, 8 steps.
+- `one_thread`: one torch thread during the test, as in the subprocesses of tests.helpers.ENV, for bit-exact
+  comparisons between a run in the test process and one in a subprocess.
+A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)`. A trainer subprocess to signal at a
+known step: `tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
+`tests.helpers.PipedLines(proc).wait_for("held after step STEP")`.
+Waits are bounded by `tests.helpers.wait_until` (never an assertion on how long something took).
+"""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,13 +36,40 @@ if str(ROOT) not in sys.path:
 from tests.helpers import synthetic_tokens  # noqa: E402  (needs the root on sys.path)
 
 
+def by_groups(config: pytest.Config) -> bool:
+    """Whether xdist shares the work by xdist_group (`--dist loadgroup`; a worker sees it as `loadgroup`)."""
+    return config.getoption("dist", "no") == "loadgroup" or config.getoption("loadgroup", False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # an xdist worker: share the cores, not fight for them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    if by_groups(config):
+        config.option.loadscopereorder = False  # the order below: the serial group, the longest unit, goes first
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
-    for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU; none on this machine")
+        for item in items:
+            if "cuda" in item.keywords:
+                item.add_marker(skip)
+    if by_groups(config):
+        for item in items:  # a module's tests together: its fixtures are built once
+            group = "serial" if "serial" in item.keywords else Path(item.location[0]).stem
+            item.add_marker(pytest.mark.xdist_group(group))
+        items.sort(key=lambda item: "serial" not in item.keywords)  # stable: each file's order is kept
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test, as in the subprocesses of tests.helpers.ENV: bit-exact comparisons between a
+    run in this process and one in a subprocess."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,16 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
-the tiny trainer runs on it, torchrun, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
+output, torchrun, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -37,6 +41,24 @@ def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarr
     weights = 1.0 / np.arange(1, 41)
     picks = rng.choice(40, size=num_tokens // 2, p=weights / weights.sum())
     return np.concatenate([words[i] for i in picks])[:num_tokens].astype(np.uint16)
+
+
+TINY_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)  # tiny_gpt's model
+
+
+def tiny_gpt(seed: int = 0, noise: float = 0.0, **overrides):
+    """The tests' tiny GPT: TINY_GPT, `overrides` changing any GPTConfig field, initialised after
+    torch.manual_seed(seed); noise > 0 then adds noise · N(0, 1) to every parameter, so that biases, LayerNorms and
+    slopes are generic rather than at their initial values. In training mode, float32."""
+    import train_gpt
+
+    torch.manual_seed(seed)
+    model = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY_GPT, **overrides}))
+    if noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * torch.randn_like(p))
+    return model
 
 
 def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
@@ -86,16 +108,73 @@ def train_tiny_run(root: Path, *flags: str) -> Path:
     return root / "tiny"
 
 
+def held_env(step: int, env: dict[str, str] = ENV) -> dict[str, str]:
+    """`env` for a trainer subprocess that holds after its `step`-th step until SIGINT or SIGTERM arrives, printing
+    `held after step STEP (rank R)` (tests/hold/sitecustomize.py): a test signals it there and knows where it stops."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "hold"), env.get("PYTHONPATH", str(ROOT))]),
+            "SYMGPT_TEST_HOLD_AFTER_STEP": str(step)}
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 300) -> None:
+    """Poll `condition` until it holds; fail naming `what` did not happen if it still does not after `timeout` s
+    (a bound for a hang, never a measurement: keep it far above the time the event takes on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: did not happen within {timeout} s"
+        time.sleep(0.02)
+
+
+class PipedLines:
+    """A subprocess's piped stdout (text mode), read on a thread into `lines`, so a test can wait for a line with a
+    bound (`wait_for`) and read the whole output once the process has ended (`text`)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.lines = proc, []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, count: int = 1, timeout: float = 300) -> None:
+        """Until `text` has appeared `count` times (e.g. once per rank: ranks sharing the pipe may interleave their
+        lines, so occurrences are counted, not lines); the failure shows the output so far."""
+        try:
+            wait_until(lambda: self.text(wait=False).count(text) >= count, f"{count} x {text!r}", timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the output so far:\n{self.text(wait=False)[-3000:]}") from None
+
+    def text(self, wait: bool = True, timeout: float = 300) -> str:
+        """The output so far; with wait=True, all of it, once the process has ended (within `timeout` s)."""
+        if wait:
+            self.proc.wait(timeout=timeout)
+            self._reader.join(timeout=timeout)
+        return "".join(list(self.lines))
+
+
+def stop_held_trainer(args: list[str], step: int, signum: int) -> str:
+    """Run the trainer with `args` in a subprocess held after `step` (held_env), send it `signum` there, and return
+    its output once it has exited, as it must, with 128 + signum."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args], env=held_env(step),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = PipedLines(proc)
+    output.wait_for(f"held after step {step}")
+    proc.send_signal(signum)
+    assert proc.wait(timeout=300) == 128 + signum, output.text()
+    return output.text()
+
+
 def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     """The trainer under torchrun with `nproc` gloo processes, output captured."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=120)
+                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=300)
 
 
-def torchrun_in_background(args: list[str], nproc: int = 2) -> subprocess.Popen:
+def torchrun_in_background(args: list[str], nproc: int = 2, env: dict[str, str] = ENV) -> subprocess.Popen:
     """The trainer under torchrun in a session of its own (so a test can signal the whole job), output piped."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                             str(ROOT / "train_gpt.py"), *args], env=ENV, stdout=subprocess.PIPE,
+                             str(ROOT / "train_gpt.py"), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

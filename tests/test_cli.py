@@ -50,6 +50,7 @@ def parser_of(module_name: str, monkeypatch) -> argparse.ArgumentParser:
         raise _Captured(self)
 
     monkeypatch.setattr(cli.ArgumentParser, "parse_known_args", capture)
+    monkeypatch.setattr(sys, "argv", [module_name, "--help"])  # a main() that reads sys.argv sees its own flags only
     module = importlib.import_module(module_name)
     main = module.main if hasattr(module, "main") else importlib.import_module(f"{module_name}.__main__").main
     with pytest.raises(_Captured) as caught:

@@ -159,7 +159,7 @@ def test_module_entry_point_and_clear_errors(runs, tmp_path):
     out = tmp_path / "out"
     result = subprocess.run([sys.executable, "-m", "eval.val_loss", "--checkpoint",
                              str(broken / "checkpoints" / "step_000001.pt"), "--out", str(out)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "val_loss.json").read_text())["step"] == 1
     with pytest.raises(SystemExit, match="no checkpoint"):

@@ -13,7 +13,7 @@ from eval import gauge
 from gauge import sensitivity
 from optim.torch_optimizers import AdamWConfig, SGDMConfig
 from run.log import read_log
-from tests.helpers import train_tiny_run
+from tests.helpers import tiny_gpt, train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PLAIN_GD = SGDMConfig(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, fused=False)
@@ -21,9 +21,7 @@ ADAMW = AdamWConfig(lr=1e-3, weight_decay=0.0, fused=False)
 
 
 def tiny_model(**overrides) -> train_gpt.GPT:
-    torch.manual_seed(0)
-    config = dict(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias_mode="none")
-    return train_gpt.GPT(train_gpt.GPTConfig(**{**config, **overrides}))
+    return tiny_gpt(**{"block_size": 16, "bias_mode": "none", **overrides})
 
 
 def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,7 @@ def test_report_command_exits_1_naming_the_failed_module(tmp_path, val_file):
     for name in ("val_loss", "logic_puzzles", "alignment"):  # current outputs: the command runs only dynamics
         report.EVALUATIONS[name](["--run", str(run)] + FAST_FLAGS.get(name, []))
     result = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(run)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+                            text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     assert "eval.dynamics failed: ValueError: checkpoint at step 1 holds no optimizer state" in result.stderr
     assert "1 of 4 evaluations failed (dynamics)" in result.stderr

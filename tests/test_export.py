@@ -20,7 +20,7 @@ import sample  # noqa: E402
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
 from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint  # noqa: E402
-from tests.helpers import ROOT, repository_modules  # noqa: E402
+from tests.helpers import ROOT, repository_modules, tiny_gpt  # noqa: E402
 
 TINY = dict(block_size=32, n_layer=2, n_head=2, n_embd=32)
 BIAS_CASES = {
@@ -36,12 +36,7 @@ BIAS_CASES = {
 
 def random_model(vocab_size: int = 50304, **overrides) -> train_gpt.GPT:
     """A tiny GPT whose every parameter (biases, LayerNorms, slopes) is perturbed away from its initialisation."""
-    torch.manual_seed(0)
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=vocab_size, **{**TINY, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    return tiny_gpt(noise=0.1, vocab_size=vocab_size, **{**TINY, **overrides}).eval()
 
 
 def tokens(batch: int = 2, length: int = 24) -> torch.Tensor:

@@ -6,7 +6,6 @@ import http.server
 import json
 import socket
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -176,14 +175,22 @@ def test_corrupt_files_are_replaced_or_reported(tmp_path, hub):
     assert not (dest / "finewebedu_train_000003.bin").exists()
 
 
-def test_offline_fails_fast_with_advice(tmp_path):
+def test_offline_fails_fast_with_advice(tmp_path, monkeypatch):
+    """Nothing listens at the endpoint: one probe, bounded by the probe timeout, no retry and no download, then the
+    advice (fast by what it tries, whatever the machine's load)."""
+    import huggingface_hub
+
+    probes, downloads, probe = [], [], huggingface_hub.get_hf_file_metadata
+    monkeypatch.setattr(huggingface_hub, "get_hf_file_metadata",
+                        lambda url, **kwargs: probes.append(kwargs.get("timeout")) or probe(url, **kwargs))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *args, **kwargs: downloads.append(args))
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start = time.monotonic()
     with pytest.raises(DownloadError, match="embedded corpus") as info:
         download_shards(tmp_path, 2, repo=REPO, endpoint=f"http://127.0.0.1:{port}", progress=False)
-    assert time.monotonic() - start < 15
+    assert probes == [fineweb_edu.PROBE_TIMEOUT_S] and downloads == []
+    assert "cannot reach" in str(info.value)
     assert "data.tokenize" in str(info.value) and str(tmp_path) in str(info.value)
 
 

@@ -22,15 +22,14 @@ from optim.ecd import ECD
 from optim.muon import Muon
 from optim.soap import SOAP
 from optim.torch_optimizers import SGDM, AdamW
-from train_gpt import GPT, GPTConfig
+from tests.helpers import tiny_gpt
+from train_gpt import GPT
 
 N_HEAD = 2
 
 
 def tiny_model(seed: int = 0, bias_mode: str = "none", **kw) -> GPT:
-    torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=N_HEAD, n_embd=16, bias_mode=bias_mode, **kw)
-    model = GPT(cfg)
+    model = tiny_gpt(seed, vocab_size=96, block_size=16, n_head=N_HEAD, n_embd=16, bias_mode=bias_mode, **kw)
     with torch.no_grad():  # generic (non-zero) linear biases so the augmented rows matter
         for name, p in model.named_parameters():
             if name.endswith("attn.c_attn.bias"):

@@ -4,8 +4,6 @@ assumes under every bias mode, the trainer's --gauge modes with every optimizer,
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,7 +24,8 @@ from gauge.updates import (
 )
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
-from tests.helpers import ENV, ROOT, resume_in_new_directory, tiny_args, torchrun, train_losses, write_v1_checkpoint
+from tests.helpers import (ROOT, resume_in_new_directory, tiny_args, tiny_gpt, torchrun, train_losses,
+                           write_v1_checkpoint)
 
 F64 = torch.float64
 
@@ -204,10 +203,7 @@ def test_balancing_gauge_balances_the_grams_keeps_m_and_is_near_identity_when_re
 
 
 def tiny_model(bias_mode: str = "none", **config) -> train_gpt.GPT:
-    torch.manual_seed(0)
-    cfg = train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, bias_mode=bias_mode,
-                              **{"bias_per_head": True, **config})
-    model = train_gpt.GPT(cfg).double()
+    model = tiny_gpt(block_size=16, n_embd=16, bias_mode=bias_mode, **{"bias_per_head": True, **config}).double()
     with torch.no_grad():  # imbalanced heads with non-zero linear biases, so dressing has work to do
         for name, p in model.named_parameters():
             if name.endswith("attn.c_attn.weight"):
@@ -481,14 +477,14 @@ def test_resume_with_a_gauge_reproduces_the_trajectory(corpus, tmp_path, mode, o
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("optimizer,mode", [("ecd", "dress"), ("adamw", "project")])
-def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, optimizer, mode):
+def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, one_thread, optimizer, mode):
     """ECD (sharded, Π transported by state_dict/load_state_dict): 1e-7 apart after 8 steps; AdamW under DDP with
     the step projected: 2e-7 (with its first moment projected as well, rounding grew to 1.1e-5). Muon's bf16
     Newton-Schulz differs by ~2e-5 between 1 and 2 ranks even without a gauge, so it cannot show such a match."""
     common = {"steps": 8, "val-every": 0, "optimizer": optimizer, "gauge": mode, "gauge-every": 2}
-    one = tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2})
-    subprocess.run([sys.executable, str(ROOT / "train_gpt.py"), *one], check=True, env=ENV, capture_output=True)
+    train_gpt.main(tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2}))
     result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
     assert result.returncode == 0, result.stderr[-3000:]
     single, double = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")

@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from grid import plan
 from grid.__main__ import main
 from grid import execute
 from grid.execute import Journal
-from tests.helpers import ROOT
+from tests.helpers import ROOT, PipedLines, held_env, wait_until
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -62,6 +61,7 @@ def started(directory: Path) -> list[str]:
     return [r["run"] for r in Journal(directory).records() if r.get("state") == "running"]
 
 
+@pytest.mark.serial
 def test_a_2x2_grid_finishes_reports_and_compares_and_the_same_command_starts_nothing(tmp_path, tiny_flags, capsys):
     args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "optimizer=adamw,sgdm", "--axis",
             "bias-mode=none,bqbv", "--workers", "2", "--", *tiny_flags, "--steps", "3"]
@@ -100,6 +100,7 @@ def without(flags: list[str], *names: str) -> list[str]:
     return [word for i, word in enumerate(flags) if i not in drop]
 
 
+@pytest.mark.serial
 def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags, capsys):
     args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "n-head=2,3", "--axis", "val-tokens=32,100000000",
             "--workers", "2", "--no-report", "--", *without(tiny_flags, "--n-head", "--val-tokens"), "--steps", "2"]
@@ -122,31 +123,30 @@ def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags
     assert "[new] n-head=2,val-tokens=100000000 -> CPU worker 1" in capsys.readouterr().out
 
 
+@pytest.mark.serial
 def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes_them_bit_identically(
         tmp_path, tiny_flags, capsys):
     def args(name: str) -> list[str]:
         return ["--name", name, "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "2", "--no-report",
-                "--", *tiny_flags, "--steps", "100"]
+                "--", *tiny_flags, "--steps", "8"]
     assert grid(args("straight")).returncode == 0
-    proc = subprocess.Popen([sys.executable, "-m", "grid", *args("stopped")], cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    logs = [tmp_path / "stopped" / f"seed={seed}" / "log.jsonl" for seed in (1, 2)]
-    deadline = time.time() + 300
-    while not any(p.is_file() and '"train_loss"' in p.read_text() for p in logs):  # a run is in its loop
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
-        time.sleep(0.05)
+    proc = subprocess.Popen([sys.executable, "-m", "grid", *args("stopped")], cwd=ROOT, env=held_env(3, ENV),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = PipedLines(proc)  # each run holds after step 3 until the grid passes the signal on
+    outputs = [tmp_path / "stopped" / "logs" / f"seed={seed}.log" for seed in (1, 2)]
+    wait_until(lambda: all(p.is_file() and "held after step 3" in p.read_text() for p in outputs),
+               "both runs holding after step 3")
     assert main(args("stopped")) == 2  # a second grid process on the same directory is refused
     assert f"{tmp_path / 'stopped'} is in use by grid pid {proc.pid}" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "stopped")]) == 0  # from another terminal
     assert f"running: grid pid {proc.pid} on host" in capsys.readouterr().out
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert proc.wait(timeout=300) == 130, output.text()[-3000:]
     states = Journal(tmp_path / "stopped").states()
-    assert {s["state"] for s in states.values()} <= {"interrupted", "finished"}, states
-    kept = [p.parent.name for p in logs if (p.parent / "checkpoints" / "latest.pt").is_file()
-            and load_checkpoint(p.parent / "checkpoints" / "latest.pt")["step"] < 100]
-    assert kept, states  # stopped in the middle, with a checkpoint (a run still starting has none: it starts again)
+    assert {s["state"] for s in states.values()} == {"interrupted"}, states
+    kept = [f"seed={seed}" for seed in (1, 2)
+            if load_checkpoint(tmp_path / "stopped" / f"seed={seed}" / "checkpoints" / "latest.pt")["step"] == 3]
+    assert kept == ["seed=1", "seed=2"], states  # each stopped where it was, with a checkpoint
 
     before = len(Journal(tmp_path / "stopped").records())
     again = grid(args("stopped"))
@@ -161,7 +161,7 @@ def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         losses = [{r["step"]: r["train_loss"] for r in read_log(run) if "train_loss" in r}
                   for run in (done, straight)]
-        assert losses[0] == losses[1] and len(losses[0]) == 100
+        assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
 def test_a_grid_file_gives_the_same_plan_as_the_command_line(tmp_path, tiny_flags):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import torch
 import data.loader as loader_module
 from data.loader import DistributedTokenLoader, validation_batches, validation_capacity
 from data.shards import EOT_TOKEN, ShardError, open_shard, shard_name, write_shard
+from tests.helpers import wait_until
 
 T = 8  # seq_len of most tests
 
@@ -164,10 +164,7 @@ def test_state_counts_consumed_not_prefetched(tmp_path):
         expected = plain.state_dict()
     with DistributedTokenLoader(pattern, 2, T, prefetch=5) as loader:
         loader.next_batch()
-        deadline = time.monotonic() + 5
-        while not loader._queue.full() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert loader._queue.full()
+        wait_until(loader._queue.full, "the prefetch thread filling its queue of 5 batches")
         assert loader.state_dict() == expected
 
 

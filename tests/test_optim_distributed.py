@@ -19,6 +19,8 @@ from optim.ecd import ECD
 from optim.muon import Muon
 from optim.soap import SOAP
 
+pytestmark = pytest.mark.serial  # the module's fixture spawns two ranks
+
 STEPS, SAVE_AT, WORLD = 10, 5, 2
 
 

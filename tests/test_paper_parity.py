@@ -23,7 +23,7 @@ from run.checkpoint import load_checkpoint
 from run.log import read_log
 from run.process import batch_layout
 from tests.test_optim_soap import reference_soap
-from tests.helpers import tiny_args, write_v1_checkpoint
+from tests.helpers import tiny_args, tiny_gpt, write_v1_checkpoint
 
 ECD_STEPS, SOAP_STEPS = 20, 25
 VOCAB, SEQ, BATCH = 64, 32, 4
@@ -117,10 +117,8 @@ def test_report_says_where_the_paper_and_its_published_code_disagree():
 # Trajectory level: a tiny GPT in float64
 
 
-def tiny_gpt() -> train_gpt.GPT:
-    torch.manual_seed(0)
-    config = train_gpt.GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32)
-    return train_gpt.GPT(config).double()
+def tiny_double() -> train_gpt.GPT:
+    return tiny_gpt(vocab_size=VOCAB, block_size=SEQ).double()
 
 
 def tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +152,7 @@ def train(model: train_gpt.GPT, opt: torch.optim.Optimizer, steps: int, needs_lo
 
 def gradient_oracle():
     """(names, initial arrays, loss_and_grad(arrays, step)) on a fresh tiny GPT: the oracles' only use of torch."""
-    model = tiny_gpt()
+    model = tiny_double()
     named = list(model.named_parameters())
 
     def loss_and_grad(arrays: list[np.ndarray], step: int) -> tuple[float, list[np.ndarray]]:
@@ -227,13 +225,13 @@ def soap_oracle(request):
 
 
 def ecd_run(weight_decay: float, *flags: str) -> dict[str, np.ndarray]:
-    model = tiny_gpt()
+    model = tiny_double()
     opt = paper_optimizer(model, "ecd", "--weight-decay", str(weight_decay), *flags)
     return train(model, opt, ECD_STEPS, needs_loss=True)
 
 
 def soap_run(eps_name: str, *flags: str) -> dict[str, np.ndarray]:
-    model = tiny_gpt()
+    model = tiny_double()
     flags = ("--soap-max-precond-dim", str(SOAP_MAX_PRECOND_DIM), "--eps", str(SOAP_EPS[eps_name]), *flags)
     return train(model, paper_optimizer(model, "soap", *flags), SOAP_STEPS, needs_loss=False)
 
@@ -264,16 +262,16 @@ def test_soap_decaying_matrices_only_leaves_the_published_trajectory(soap_oracle
 
 def test_paper_sgdm_starts_from_a_seeded_random_velocity():
     """Table 1's SGDM runs start with a nonzero velocity: the published GELU script's buffers ~ N(0, 0.1²)."""
-    model = tiny_gpt()
+    model = tiny_double()
     opt = paper_optimizer(model, "sgdm")
     params = [p for group in opt.param_groups for p in group["params"]]
     velocity = [opt.state[p]["momentum_buffer"].clone() for p in params]
     flat = torch.cat([v.flatten() for v in velocity])
     assert flat.numel() > 10_000 and abs(flat.std().item() - 0.1) < 0.005 and abs(flat.mean().item()) < 0.005
-    again = paper_optimizer(tiny_gpt(), "sgdm")
+    again = paper_optimizer(tiny_double(), "sgdm")
     assert all(torch.equal(a.state[p]["momentum_buffer"], v) for a in [again] for p, v in
                zip([p for g in again.param_groups for p in g["params"]], velocity))
-    other = paper_optimizer(tiny_gpt(), "sgdm", "--optim-seed", "1")
+    other = paper_optimizer(tiny_double(), "sgdm", "--optim-seed", "1")
     assert not torch.equal(other.state[next(iter(other.state))]["momentum_buffer"], velocity[0])
     # torch's Nesterov SGD from that velocity: buf = μv + g, θ ← θ − lr (g + μ buf)
     before = [p.detach().clone() for p in params]
@@ -283,7 +281,7 @@ def test_paper_sgdm_starts_from_a_seeded_random_velocity():
     opt.step()
     for p, p0, g, v in zip(params, before, grads, velocity):
         torch.testing.assert_close(p.detach(), p0 - 0.03 * (g + 0.95 * (0.95 * v + g)), rtol=0, atol=1e-12)
-    at_rest = paper_optimizer(tiny_gpt(), "sgdm", "--initial-velocity-std", "0")
+    at_rest = paper_optimizer(tiny_double(), "sgdm", "--initial-velocity-std", "0")
     assert not at_rest.state  # torch's SGD: the buffer starts at the first gradient
 
 

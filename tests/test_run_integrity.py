@@ -183,9 +183,10 @@ def test_the_non_finite_stop_without_an_earlier_checkpoint_says_so(tmp_path):
 def torchrun_with(args: list[str], **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "train_gpt.py"), *args], env={**ENV, **env}, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
 
 
+@pytest.mark.serial
 def test_a_refusal_by_rank_0_ends_every_rank_with_its_one_line_message(corpus, tmp_path):
     result = torchrun_with(tiny_args(corpus, tmp_path, "bogus", steps=1, **{"attention-impl": "triton"}))
     refusal = ("error: --attention-impl triton: the Triton kernel runs on CUDA devices (this one is cpu); use auto or "

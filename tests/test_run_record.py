@@ -17,6 +17,7 @@ from data import shards
 from data.shards import describe_shards, sha256_shards, write_shard
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
+from tests import helpers
 
 VOCAB = 80  # no other weight of the tiny model has 80 rows
 
@@ -26,8 +27,9 @@ def tokens(n: int, seed: int) -> np.ndarray:
 
 
 @pytest.fixture
-def corpus(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))  # the digest cache of this test only
+def own_corpus(tmp_path, monkeypatch) -> Path:
+    """Shards of this test alone (it rewrites them), of VOCAB random ids, with a digest cache of its own."""
+    monkeypatch.setenv("SYMGPT_CACHE", str(tmp_path / "cache"))
     root = tmp_path / "corpus"
     write_shard(root / "r_val_000000.bin", tokens(2048, 0))
     write_shard(root / "r_train_000001.bin", tokens(6000, 1))
@@ -36,11 +38,11 @@ def corpus(tmp_path, monkeypatch) -> Path:
 
 
 def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
-    args = {"train-files": str(corpus / "r_train_*.bin"), "val-files": str(corpus / "r_val_*.bin"),
-            "vocab-size": VOCAB, "block-size": 16, "n-layer": 2, "n-head": 2, "n-embd": 32, "seq-len": 16,
-            "micro-batch": 4, "batch-tokens": 64, "steps": 3, "val-every": 0, "val-tokens": 256, "log-every": 1,
-            "device": "cpu", "run-dir": str(run_dir), "run-name": name, **overrides}
-    return [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+    """tests.helpers.tiny_args on `own_corpus`: a 16-token context, 3 steps, no validation during the run."""
+    return helpers.tiny_args(corpus, run_dir, name, **{
+        "train-files": str(corpus / "r_train_*.bin"), "val-files": str(corpus / "r_val_*.bin"), "vocab-size": VOCAB,
+        "block-size": 16, "seq-len": 16, "batch-tokens": 64, "steps": 3, "val-every": 0, "val-tokens": 256,
+        **overrides})
 
 
 def sha256(path: Path) -> str:
@@ -79,20 +81,20 @@ def test_a_verified_download_digest_is_reused(tmp_path, monkeypatch):
     assert describe_shards(str(path), cache, progress=False)["files"][0]["sha256"] == "ab" * 32
 
 
-def test_config_checkpoint_and_log_record_the_data(corpus, tmp_path):
-    train_gpt.main(tiny_args(corpus, tmp_path, "rec"))
+def test_config_checkpoint_and_log_record_the_data(own_corpus, tmp_path):
+    train_gpt.main(tiny_args(own_corpus, tmp_path, "rec"))
     run = tmp_path / "rec"
     data = json.loads((run / "config.json").read_text())["data"]
     train = data["train"]
-    assert train["given"] == train["pattern"] == str(corpus / "r_train_*.bin")
+    assert train["given"] == train["pattern"] == str(own_corpus / "r_train_*.bin")
     assert [(Path(f["path"]).name, f["tokens"], f["bytes"]) for f in train["files"]] == [
         ("r_train_000001.bin", 6000, 1024 + 12000), ("r_train_000002.bin", 5000, 1024 + 10000)]
-    assert [f["sha256"] for f in train["files"]] == [sha256(corpus / f"r_train_00000{i}.bin") for i in (1, 2)]
+    assert [f["sha256"] for f in train["files"]] == [sha256(own_corpus / f"r_train_00000{i}.bin") for i in (1, 2)]
     assert train["tokens"] == 11000 and data["val"]["tokens"] == 2048
     ckpt = load_checkpoint(run / "checkpoints" / "latest.pt")
     assert ckpt["config"]["data"] == data
-    assert (f"train data {corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
-            f"{corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens | data fingerprint {data['fingerprint']}") in \
+    assert (f"train data {own_corpus / 'r_train_*.bin'}: 2 files, 11,000 tokens | val data "
+            f"{own_corpus / 'r_val_*.bin'}: 1 files, 2,048 tokens | data fingerprint {data['fingerprint']}") in \
         (run / "log.txt").read_text()
 
 
@@ -137,21 +139,21 @@ def refused(argv: list[str], capsys) -> str:
     return error
 
 
-def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(corpus, tmp_path, capsys):
-    train_gpt.main(tiny_args(corpus, tmp_path, "first", **{"checkpoint-every": 2}))
+def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(own_corpus, tmp_path, capsys):
+    train_gpt.main(tiny_args(own_corpus, tmp_path, "first", **{"checkpoint-every": 2}))
     run = tmp_path / "first"
-    write_shard(corpus / "r_val_000000.bin", tokens(2048, 5))
+    write_shard(own_corpus / "r_val_000000.bin", tokens(2048, 5))
     train_gpt.main(["--resume", str(run), "--steps", "4"])
     assert "WARNING: the val data" in (run / "log.txt").read_text()
-    write_shard(corpus / "r_train_000002.bin", tokens(5000, 9))
+    write_shard(own_corpus / "r_train_000002.bin", tokens(5000, 9))
     error = refused(["--resume", str(run), "--steps", "6"], capsys)
     assert re.search(r"train data .* first difference at file 1: .*r_train_000002\.bin.*restore the recorded shards",
                      error), error
-    write_shard(corpus / "r_train_000003.bin", tokens(100, 3))
-    write_shard(corpus / "r_train_000002.bin", tokens(5000, 2))  # the recorded contents again, plus one more file
+    write_shard(own_corpus / "r_train_000003.bin", tokens(100, 3))
+    write_shard(own_corpus / "r_train_000002.bin", tokens(5000, 2))  # the recorded contents again, plus one more file
     assert "3 files / 11,100 tokens now, 2 files / 11,000 tokens" in refused(["--resume", str(run), "--steps", "6"],
                                                                             capsys)
-    (corpus / "r_train_000003.bin").unlink()
+    (own_corpus / "r_train_000003.bin").unlink()
     train_gpt.main(["--resume", str(run), "--steps", "6"])
     assert load_checkpoint(run / "checkpoints" / "latest.pt")["step"] == 6
 

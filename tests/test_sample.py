@@ -12,16 +12,12 @@ import train_gpt
 from eval import val_loss
 from data.shards import GPT2_VOCAB
 from run.checkpoint import save_checkpoint
+from tests.helpers import tiny_gpt
 
 
 def tiny_model(**overrides) -> train_gpt.GPT:
-    cfg = dict(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32, activation="gelu", bias_mode="bqbv")
-    torch.manual_seed(0)
-    model = train_gpt.GPT(train_gpt.GPTConfig(**{**cfg, **overrides})).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return model
+    """The shared tiny GPT with GPT-2's vocabulary (the tokenizer's prompts), GELU and generic weights."""
+    return tiny_gpt(noise=0.1, **{"vocab_size": 50304, "activation": "gelu", "bias_mode": "bqbv", **overrides}).eval()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,26 @@ def write_corpus(root: Path, seed: int) -> tuple[list[str], list[str]]:
             f.write(json.dumps({"id": i, "content": doc}) + "\n")
     pq.write_table(pa.table({"content": parquet, "n": list(range(len(parquet)))}), root / "c.parquet", row_group_size=4)
     return [str(root / "txt" / "*.txt"), str(root / "b.jsonl"), str(root / "c.parquet")], txt + jsonl + parquet
+
+
+HELD = threading.Lock()
+
+
+def under_held_lock(x: int) -> int:
+    with HELD:
+        return x
+
+
+def test_parallel_map_workers_do_not_inherit_a_lock_the_caller_holds():
+    """A lock held in the calling process while the pool starts (as another thread of a test runner or a library may
+    hold one) is free in the workers: a forked worker inherits it held, with no thread to release it, and hangs."""
+    result: list[int] = []
+    with HELD:
+        mapper = threading.Thread(target=lambda: result.extend(tok.parallel_map(under_held_lock, range(4), 2)),
+                                  daemon=True)
+        mapper.start()
+        mapper.join(timeout=300)
+    assert result == [0, 1, 2, 3], "parallel_map's workers did not finish within 300 s"
 
 
 def test_round_trip_split_manifest_and_spec_bytes(tmp_path, monkeypatch):
@@ -284,7 +305,7 @@ def test_a_file_size_limit_names_the_file_and_the_flag_and_keeps_the_earlier_out
 
     proc = subprocess.run([sys.executable, "-m", "data.tokenize", str(tmp_path / "big.txt"), "--out", str(out),
                            "--prefix", "ow", "--overwrite", "--val-tokens", "200", "--shard-tokens", "20000",
-                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           preexec_fn=limit_file_size)
     assert proc.returncode == 1, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]

@@ -14,21 +14,20 @@ import torch.nn.functional as F
 import train_gpt
 import variants
 from data.loader import DistributedTokenLoader, validation_batches
-from data.shards import write_shard
 from eval import alignment
 from kernels.attention_paths import attention_reference
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
 from run.log import read_log
-from tests.helpers import synthetic_tokens
+from tests import helpers
+from tests.helpers import tiny_gpt
 
 VOCAB, MASK = 136, 128  # the synthetic corpus uses ids 1..127, so 128 is free for [MASK]
 TINY = dict(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32, mask_token=MASK)
 
 
 def tiny_model(seed: int = 0, **overrides) -> train_gpt.GPT:
-    torch.manual_seed(seed)
-    return train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, **overrides}))
+    return tiny_gpt(seed, **{**TINY, **overrides})
 
 
 def symmetry_score(m: torch.Tensor) -> float:
@@ -137,24 +136,9 @@ def test_bv_rewrite_is_exact_without_the_causal_mask():
         torch.testing.assert_close(rewritten, direct, rtol=1e-12, atol=1e-12)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    write_shard(root / "syn_val_000000.bin", synthetic_tokens(8192, seed=0, vocab=MASK))
-    write_shard(root / "syn_train_000001.bin", synthetic_tokens(40000, seed=1, vocab=MASK))
-    return root
-
-
 def tiny_args(corpus: Path, run_dir: Path, name: str, **overrides) -> list[str]:
-    args = {
-        "train-files": str(corpus / "syn_train_*.bin"), "val-files": str(corpus / "syn_val_*.bin"),
-        "vocab-size": VOCAB, "mask-token": MASK, "block-size": 32, "n-layer": 2, "n-head": 2, "n-embd": 32,
-        "seq-len": 32, "micro-batch": 4, "batch-tokens": 256, "steps": 8, "lr": 3e-3,
-        "val-every": 4, "val-tokens": 1024, "log-every": 1, "device": "cpu",
-        "run-dir": str(run_dir), "run-name": name,
-    }
-    args.update(overrides)
-    return [(f"--{k}" if v else f"--no-{k}") if isinstance(v, bool) else f"--{k}={v}" for k, v in args.items()]
+    """tests.helpers.tiny_args on the shared corpus with room for [MASK] in the vocabulary."""
+    return helpers.tiny_args(corpus, run_dir, name, **{"vocab-size": VOCAB, "mask-token": MASK, **overrides})
 
 
 def logged(run_dir: Path, key: str) -> dict[int, float]:
