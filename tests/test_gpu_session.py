@@ -145,7 +145,6 @@ def test_a_session_returns_three_files_and_prints_its_report_last(tmp_path: Path
     check = subprocess.run(["git", "apply", "--check", "-"], cwd=ROOT, input=diff, text=True, capture_output=True)
     assert check.returncode == 0, check.stderr  # ready to apply to the code it ran
     log = (out / "session.log").read_text()
-    assert "Fake H100" in log
     assert markdown.rstrip().endswith("```") and log.count("-m bench.e2e") == 2 + 2 + 3
 
 
