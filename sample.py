@@ -20,8 +20,8 @@ import kv_cache
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
-from eval.common import resolve_device
 from run.checkpoint import CheckpointError
+from run.process import resolve_device
 
 
 @torch.no_grad()

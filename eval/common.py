@@ -25,6 +25,7 @@ from config import config_from_dict
 from data.lookup import resolve_data_files
 from fileio import atomic_write, sha256_file
 from run.checkpoint import CheckpointError, run_dir_of
+from run.process import resolve_device
 
 EVAL_DIRNAME = "eval"
 MANIFEST = "manifest.json"
@@ -66,14 +67,6 @@ def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
     out = args.out if args.out is not None else run_dir / EVAL_DIRNAME
     out.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclasses.dataclass
