@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-HEAD_DIMS = (64, 128)  # the Triton kernel's
+from kernels import ATTENTION_HEAD_DIMS
+
 IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...)
 CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention-impl
 TABLE = Path(__file__).with_name("attention_table.json")
@@ -126,8 +127,8 @@ def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str |
         return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"the Triton kernel is used for float16 and bfloat16 (this call is {dtype_name(dtype)})"
-    if head_dim not in HEAD_DIMS:
-        return f"the Triton kernel handles head dims {HEAD_DIMS} (this model's is {head_dim})"
+    if head_dim not in ATTENTION_HEAD_DIMS:
+        return f"the Triton kernel handles head dims {ATTENTION_HEAD_DIMS} (this model's is {head_dim})"
     return None
 
 
