@@ -45,7 +45,8 @@ from run.log import RunLog, done_line, next_steps, step_line
 from run.process import Runtime, setup_process
 from run.stop import StopRequest, TrainingStopped, all_finite, non_finite_stop_message
 from timing import ProfileWindow, TrainingClock, summary_lines
-from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init, training_hooks
+from hooks import TrainingHooks
+from variants import ModelVariants, RelationalAttention, objective_for, symmetric_init
 
 # -----------------------------------------------------------------------------------------------------------------
 # Flags. Every field of GPTConfig, TrainConfig, variants.ResearchConfig and the chosen optimizer's config is a flag
@@ -482,7 +483,7 @@ class Trainer:
             compiled=hp.compile and rt.device.type == "cuda", log=log.line)
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = objective_for(cfg.model)
-        self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
+        self.hooks = TrainingHooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
         self.progress = Progress()
         self.run_dir: RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
@@ -597,11 +598,10 @@ class Trainer:
             loss_sum += loss.detach()
         self.last_batch = (x, y, biases)
         loss = loss_sum / rt.grad_accum
-        befores = [hook.snapshot(self.model) for hook in self.hooks]
+        before = self.hooks.snapshot(self.model)
         # the optimizer clips the gradient norm to --grad-clip itself (after averaging it)
         self.optimizer.step(loss) if self.spec.needs_loss else self.optimizer.step()
-        for hook, before in zip(self.hooks, befores):
-            hook.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
+        self.hooks.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
         self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
@@ -641,12 +641,9 @@ class Trainer:
         scalars = [all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
         if self.optimizer.grad_norm is not None:  # with --grad-clip: the norm before clipping
             scalars.append(self.optimizer.grad_norm)
+        fields, texts = self.hooks.log(self.model, self.optimizer, self.last_batch, progress.step)
         record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizer.param_groups[0]["lr"],
-                  "texts": []}  # no val_loss: not measured; texts: the hooks', popped by write_log
-        for hook in self.hooks:
-            fields, text = hook.log(self.model, self.optimizer, self.last_batch, progress.step)
-            record.update(fields)
-            record["texts"] += [text] if text else []
+                  **fields, "texts": texts}  # no val_loss: not measured; texts: the hooks', popped by write_log
         self.clock.later(record, scalars)
 
     def write_log(self) -> None:

@@ -24,7 +24,7 @@ from eval.common import (add_target_args, checkpoint_identity, load_target_check
 from eval.curves import MARKERS_BELOW
 from eval.figures import head_maps_figure, pyplot, save_figure, step_axis
 from fileio import atomic_write
-from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
+from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dict, weight_drift_ratio
 from optim import OPTIMIZERS
 
 LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
@@ -43,7 +43,7 @@ def checkpoint_dynamics(ckpt: dict) -> dict:
         raise ValueError(f"checkpoint at step {ckpt['step']} holds no optimizer state: the velocity is unknown")
     n_head = ckpt["config"]["model"]["n_head"]
     optimizer = OPTIMIZERS[ckpt["config"]["train"]["optimizer"]].optimizer
-    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(optimizer, [ckpt["optimizer"]]), n_head)
+    per_head = head_dynamics(_params(ckpt), velocity_from_state_dict(optimizer, ckpt["optimizer"]), n_head)
     summary = {key: float(value.mean()) for key, value in per_head.items()}
     summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
     return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], "summary": summary,

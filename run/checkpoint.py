@@ -244,16 +244,15 @@ class Progress:
         return True
 
 
-def training_checkpoint(model: nn.Module, config: dict, metrics: dict, optimizer_state: dict, loader, hooks: list
+def training_checkpoint(model: nn.Module, config: dict, metrics: dict, optimizer_state: dict, loader, hooks
                         ) -> dict:
     """A checkpoint to resume from at metrics["step"]: model_checkpoint with the training state, the optimizer's
-    (`optimizer_state`, gathered by the caller), the loader's position, the torch RNG and each hook's state by name."""
+    (`optimizer_state`, gathered by the caller), the loader's position, the torch RNG and the hooks' state."""
     return model_checkpoint(model, config, metrics["step"], metrics, optimizer=optimizer_state,
-                            loader=loader.state_dict(), rng={"torch": torch.get_rng_state()},
-                            hooks={hook.name: state for hook in hooks if (state := hook.state_dict()) is not None})
+                            loader=loader.state_dict(), rng={"torch": torch.get_rng_state()}, hooks=hooks.state_dict())
 
 
-def restore_training_state(ckpt: dict, model: nn.Module, optimizer, settings: list[dict], loader, hooks: list,
+def restore_training_state(ckpt: dict, model: nn.Module, optimizer, settings: list[dict], loader, hooks,
                            device: torch.device) -> Progress:
     """The inverse of training_checkpoint, except that `settings` (each parameter group's hyperparameters as this
     run built them: the flags given on --resume) replace the saved groups' settings; returns the run's Progress."""
@@ -262,9 +261,7 @@ def restore_training_state(ckpt: dict, model: nn.Module, optimizer, settings: li
     for group, values in zip(optimizer.param_groups, settings, strict=True):
         group.update(values)
     loader.load_state_dict(ckpt["loader"])
-    for hook in hooks:
-        if hook.name in ckpt["hooks"]:
-            hook.load_state_dict(ckpt["hooks"][hook.name], device)
+    hooks.load_state_dict(ckpt["hooks"], device)
     torch.set_rng_state(ckpt["rng"]["torch"])
     fields = {f.name for f in dataclasses.fields(Progress)}
     return Progress(**{k: v for k, v in ckpt["metrics"].items() if k in fields})

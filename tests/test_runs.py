@@ -171,15 +171,15 @@ def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings
     progress = Progress(step=3, tokens=96, train_time_s=1.5, val_loss=4.0, val_step=2)
     rng = torch.get_rng_state()
     ckpt = training_checkpoint(model, {key: {} for key in CONFIG_ENTRIES}, dataclasses.asdict(progress),
-                               opt.state_dict(), Stateful({"position": 7}), [Stateful({"mode": "correct"})])
+                               opt.state_dict(), Stateful({"position": 7}), Stateful({"gauge": {"mode": "correct"}}))
     save_checkpoint(tmp_path / "a.pt", ckpt)
     torch.rand(5)  # the RNG moves on; restoring puts it back
     fresh, fresh_opt = build(1, 5e-4)
     loader, hook = Stateful(None), Stateful(None)
     restored = restore_training_state(load_checkpoint(tmp_path / "a.pt"), fresh, fresh_opt,
                                       [{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups],
-                                      loader, [hook], torch.device("cpu"))
-    assert restored == progress and loader.state == {"position": 7} and hook.state == {"mode": "correct"}
+                                      loader, hook, torch.device("cpu"))
+    assert restored == progress and loader.state == {"position": 7} and hook.state == {"gauge": {"mode": "correct"}}
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
     assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
     assert fresh_opt.param_groups[0]["lr"] == 5e-4 and torch.equal(torch.get_rng_state(), rng)
