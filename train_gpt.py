@@ -5,15 +5,12 @@
 
 Reads top to bottom: flags → model (GPT-2 with per-batch sampled b_Q, b_V) → bias sampler → learning-rate schedule
 → evaluation → the trainer (build, restore, open the run, the step, validate, checkpoint, log, the loop, finish) →
-main. The machinery lives in modules of its own, imported whole so that each call names where it lives: config
-(presets, parsing, checks), run/process (process group, device, batch layout), run/checkpoint (the format, the
-training state it saves and restores), run/directory (the run directory), run/log as runlog (log files, trackers,
-the lines a run prints), run/stop (stop requests, the finiteness check), timing (the training clock, log numbers
-read without a host sync, the profiler window), variants (research variants of the model), hooks (the research
-tools around the optimizer step), data/loader, data/lookup, data/shards, optim (the optimizer registry),
-kernels/attention_paths, kv_cache. Importing this module has no side effects. References: nanoGPT (model layout and
-names), modded-nanogpt (trainer shape), arXiv 2601.22257 (the symmetry-breaking protocol), docs/ (every formula
-and default used here).
+main. The machinery is imported as modules, so each call names where it lives: config (presets, parsing, checks);
+run.process, run.checkpoint (the training state saved and restored), run.directory, run.log (as runlog), run.stop;
+timing (the training clock, the profiler window); variants (model variants), hooks (tools around the optimizer step);
+data, optim, kernels.attention_paths, kv_cache. Importing this module has no side effects. References: nanoGPT (model
+layout and names), modded-nanogpt (trainer shape), arXiv 2601.22257 (the symmetry-breaking protocol), docs/ (every
+formula and default used here).
 """
 from __future__ import annotations
 
