@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from cli import ArgumentParser, add_flags, field_problem, option
+from cli import ArgumentParser, add_flags, field_problem, option, value_problem
 from optim import OPTIMIZERS, OptimizerConfig
 from run.checkpoint import (
+    TRAINING,
     CheckpointError,
     load_checkpoint,
     newer_checkpoints,
@@ -214,10 +217,11 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     if known.resume:
         try:
             resume_from, notes = resolve_resume(known.resume)
-            checkpoint = load_checkpoint(resume_from, mmap=True)  # reads no tensor
-            if "optimizer" not in checkpoint:
-                raise CheckpointError(f"--resume {known.resume}: the checkpoint holds only model weights (no "
-                                      f"training state); start a new run from them with --init-from {known.resume}")
+            checkpoint = read_checkpoint(resume_from, model, mmap=True)  # reads no tensor
+            if checkpoint["kind"] != TRAINING:
+                raise CheckpointError(f"--resume {known.resume}: a checkpoint of kind {checkpoint['kind']} (model "
+                                      f"weights, no training state); start a new run from them with --init-from "
+                                      f"{known.resume}")
         except CheckpointError as exc:
             pre.error(str(exc))
         saved = checkpoint["config"]
@@ -275,8 +279,8 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
         if problem := field_problem(section):
             return problem
     model, hp = cfg.model, cfg.train
-    if model.n_embd % model.n_head:
-        return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
+    if problem := model_problem(asdict(model), type(model)):
+        return problem
     if hp.seq_len > model.block_size:
         return f"--seq-len {hp.seq_len} exceeds --block-size {model.block_size}"
     if hp.val_tokens < hp.seq_len:
@@ -284,7 +288,8 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
                 f"to at least {hp.seq_len}")
     if hp.init_from and not hp.resume:
         try:
-            load_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), mmap=True, verify=True)
+            read_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), type(model), mmap=True,
+                            verify=True)
         except CheckpointError as exc:
             return str(exc) if str(exc).startswith("--init-from") else f"--init-from {exc}"
     if problem := variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len):
@@ -310,6 +315,43 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
         return (directory_name_problem("--run-name", hp.run_name)
                 or existing_run_problem(Path(hp.run_dir) / hp.run_name))
     return None
+
+
+def model_problem(values: dict, cls: type) -> str | None:
+    """The first value of a model configuration (`values` by field of `cls`, e.g. a checkpoint's "model" section)
+    that no model can be built with: another type than its field's, outside the field's range or choices, or heads
+    that do not split the width; None when it can be built. The trainer's flags and every checkpoint reader
+    (read_checkpoint) check it here."""
+    if not isinstance(values, dict):
+        return f"the model configuration is a {type(values).__name__}, not a section of fields"
+    types = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in values:
+            continue
+        value, kind, choices = values[f.name], types[f.name], f.metadata.get("choices")
+        if type(value) is not kind and not (kind is float and type(value) is int):
+            return f"{option(f.name)} must be {kind.__name__}, got {value!r}"
+        if choices and value not in choices:
+            return f"{option(f.name)} must be one of {', '.join(choices)}, got {value!r}"
+        if problem := value_problem(f.name, value, f.metadata.get("bounds")):
+            return problem
+    model = config_from_dict(values, cls)
+    if model.n_embd % model.n_head:
+        return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
+    return None
+
+
+def read_checkpoint(path: str | os.PathLike, model: type, **load) -> dict:
+    """run.checkpoint.load_checkpoint (keyword arguments `load`), then its model configuration checked against the
+    model's config class `model` (model_problem): the way every checkpoint reader opens a file (--resume,
+    --init-from, sample, eval, export), so a configuration no model can be built with is refused in one line naming
+    the file."""
+    checkpoint = load_checkpoint(path, **load)
+    if problem := model_problem(checkpoint["config"]["model"], model):
+        raise CheckpointError(f"{path}: its model configuration builds no model ({problem}); it was altered after "
+                              "the run wrote it: restore the file or use another checkpoint",
+                              reason=f"invalid model configuration: {problem}")
+    return checkpoint
 
 
 def resume_problem(cfg: RunConfig, saved: dict) -> str | None:

@@ -35,11 +35,12 @@ from safetensors.torch import load_file, save_file
 
 import train_gpt
 from cli import ArgumentParser, add_model_flag
+from config import read_checkpoint
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import ENDOFTEXT, gpt2_bpe_files
 from fileio import atomic_write
 from optim import OPTIMIZERS
-from run.checkpoint import CheckpointError, load_checkpoint, model_checkpoint, resolve_checkpoint_path, save_checkpoint
+from run.checkpoint import CheckpointError, resolve_checkpoint_path, save_checkpoint, weights_checkpoint
 from variants import ResearchConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -312,19 +313,22 @@ def load_model(source: str | os.PathLike) -> train_gpt.GPT:
 
 
 def load_as_checkpoint(file: Path) -> dict:
-    """A model_file as our checkpoint dict: the checkpoint itself (mapped, its checksum verified: a damaged file is
-    a CheckpointError, not a wrong number), or an exported model at step 0."""
+    """A model_file as our checkpoint dict: the checkpoint itself (mapped, its checksum verified and its model
+    configuration checked: a damaged or altered file is a CheckpointError, not a wrong number), or an exported model
+    at step 0."""
     return checkpoint_of(load_exported(file.parent), str(file.parent)) if is_exported(file) else (
-        load_checkpoint(file, mmap=True, verify=True))
+        read_checkpoint(file, train_gpt.GPTConfig, mmap=True, verify=True))
 
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
-    """A checkpoint in our format holding only the model (step 0, default training config), for sample and eval."""
+    """A checkpoint of kind weights holding the model (step 0, the default training config, no recorded data or
+    attention path: readers take the default), for --init-from, sample and eval."""
     optimizer = train_gpt.TrainConfig.optimizer
-    config = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.TrainConfig()),
-              "research": dataclasses.asdict(ResearchConfig()),
-              "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config()), "data": None, "preset": None}
-    return model_checkpoint(model, config, 0, {"step": 0, "tokens": 0, "train_time_s": 0.0}, imported_from=source)
+    saved = {"model": dataclasses.asdict(model.config), "train": dataclasses.asdict(train_gpt.TrainConfig()),
+             "research": dataclasses.asdict(ResearchConfig()),
+             "optim": dataclasses.asdict(OPTIMIZERS[optimizer].config()), "data": None, "preset": None,
+             "attention": None}
+    return weights_checkpoint(model, saved, {"step": 0, "tokens": 0, "train_time_s": 0.0}, imported_from=source)
 
 
 def main(argv: list[str] | None = None) -> None:

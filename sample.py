@@ -20,8 +20,8 @@ import kv_cache
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
-from eval.common import resolve_device
-from run.checkpoint import CheckpointError
+from run.checkpoint import CheckpointError, non_finite_weights
+from run.process import resolve_device
 
 
 @torch.no_grad()
@@ -114,6 +114,9 @@ def sample(args: argparse.Namespace) -> list[str]:
         model = export.load_model(args.checkpoint).to(device)
     except (export.ExportError, CheckpointError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    if problem := non_finite_weights(model.state_dict()):
+        print(f"warning: {args.checkpoint}: {problem}: the run had diverged, and the text below means nothing",
+              file=sys.stderr)
     encoding = gpt2_tokenizer()
     prompt = read_prompt(args)
     tokens = encoding.encode(prompt, allowed_special={"<|endoftext|>"}) if prompt else [EOT_TOKEN]
@@ -126,9 +129,15 @@ def sample(args: argparse.Namespace) -> list[str]:
     idx = torch.tensor([tokens] * args.num_samples, dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     use_bf16 = device.type == "cuda" and args.dtype in ("auto", "bf16")
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-        out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                       vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
+            out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                           vocab_limit=min(model.config.vocab_size, GPT2_VOCAB), generator=generator)
+    except RuntimeError:  # torch.multinomial refuses the probabilities that non-finite weights reached
+        if not problem:
+            raise
+        raise SystemExit(f"error: {args.checkpoint}: {problem}, and they reach the next token's probabilities: no "
+                         "text can be sampled") from None
     return [encoding.decode(row[len(tokens):].tolist()) for row in out]
 
 

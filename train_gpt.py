@@ -5,11 +5,12 @@
 
 Reads top to bottom: flags → model (GPT-2 with per-batch sampled b_Q, b_V) → bias sampler → learning-rate schedule
 → evaluation → the trainer (build, restore, open the run, the step, validate, checkpoint, log, the loop, finish) →
-main. The machinery lives in modules of its own: config.py (presets, parsing, checks), run/ (process setup,
-checkpoints, the run directory, logs, stop requests), variants.py (research variants and hooks), data/, optim/,
-kernels/, gauge/.
-Importing this module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer
-shape), arXiv 2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
+main. The machinery is imported as modules, so each call names where it lives: config (presets, parsing, checks);
+run.process, run.checkpoint (the training state saved and restored), run.directory, run.log (as runlog), run.stop,
+run.capture (the step replayed from a CUDA graph); timing (the training clock, the profiler window); variants (model
+variants), hooks (tools around the optimizer step); data, optim, kernels.attention_paths, kv_cache. Importing this
+module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer shape), arXiv
+2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
 """
 from __future__ import annotations
 
@@ -28,31 +29,24 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import config
+import hooks
 import kv_cache
-from cli import flag
-from data.loader import DistributedTokenLoader, validation_batches
-from data.lookup import DataChangedError, check_resumed_data, training_data
-from data.shards import ShardError
+import optim
+import optim.distributed
+import timing
+import variants
+from data import loader, lookup, shards
 from kernels import attention_paths
-from kernels.attention_paths import attention
-from optim import OPTIMIZERS, optimizer_state_bytes, optimizer_state_tensors
-from optim.distributed import all_reduce_sum
-from run import capture
-from run.checkpoint import CheckpointError, Progress, link_tied, load_checkpoint, load_initial_weights
-from run.checkpoint import restore_training_state, save_run_checkpoint, training_checkpoint
-from run.directory import RunDirectory, RunInUseError, open_run_directory
-from run.log import RunLog, done_line, next_steps, step_line
-from run.process import Runtime, setup_process
-from run.stop import StopRequest, TrainingStopped, all_finite, non_finite_stop_message
-from timing import ProfileWindow, TrainingClock, summary_lines
-from variants import ModelVariants, RelationalAttention, TrainingHook, objective_for, symmetric_init, training_hooks
+from run import capture, checkpoint, directory, process, stop
+from run import log as runlog
 
 # -----------------------------------------------------------------------------------------------------------------
 # Flags. Every field of GPTConfig, TrainConfig, variants.ResearchConfig and the chosen optimizer's config is a flag
 # `--field-name` (cli.flag: default, help, range and role written once, in the field); config.py parses them.
 
-model_flag = functools.partial(flag, fixed_on_resume=True)  # a resumed run keeps the checkpoint's model
+model_flag = functools.partial(cli.flag, fixed_on_resume=True)  # a resumed run keeps the checkpoint's model
 # --compile-mode → torch.compile's own mode: the CUDA graphs of the other two are the trainer's (run/capture.py)
 COMPILE_MODES = {"default": None, "reduce-overhead": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
@@ -93,41 +87,43 @@ class GPTArchitecture:
 
 
 @dataclass
-class GPTConfig(ModelVariants, GPTArchitecture):
+class GPTConfig(variants.ModelVariants, GPTArchitecture):
     """The model: GPTArchitecture's fields, then variants.ModelVariants' (their order in config.json and --help)."""
 
 
 # Flags that the presets' parity report and eval.compare's conditions leave out (cli.flag's affects_results): where,
 # how often or how fast, and the seed, precision and data, which the report and the run's record state on their own.
-uncompared = functools.partial(flag, affects_results=False)
+uncompared = functools.partial(cli.flag, affects_results=False)
 
 
 @dataclass
 class TrainConfig:
     """Optimizer choice, data, schedule, evaluation, checkpoints, logging and system settings of a run."""
 
-    optimizer: str = flag("adamw", "optimizer (listed below); its hyperparameters are the optimizer flags",
-                          choices=tuple(sorted(OPTIMIZERS)), fixed_on_resume=True)
+    optimizer: str = cli.flag("adamw", "optimizer (listed below); its hyperparameters are the optimizer flags",
+                              choices=tuple(sorted(optim.OPTIMIZERS)), fixed_on_resume=True)
     train_files: str = uncompared("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded "
                                       "corpus", fixed_on_resume=True)
     val_files: str = uncompared("", "glob of validation shards; empty: --train-files, else the default data's "
                                     "validation")
-    seq_len: int = flag(512, "tokens per training sequence (<= block_size)", bounds="> 0", fixed_on_resume=True)
-    batch_tokens: int = flag(4096, "global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)",
-                             bounds="> 0", fixed_on_resume=True)
-    micro_batch: int = flag(8, "most sequences per forward/backward pass on one rank (a memory bound): each rank "
-                               "runs the largest micro-batch up to this that splits its share of the batch, and "
-                               "accumulates gradients over the rest", bounds="> 0")
-    align_to_eot: bool = flag(False, "start every training sequence at an <|endoftext|> token", fixed_on_resume=True)
-    steps: int = flag(122070, "optimizer steps (paper: 500M tokens / 4096 tokens per step)", bounds="> 0")
-    lr_schedule: str = flag("constant", "constant, cosine (after warmup) or linear (constant, then linear cooldown)",
-                            choices=("constant", "cosine", "linear"))
-    warmup_steps: int = flag(0, "linear warmup steps", bounds=">= 0")
-    cooldown_frac: float = flag(0.2, "linear schedule: fraction of steps spent decaying to min_lr_frac",
-                                bounds="[0, 1]")
-    min_lr_frac: float = flag(0.0, "final learning rate as a fraction of the peak (cosine, linear)", bounds="[0, 1]")
-    grad_clip: float = flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm",
-                            bounds=">= 0")
+    seq_len: int = cli.flag(512, "tokens per training sequence (<= block_size)", bounds="> 0", fixed_on_resume=True)
+    batch_tokens: int = cli.flag(4096, "global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)",
+                                 bounds="> 0", fixed_on_resume=True)
+    micro_batch: int = cli.flag(8, "most sequences per forward/backward pass on one rank (a memory bound): each rank "
+                                   "runs the largest micro-batch up to this that splits its share of the batch, and "
+                                   "accumulates gradients over the rest", bounds="> 0")
+    align_to_eot: bool = cli.flag(False, "start every training sequence at an <|endoftext|> token",
+                                  fixed_on_resume=True)
+    steps: int = cli.flag(122070, "optimizer steps (paper: 500M tokens / 4096 tokens per step)", bounds="> 0")
+    lr_schedule: str = cli.flag("constant", "constant, cosine (after warmup) or linear (constant, then linear "
+                                            "cooldown)", choices=("constant", "cosine", "linear"))
+    warmup_steps: int = cli.flag(0, "linear warmup steps", bounds=">= 0")
+    cooldown_frac: float = cli.flag(0.2, "linear schedule: fraction of steps spent decaying to min_lr_frac",
+                                    bounds="[0, 1]")
+    min_lr_frac: float = cli.flag(0.0, "final learning rate as a fraction of the peak (cosine, linear)",
+                                  bounds="[0, 1]")
+    grad_clip: float = cli.flag(0.0, "clip the global gradient norm to this value (0: off); also logs the norm",
+                                bounds=">= 0")
     val_every: int = uncompared(1000, "validate every N steps (and at the start and end); 0: only at the end",
                                 bounds=">= 0")
     val_tokens: int = uncompared(1048576, "fixed validation budget in tokens (the same sequences every time, on any "
@@ -151,9 +147,9 @@ class TrainConfig:
                                  "the newest intact step_XXXXXX.pt): its config is the base and flags override it; the "
                                  "run continues in the checkpoint's run directory unless --run-name or --run-dir name "
                                  "another")
-    init_from: str = flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
-                              "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
-                              "data and step start fresh; ignored by --resume")
+    init_from: str = cli.flag("", "start from the model weights of this checkpoint file or run directory, e.g. GPT-2 "
+                                  "converted by `python -m export from-hf` (docs/export.md#hugging-face); optimizer, "
+                                  "data and step start fresh; ignored by --resume")
     seed: int = uncompared(1337, "seed for initialisation and the bias sampler", bounds="[0, 4294967295]",
                            fixed_on_resume=True)
     device: str = uncompared("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"))
@@ -198,7 +194,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.c_proj.is_residual_projection = True
-        self.attention_impl = "triton"  # kernels.attention_paths.attention's impl; the trainer sets its choice
+        self.attention_impl = attention_paths.DEFAULT_IMPLEMENTATION  # a run sets its choice, a reader replays it
         self.learned_biases = config.bias_mode == "learned"
         if self.learned_biases:
             # arXiv 2601.22257 App. F: trainable biases drawn from the sampling distribution (restore the symmetry).
@@ -221,7 +217,8 @@ class CausalSelfAttention(nn.Module):
             b_q, b_v = self.b_q, self.b_v
         if cache is not None:  # generation: the keys and values of the tokens read before (kv_cache.py)
             k, v = cache.update(k, v)
-        y = attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2), impl=self.attention_impl)
+        y = attention_paths.attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2),
+                                      impl=self.attention_impl)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -244,7 +241,7 @@ class MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
-ATTENTION = {"standard": CausalSelfAttention, "relational": RelationalAttention}  # --attention
+ATTENTION = {"standard": CausalSelfAttention, "relational": variants.RelationalAttention}  # --attention
 
 
 class Block(nn.Module):
@@ -283,7 +280,7 @@ class GPT(nn.Module):
         self.register_buffer("mean_biases", mean_biases(config), persistent=False)
         self.apply(self._init_weights)
         if config.init == "symmetric":
-            symmetric_init(self)
+            variants.symmetric_init(self)
 
     def _init_weights(self, module: nn.Module) -> None:
         """N(0, 0.02), residual projections scaled by (2L)^-1/2, biases zero, PReLU slopes N(0.2, 1) (docs/model.md);
@@ -332,11 +329,15 @@ class GPT(nn.Module):
         return 6 * self.get_num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
 
 
-def model_from_checkpoint(checkpoint: str | os.PathLike | dict) -> GPT:
-    """The checkpoint's model on the CPU in eval mode (evaluation uses the mean biases)."""
-    ckpt = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
+def model_from_checkpoint(source: str | os.PathLike | dict) -> GPT:
+    """The model of a checkpoint (a file is read with config.read_checkpoint, which checks its configuration) on
+    the CPU in eval mode (evaluation uses the mean biases), on the attention path its run chose and recorded (the
+    model's default, sdpa, where it recorded none)."""
+    ckpt = source if isinstance(source, dict) else config.read_checkpoint(source, GPTConfig)
     model = GPT(config.config_from_dict(ckpt["config"]["model"], GPTConfig))
-    model.load_state_dict(link_tied(ckpt)["model"])
+    model.load_state_dict(checkpoint.link_tied(ckpt)["model"])
+    if (recorded := ckpt["config"]["attention"]) and recorded["choice"]:
+        attention_paths.set_implementation(model, recorded["choice"])
     return model.eval()
 
 
@@ -430,18 +431,18 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
     validation stream's fixed masks. The trainer's validation, its single-batch estimate, and eval.val_loss."""
     was_training = model.training
     model.eval()
-    objective = objective_for(model.config)
+    objective = variants.objective_for(model.config)
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for x, y, first_row in validation_batches(files, micro_batch, seq_len, num_tokens, first_sequence=first_sequence,
-                                              rank=rank, world_size=world, vocab_size=model.config.vocab_size,
-                                              device=device):
+    for x, y, first_row in loader.validation_batches(files, micro_batch, seq_len, num_tokens,
+                                                     first_sequence=first_sequence, rank=rank, world_size=world,
+                                                     vocab_size=model.config.vocab_size, device=device):
         x, y = objective.batch(x, y, first_row)
         with autocast:
             loss = model(x, y)[1]
         scored = (y != -1).sum()
         total += torch.stack([loss.double() * scored, scored.double()])
     model.train(was_training)
-    total = all_reduce_sum(total)
+    total = optim.distributed.all_reduce_sum(total)
     return (total[0] / total[1]).item()
 
 
@@ -456,45 +457,54 @@ def single_batch_start(step: int, hp: TrainConfig) -> int | None:
 
 
 # -----------------------------------------------------------------------------------------------------------------
-# Training: setup_process → Trainer (build, restore, open the run, loop, finish).
+# Training: process.setup_process → Trainer (build, restore, open the run, loop, finish).
 
 
 class Trainer:
     """The run: built once from the config (data, its validation part checked before any step; model, optimizer,
-    loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `progress`
-    is what changes and what a checkpoint saves besides the model, optimizer and loader."""
+    loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `state`
+    gathers what a checkpoint saves and --resume restores (run.checkpoint.TrainingState); `progress`, part of it, is
+    what changes."""
 
-    def __init__(self, cfg: config.RunConfig, rt: Runtime, log: RunLog) -> None:
+    def __init__(self, cfg: config.RunConfig, rt: process.Runtime, log: runlog.RunLog) -> None:
         hp = cfg.train
         self.cfg, self.rt, self.log = cfg, rt, log
-        train_files, self.val_files, self.data_record, lines = training_data(hp, cfg.model.vocab_size, rt.is_master)
+        train_files, self.val_files, self.data_record, lines = lookup.training_data(hp, cfg.model.vocab_size,
+                                                                                     rt.is_master)
         for line in lines:
             log.line(line)
         torch.manual_seed(hp.seed)
         self.model = GPT(cfg.model).to(rt.device)
         if hp.init_from and not hp.resume:
-            log.line(load_initial_weights(self.model, hp.init_from))
-        self.spec = OPTIMIZERS[hp.optimizer]
+            log.line(checkpoint.load_initial_weights(self.model, hp.init_from))
+        self.spec = optim.OPTIMIZERS[hp.optimizer]
         self.optimizer = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
         self.peak_settings = [{k: v for k, v in group.items() if k != "params"}  # each group's as built (lr: the peak)
                               for group in self.optimizer.param_groups]
-        self.loader = DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank, world_size=rt.world,
-                                             grad_accum_steps=rt.grad_accum, vocab_size=cfg.model.vocab_size,
-                                             align_to_eot=hp.align_to_eot, device=rt.device)
+        self.loader = loader.DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank,
+                                                    world_size=rt.world, grad_accum_steps=rt.grad_accum,
+                                                    vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
+                                                    device=rt.device)
         self.attention = attention_paths.configure(  # before torch.compile, which then sees one implementation
             self.model, hp.attention_impl, device=rt.device, dtype=rt.autocast_dtype,
             compiled=hp.compile and rt.device.type == "cuda", log=log.line)
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
-        self.objective = objective_for(cfg.model)
-        self.hooks = training_hooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.progress = Progress()
-        self.run_dir: RunDirectory | None = None
+        self.objective = variants.objective_for(cfg.model)
+        self.hooks = hooks.TrainingHooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
+        self.state = checkpoint.TrainingState(self.model, self.optimizer, self.peak_settings, self.loader, self.hooks,
+                                              rt.device)
+        self.run_dir: directory.RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
         self.last_batch: tuple | None = None  # (x, y, biases) of the last micro-step: the finiteness check's input
-        self.clock = TrainingClock(rt.device, rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
-        self.profile = ProfileWindow(hp.profile_steps, rt.device)
+        self.clock = timing.TrainingClock(rt.device,
+                                          rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
+        self.profile = timing.ProfileWindow(hp.profile_steps, rt.device)
+
+    @property
+    def progress(self) -> checkpoint.Progress:
+        return self.state.progress
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
@@ -504,15 +514,15 @@ class Trainer:
         path = self.cfg.resume_from
         for note in self.cfg.notes:
             self.log.line(note)
-        ckpt = load_checkpoint(path, map_location=self.rt.device)
-        for warning in check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device):
+        ckpt = checkpoint.load_checkpoint(path, map_location=self.rt.device)
+        for warning in lookup.check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device):
             self.log.line(warning)
-        self.progress = restore_training_state(ckpt, self.model, self.optimizer, self.peak_settings, self.loader,
-                                               self.hooks, self.rt.device)
+        self.state.load_state_dict(ckpt)
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
-            raise CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume from an "
-                                  "earlier checkpoint (--keep-checkpoints K keeps checkpoints/step_XXXXXX.pt)")
+            raise checkpoint.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume "
+                                             "from an earlier checkpoint (--keep-checkpoints K keeps "
+                                             "checkpoints/step_XXXXXX.pt)")
         changed = config.changed_settings(self.cfg, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
                       + "".join(f" | {k} {old} -> {new}" for k, (old, new) in changed.items()))
@@ -524,39 +534,39 @@ class Trainer:
         finite on every rank (a collective): the condition for writing a checkpoint."""
         with torch.no_grad(), self.rt.autocast():
             loss = [] if self.last_batch is None else [self.model(*self.last_batch)[1]]
-        return all_finite([*self.model.parameters(), *optimizer_state_tensors(self.optimizer), *loss])
+        return stop.all_finite([*self.model.parameters(), *optim.optimizer_state_tensors(self.optimizer), *loss])
 
     def save(self) -> None:
         """checkpoints/latest.pt (and the last --keep-checkpoints step_XXXXXX.pt), only from a finite state."""
         if not self.state_is_finite():
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
-        optimizer_state = self.optimizer.state_dict()  # a collective for sharded optimizers
+        state = self.state.state_dict()  # a collective for sharded optimizers
         if self.rt.is_master:
-            saved_config = {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset}
-            save_run_checkpoint(self.run_dir.path, training_checkpoint(
-                self.model, saved_config, asdict(self.progress), optimizer_state, self.loader, self.hooks),
-                self.cfg.train.keep_checkpoints)
+            saved_config = {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset,
+                            "attention": self.attention}
+            checkpoint.save_run_checkpoint(self.run_dir.path, checkpoint.training_checkpoint(saved_config, state),
+                                           self.cfg.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
 
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop every rank (exit 2), saying what exists and what to do."""
-        self.log.line(non_finite_stop_message(what, self.progress.step if step is None else step,
-                                              self.cfg.optim.lr, self.checkpoint_step, self.resumed,
-                                              self.run_dir.path))
-        raise TrainingStopped(2)
+        self.log.line(stop.non_finite_stop_message(what, self.progress.step if step is None else step,
+                                                   self.cfg.optim.lr, self.checkpoint_step, self.resumed,
+                                                   self.run_dir.path))
+        raise stop.TrainingStopped(2)
 
     # -- the run directory --------------------------------------------------------------------------------------
 
     def open_run(self) -> None:
-        """The run directory (open_run_directory), its config.json and the log's header."""
+        """The run directory (run.directory.open_run_directory), its config.json and the log's header."""
         cfg, rt = self.cfg, self.rt
         record = {**cfg.to_dict(), "layout": rt.layout(), "data": self.data_record,
                   "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
-        self.run_dir = open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
-                                          cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
-                                          self.progress.step)
+        self.run_dir = directory.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
+                                                    cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
+                                                    self.progress.step)
         self.log.line(config.preset_lines(record["preset"]))
         if self.resumed:
             self.log.record(self.resumed)
@@ -578,11 +588,9 @@ class Trainer:
         # an accumulating micro-step's backward pass averages nothing across ranks (DDP's no_sync, or the optimizer's)
         self.no_sync = (self.optimizer.no_sync if self.spec.reduces_gradients
                         else getattr(self.step_model, "no_sync", contextlib.nullcontext))
-        self.run_step = self.step_on_device
-        if hp.compile_mode != "default":
-            step_hooks = [type(h).__name__ for h in self.hooks if type(h).after_step is not TrainingHook.after_step]
-            self.run_step = capture.graph_step(self.step_on_device, rt.device, rt.world, step_hooks, self.optimizer,
-                                               hp.compile_mode, self.log.line)
+        self.run_step = self.step_on_device if hp.compile_mode == "default" else capture.graph_step(
+            self.step_on_device, rt.device, rt.world, self.hooks.step_tools(), self.optimizer, hp.compile_mode,
+            self.log.line)
 
     # -- one step -------------------------------------------------------------------------------------------------
 
@@ -602,16 +610,14 @@ class Trainer:
         self.optimizer.stage_step()
         loss = self.run_step(batches, biases)
         self.optimizer.finish_step()
-        for hook, before in zip(self.hooks, self.befores):
-            hook.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
+        self.hooks.after_step(self.model, self.optimizer, self.before_step, progress.step + 1, factor)
         self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
         return loss
 
     def step_on_device(self, batches: list[tuple[torch.Tensor, ...]], biases: torch.Tensor | None) -> torch.Tensor:
-        """The step's device work, what a CUDA graph captures: each micro-batch's forward and backward, the hooks'
-        snapshots, the optimizer's device step (it clips to --grad-clip itself); returns the mean loss."""
+        """The device's part of a step (a CUDA graph captures it): forward and backward, the optimizer's update."""
         loss_sum = torch.zeros((), device=self.rt.device)
         for micro, (x, y) in enumerate(batches):
             with self.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext(), self.rt.autocast():
@@ -619,7 +625,7 @@ class Trainer:
                 (loss / len(batches)).backward()
             loss_sum += loss.detach()
         loss = loss_sum / len(batches)
-        self.befores = [hook.snapshot(self.model) for hook in self.hooks]  # the gradients are ready
+        self.before_step = self.hooks.snapshot(self.model)  # the gradients are ready
         self.optimizer.device_step(loss)
         return loss
 
@@ -654,15 +660,12 @@ class Trainer:
         """Start this log step's record: the loss averaged over ranks and the gradient norm go to the host behind an
         event (no host sync) and the hooks' fields are computed now; `write_log` finishes it a step later."""
         progress = self.progress
-        scalars = [all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
+        scalars = [optim.distributed.all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
         if self.optimizer.grad_norm is not None:  # with --grad-clip: the norm before clipping
             scalars.append(self.optimizer.grad_norm)
+        fields, texts = self.hooks.log(self.model, self.optimizer, self.last_batch, progress.step)
         record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizer.param_groups[0]["lr"],
-                  "texts": []}  # no val_loss: not measured; texts: the hooks', popped by write_log
-        for hook in self.hooks:
-            fields, text = hook.log(self.model, self.optimizer, self.last_batch, progress.step)
-            record.update(fields)
-            record["texts"] += [text] if text else []
+                  **fields, "texts": texts}  # no val_loss: not measured; texts: the hooks', popped by write_log
         self.clock.later(record, scalars)
 
     def write_log(self) -> None:
@@ -676,7 +679,7 @@ class Trainer:
         if not math.isfinite(loss):
             self.stop_non_finite(f"the training loss ({loss})", record["step"])
         self.log.record(record)
-        self.log.line(step_line(record, texts, self.cfg.train.steps))
+        self.log.line(runlog.step_line(record, texts, self.cfg.train.steps))
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -689,7 +692,7 @@ class Trainer:
         yield
         self.clock.resume()
 
-    def train(self, stop: StopRequest) -> None:
+    def train(self, stop_request: stop.StopRequest) -> None:
         """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
         (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal). Between
         log steps nothing waits for the device: a log step's line is written after the next step is issued."""
@@ -707,11 +710,11 @@ class Trainer:
             loss = self.train_step()
             self.profile.step_done()
             self.write_log()  # the last log step's: the device has finished it while this step was issued
-            signum = stop.agreed()
+            signum = stop_request.agreed()
             if progress.step % hp.log_every == 0 or progress.step == hp.steps or signum:
                 self.log_later(loss)
             if progress.step == first + 1:
-                per_parameter = optimizer_state_bytes(self.optimizer) / self.model.get_num_params()
+                per_parameter = optim.optimizer_state_bytes(self.optimizer) / self.model.get_num_params()
                 self.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {self.rt.rank}")
             if self.profile.closes_at(progress.step):
                 self.end_profile()
@@ -720,7 +723,7 @@ class Trainer:
                     self.save()
                 self.log.line(f"{signal.Signals(signum).name} at step {progress.step}: checkpoint written; continue "
                               f"with --resume {self.run_dir.path}")
-                raise TrainingStopped(128 + signum)
+                raise stop.TrainingStopped(128 + signum)
             if hp.checkpoint_every and progress.step % hp.checkpoint_every == 0 and progress.step < hp.steps:
                 with self.clock_paused():
                     self.save()
@@ -733,7 +736,7 @@ class Trainer:
         """Close --profile-steps' window: its trace in the run directory, its summary in the logs."""
         with self.clock_paused():
             summary = self.profile.stop(self.run_dir.path if self.rt.is_master else None)
-            self.log.line(summary_lines(summary))
+            self.log.line(timing.summary_lines(summary))
             self.log.record({"step": self.progress.step, "profile": summary})
 
     def finish(self, final: bool = True) -> dict:
@@ -746,9 +749,9 @@ class Trainer:
             self.validate()
         summary = {**asdict(progress), "run_dir": str(self.run_dir.path),
                    "tokens_per_s": progress.tokens / progress.train_time_s if progress.train_time_s else None}
-        self.log.line(done_line(summary, self.first_val, final))
+        self.log.line(runlog.done_line(summary, self.first_val, final))
         self.log.record({"summary": True, **summary})
-        self.log.line(next_steps(self.run_dir.path))
+        self.log.line(runlog.next_steps(self.run_dir.path))
         return summary
 
     def close(self) -> None:
@@ -761,8 +764,8 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl).
     final=False ends without the final checkpoint and validation (bench.e2e)."""
     cfg = parse_config(argv)
-    rt = setup_process(cfg.train)
-    log = RunLog(rt.is_master)
+    rt = process.setup_process(cfg.train)
+    log = runlog.RunLog(rt.is_master)
     trainer = None
     try:
         trainer = Trainer(cfg, rt, log)
@@ -770,16 +773,16 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
             trainer.restore()
         trainer.open_run()
         trainer.build_step_model()
-        with StopRequest(rt.world) as stop:
-            trainer.train(stop)
+        with stop.StopRequest(rt.world) as stop_request:
+            trainer.train(stop_request)
         summary = trainer.finish(final)
-    except (RunInUseError, CheckpointError, DataChangedError, ShardError,
+    except (directory.RunInUseError, checkpoint.CheckpointError, lookup.DataChangedError, shards.ShardError,
             attention_paths.AttentionChoiceError) as exc:
         log.error(exc)  # bad input, refused before the first step (or a shard read later): the traceback in log.txt,
         print(f"error: {exc}", file=sys.stderr)  # the reason and the fix in one line here
         raise SystemExit(2) from None
     except BaseException as exc:
-        if not isinstance(exc, TrainingStopped):
+        if not isinstance(exc, stop.TrainingStopped):
             log.error(exc)
         elif rt.world > 1:
             dist.destroy_process_group()  # every rank stops here alike; see run.process.init_process_group

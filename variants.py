@@ -2,10 +2,9 @@
 
 Model variants are fields of the model config (`ModelVariants`, a base of train_gpt.GPTConfig, so checkpoints keep
 them with the model): --attention relational (`RelationalAttention`), --objective mlm (`objective_for`: how a batch
-of token rows becomes inputs and targets), --init symmetric (`symmetric_init`). Tools that act around an optimizer
-step are `TrainingHook`s built from `ResearchConfig` by `training_hooks`: --gauge post-processing,
---dynamics-every and --gauge-diagnostic-every logging. A new variant adds one field group here, one construction
-line and one call in the trainer.
+of token rows becomes inputs and targets), --init symmetric (`symmetric_init`). The research tools that act around
+an optimizer step are flags of `ResearchConfig`; hooks.py (which only the trainer imports) runs them. A new variant
+adds one field group here and one call in the trainer; `variant_problem` says which flags cannot work together.
 """
 from __future__ import annotations
 
@@ -15,12 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.optim import Optimizer
 
 from cli import flag
-from gauge.dynamics import defines_velocity, dynamics_summary, velocity_from_optimizers
-from gauge.sensitivity import training_summary
-from gauge.updates import GAUGE_MODES, GaugeUpdates
 from optim import OPTIMIZERS
 
 
@@ -52,8 +47,8 @@ class ResearchConfig:
 
     gauge: str = flag("none", "post-process each step on the attention heads' factor gauge (docs/gauge.md): "
                               "correct (opposite-Gram), project (orbit-transverse), dress (Gram-balanced "
-                              "representatives every --gauge-every steps) or hyperball", choices=GAUGE_MODES,
-                      fixed_on_resume=True)
+                              "representatives every --gauge-every steps) or hyperball",
+                      choices=("none", "correct", "project", "dress", "hyperball"), fixed_on_resume=True)
     gauge_correction: str = flag("full", "--gauge correct: full, diagonal (Gram diagonals) or periodic (full every "
                                          "--gauge-every steps, diagonal otherwise)",
                                  choices=("full", "diagonal", "periodic"))
@@ -196,85 +191,6 @@ def objective_for(config) -> CausalLM | MaskedLM:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Hooks around the optimizer step
-
-
-class TrainingHook:
-    """What a research tool may do around an optimizer step; each method is a no-op unless a tool overrides it."""
-
-    name = ""
-
-    def snapshot(self, model: nn.Module) -> object:
-        """Before the optimizer steps (the gradients are ready): what `after_step` needs of the model as it was."""
-        return None
-
-    def after_step(self, model: nn.Module, optimizer: Optimizer, before: object, step: int, lr_scale: float = 1.0
-                   ) -> None:
-        """After the optimizer stepped to `step` (counted from 1); before: `snapshot`'s; lr_scale: the schedule's
-        factor."""
-
-    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
-        """(fields for the log record, text for the log line) at a log step; batch: the last micro-batch."""
-        return {}, ""
-
-    def state_dict(self) -> dict | None:
-        return None
-
-    def load_state_dict(self, state: dict, device: torch.device) -> None:
-        """Restore what `state_dict` returned."""
-
-
-class GaugeStep(GaugeUpdates, TrainingHook):
-    """--gauge: rewrites every step's motion of the attention heads (docs/gauge.md); GaugeUpdates is the hook."""
-
-    name = "gauge"
-
-    def after_step(self, model: nn.Module, optimizer: Optimizer, before: object, step: int, lr_scale: float = 1.0
-                   ) -> None:
-        """GaugeUpdates.after_step for the trainer's one optimizer (gauge/ takes a list of them)."""
-        super().after_step(model, [optimizer], before, step, lr_scale)
-
-
-class DynamicsLog(TrainingHook):
-    """--dynamics-every: angular momentum and rotational fraction of the optimizer's velocity."""
-
-    def __init__(self, every: int, n_head: int) -> None:
-        self.every, self.n_head = every, n_head
-
-    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
-        if step % self.every:
-            return {}, ""
-        return dynamics_summary(model, velocity_from_optimizers([optimizer]), self.n_head), ""
-
-
-class GaugeDiagnosticLog(TrainingHook):
-    """--gauge-diagnostic-every: how much one fresh-optimizer step depends on the heads' gauge."""
-
-    def __init__(self, every: int, optimizer: str, optim_cfg) -> None:
-        self.every, self.optimizer, self.optim_cfg = every, optimizer, optim_cfg
-
-    def log(self, model: nn.Module, optimizer: Optimizer, batch: tuple, step: int) -> tuple[dict, str]:
-        if step % self.every:
-            return {}, ""
-        x, y, _ = batch
-        fields = training_summary(model, self.optimizer, self.optim_cfg, x, y, step)
-        return fields, f"gauge ΔM QK {fields['gauge_dM_QK']:.3g} VO {fields['gauge_dM_VO']:.3g}"
-
-
-def training_hooks(cfg: ResearchConfig, n_head: int, optimizer: str, optim_cfg) -> list[TrainingHook]:
-    """The hooks the flags switch on, in the order they act."""
-    hooks: list[TrainingHook] = []
-    if cfg.gauge != "none":
-        hooks.append(GaugeStep(cfg.gauge, n_head, cfg.gauge_correction, cfg.gauge_every, cfg.gauge_damping,
-                               cfg.gauge_group, cfg.hyperball_lr, cfg.gauge_project_velocity))
-    if cfg.dynamics_every:
-        hooks.append(DynamicsLog(cfg.dynamics_every, n_head))
-    if cfg.gauge_diagnostic_every:
-        hooks.append(GaugeDiagnosticLog(cfg.gauge_diagnostic_every, optimizer, optim_cfg))
-    return hooks
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Which variants and tools can work together
 
 
@@ -284,8 +200,8 @@ def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch
     if model.objective == "mlm" and not model.mask_token < model.vocab_size:
         return (f"--mask-token {model.mask_token} is not an id of the vocabulary (--vocab-size {model.vocab_size}): "
                 "choose an id below the vocabulary size that the data never holds")
-    if research.dynamics_every and not defines_velocity(OPTIMIZERS[optimizer].optimizer):
-        having = [name for name, spec in OPTIMIZERS.items() if defines_velocity(spec.optimizer)]
+    if research.dynamics_every and not OPTIMIZERS[optimizer].optimizer.has_velocity:
+        having = [name for name, spec in OPTIMIZERS.items() if spec.optimizer.has_velocity]
         return (f"--dynamics-every needs a velocity, which docs/evaluation.md defines for --optimizer "
                 f"{', '.join(having)}; {optimizer} has none (set --dynamics-every 0)")
     if research.gauge_diagnostic_every and optimizer == "soap":

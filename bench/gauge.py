@@ -37,7 +37,7 @@ def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, 
         before = gauge.snapshot(model) if gauge else None
         optimizer.step(loss) if spec.needs_loss else optimizer.step()
         if gauge:
-            gauge.after_step(model, [optimizer], before, step=i + 1)
+            gauge.after_step(model, optimizer, before, step=i + 1)
         torch.get_device_module(device).synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[args.warmup:])

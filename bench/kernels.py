@@ -42,6 +42,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from cli import ArgumentParser
 import kernels.attention as attn
+from kernels import ATTENTION_HEAD_DIMS
 import kernels.ecd as ecd
 import kernels.soap as soap
 
@@ -149,7 +150,7 @@ def captured(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Laun
     """Every configuration's launches for one target (the training configuration only with `subset`; every
     autotuning tile too with `autotune_tiles`), each distinct build once."""
     attention = [(64, "bf16", True, True)] if subset else [
-        (d, dtype, biases, causal) for d in attn.HEAD_DIMS for dtype in DTYPES for biases in (True, False)
+        (d, dtype, biases, causal) for d in ATTENTION_HEAD_DIMS for dtype in DTYPES for biases in (True, False)
         for causal in (True, False)]
     ecd_configs = [("fp32", False, True), ("bf16", True, True), ("fp32", False, False)]
     if not subset:

@@ -24,7 +24,8 @@ from cli import MODEL_HELP, add_model_flag
 from config import config_from_dict
 from data.lookup import resolve_data_files
 from fileio import atomic_write, sha256_file
-from run.checkpoint import CheckpointError, run_dir_of
+from run.checkpoint import CheckpointError, non_finite_weights, run_dir_of
+from run.process import resolve_device
 
 EVAL_DIRNAME = "eval"
 MANIFEST = "manifest.json"
@@ -55,25 +56,21 @@ def resolve_target(source: str | Path) -> tuple[Path, Path, bool]:
 
 def load_target_checkpoint(file: Path) -> dict:
     """The checkpoint of a model file from resolve_target (an exported model as a step-0 checkpoint); an error
-    naming the file when it cannot be read."""
+    naming the file when it cannot be read, or when its weights hold NaN or infinite values (a diverged run, whose
+    evaluation would be NaN: docs/evaluation.md#outputs-and-reports)."""
     try:
-        return export.load_as_checkpoint(file)
+        checkpoint = export.load_as_checkpoint(file)
     except (CheckpointError, export.ExportError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    if problem := non_finite_weights(checkpoint["model"]):
+        raise SystemExit(f"error: {file}: {problem}: the run had diverged; evaluate an earlier checkpoint")
+    return checkpoint
 
 
 def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
     out = args.out if args.out is not None else run_dir / EVAL_DIRNAME
     out.mkdir(parents=True, exist_ok=True)
     return out
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda: no CUDA device is available (use --device cpu or auto)")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 @dataclasses.dataclass

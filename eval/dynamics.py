@@ -17,14 +17,14 @@ import torch
 
 from cli import ArgumentParser
 import export
-from run.checkpoint import run_checkpoints
+from run.checkpoint import TRAINING, run_checkpoints
 from run.log import read_log
 from eval.common import (add_target_args, checkpoint_identity, load_target_checkpoint, markdown_table, output_dir,
                          record_outputs, resolve_target, write_json)
 from eval.curves import MARKERS_BELOW
 from eval.figures import head_maps_figure, pyplot, save_figure, step_axis
 from fileio import atomic_write
-from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dicts, weight_drift_ratio
+from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dict, weight_drift_ratio
 from optim import OPTIMIZERS
 
 LABELS = {"J_QK": "angular momentum |J̃| of QK", "J_VO": "angular momentum |J̃| of VO",
@@ -39,11 +39,12 @@ def _params(ckpt: dict) -> dict[str, torch.Tensor]:
 
 def checkpoint_dynamics(ckpt: dict) -> dict:
     """Per-head (L×H lists) and summary (mean over heads; J also as the total √Σ J²) diagnostics of a checkpoint."""
-    if "optimizer" not in ckpt:
-        raise ValueError(f"checkpoint at step {ckpt['step']} holds no optimizer state: the velocity is unknown")
+    if ckpt["kind"] != TRAINING:
+        raise ValueError(f"a checkpoint of kind {ckpt['kind']} holds no optimizer state, so the velocity is unknown; "
+                         "eval.dynamics reads the checkpoints of a training run")
     n_head = ckpt["config"]["model"]["n_head"]
     optimizer = OPTIMIZERS[ckpt["config"]["train"]["optimizer"]].optimizer
-    per_head = head_dynamics(_params(ckpt), velocity_from_state_dicts(optimizer, [ckpt["optimizer"]]), n_head)
+    per_head = head_dynamics(_params(ckpt), velocity_from_state_dict(optimizer, ckpt["optimizer"]), n_head)
     summary = {key: float(value.mean()) for key, value in per_head.items()}
     summary.update({f"{key}_total": float(per_head[key].square().sum().sqrt()) for key in ("J_QK", "J_VO")})
     return {"step": ckpt["step"], "tokens": ckpt["metrics"]["tokens"], "summary": summary,
@@ -98,7 +99,10 @@ def main(argv: list[str] | None = None) -> dict:
         ckpt = load_target_checkpoint(path)  # verified, mapped
         if previous is not None and previous["step"] == ckpt["step"]:
             continue  # latest.pt duplicating the last step_XXXXXX.pt
-        result = checkpoint_dynamics(ckpt)
+        try:
+            result = checkpoint_dynamics(ckpt)
+        except ValueError as exc:  # weights only, or an optimizer without a velocity: say which file
+            raise SystemExit(f"error: {path}: {exc}") from None
         result["checkpoint"] = str(path)
         results.append(result)
         if previous is not None:  # the weight drift ratio since the previous checkpoint, mean over heads

@@ -11,7 +11,7 @@ Everything is computed in float64 on the tensors' device without host synchronis
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -154,7 +154,7 @@ def head_dynamics(params: Mapping[str, Tensor], velocity: Mapping[str, Tensor], 
 def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: int) -> dict[str, float]:
     """Means over layers and heads of `head_dynamics` (keys J_QK, J_VO, f_rot_QK, f_rot_VO, f_rot_*_approx).
 
-    `velocity`: a unit velocity such as `velocity_from_optimizers(optimizers)`. For the trainer's
+    `velocity`: a unit velocity such as `velocity_from_optimizer(optimizer)`. For the trainer's
     `--dynamics-every N` log lines; one host sync (the final conversion).
     """
     velocity = {plain_name(n): v for n, v in velocity.items()}
@@ -163,35 +163,32 @@ def dynamics_summary(model: nn.Module, velocity: Mapping[str, Tensor], n_head: i
     return dict(zip(per_head, means))
 
 
-def defines_velocity(optimizer: type) -> bool:
-    """Whether optimizer class `optimizer` (optim.base.OptimizerInterface) defines a velocity (docs/evaluation.md):
-    its `saved_velocity` of an empty state is a dict rather than None."""
-    return optimizer.saved_velocity({"state": {}, "param_groups": []}) is not None
-
-
-def _unit(found: Iterable[tuple[type, dict[str, Tensor] | None]]) -> dict[str, Tensor]:
-    """The directions (optimizer class, velocity) pairs found, by plain name, scaled to unit global norm."""
-    directions = {}
-    for optimizer, velocity in found:
-        if velocity is None:
-            raise ValueError(f"{optimizer.__name__} defines no velocity (docs/evaluation.md#angular-momentum-and-"
-                             "rotational-fraction)")
-        directions.update({plain_name(name): v for name, v in velocity.items()})
+def _unit(velocity: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """An optimizer's velocity by plain name, scaled to unit global norm."""
+    directions = {plain_name(name): v for name, v in velocity.items()}
     if not directions:
         raise ValueError("no optimizer state holds a velocity yet (take at least one optimizer step first)")
     norm = torch.stack([v.double().square().sum() for v in directions.values()]).sum().sqrt()
     return {name: v / norm.clamp_min(1e-300).to(v.dtype) for name, v in directions.items()}
 
 
-def velocity_from_state_dicts(optimizer: type, state_dicts: Iterable[Mapping]) -> dict[str, Tensor]:
-    """Unit velocity u (name → tensor, global norm 1) from state dicts of optimizer class `optimizer` (a checkpoint's,
-    whose param groups carry "names"): ECD Π; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε)."""
-    return _unit((optimizer, optimizer.saved_velocity(state_dict)) for state_dict in state_dicts)
+def _check_velocity(optimizer: type) -> None:
+    if not optimizer.has_velocity:
+        raise ValueError(f"{optimizer.__name__} defines no velocity (docs/evaluation.md#angular-momentum-and-"
+                         "rotational-fraction)")
 
 
-def velocity_from_optimizers(optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Tensor]:
-    """Unit velocity u of live optimizers, from their `velocity()`."""
-    return _unit((type(opt), opt.velocity()) for opt in optimizers)
+def velocity_from_state_dict(optimizer: type, state_dict: Mapping) -> dict[str, Tensor]:
+    """Unit velocity u (name → tensor, global norm 1) from a state dict of optimizer class `optimizer` (a
+    checkpoint's, whose param groups carry "names"): ECD Π; SGDM −momentum buffer; AdamW −m̂/(√v̂ + ε)."""
+    _check_velocity(optimizer)
+    return _unit(optimizer.saved_velocity(state_dict))
+
+
+def velocity_from_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """Unit velocity u of a live optimizer, from its `velocity()`."""
+    _check_velocity(type(optimizer))
+    return _unit(optimizer.velocity())
 
 
 def _product_distance_sq(a0: Tensor, b0: Tensor, a1: Tensor, b1: Tensor) -> Tensor:

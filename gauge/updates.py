@@ -27,8 +27,9 @@ from torch import Tensor, nn
 
 from gauge.dynamics import (attention_parameters, complete_velocity, factor_tensors, head_factors, num_attention_layers,
                             plain_name, solve_rotation_generator)
+from optim.base import OptimizerInterface
 
-GAUGE_MODES = ("none", "correct", "project", "dress", "hyperball")
+MODES = ("correct", "project", "dress", "hyperball")  # --gauge's choices besides none (variants.ResearchConfig)
 SECTORS = {"QK": ("Q", "K"), "VO": ("V", "O")}
 
 
@@ -177,45 +178,40 @@ def named_tensors(pairs: Mapping[str, tuple[Tensor, Tensor]], like: Mapping[str,
 class GaugeUpdates:
     """Post-processing of every optimizer step on the attention heads (`--gauge`, docs/gauge.md#commands).
 
-    Call `snapshot(model)` before the optimizer step(s) and `after_step(model, optimizers, before, step, scale)`
-    after them. Parameters are rewritten in place (the sharded optimizers keep them as views into flat buffers);
+    Call `snapshot(model)` before the optimizer step and `after_step(model, optimizer, before, step, scale)` after
+    it. Parameters are rewritten in place (the sharded optimizers keep them as views into flat buffers);
     every rank holds the full parameters after a step and does the same float64 work, so no collective is needed
     except for moving optimizer state (optim.base.OptimizerInterface.first_moments gathers the sharded state).
     """
 
     def __init__(self, mode: str, n_head: int, correction: str = "full", every: int = 10, damping: float = 1e-3,
                  group: str = "gl", hyperball_lr: float = 0.01, project_velocity: bool = True) -> None:
-        if mode not in GAUGE_MODES:
-            raise ValueError(f"--gauge must be one of {', '.join(GAUGE_MODES)}, got {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"--gauge must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.n_head, self.correction, self.every = mode, n_head, correction, every
         self.damping, self.group, self.hyperball_lr = damping, group, hyperball_lr
         self.project_velocity = project_velocity
         self.radii: dict[str, Tensor] = {}  # hyperball: each head factor's Frobenius norm at the first step
 
-    @property
-    def acts_on_updates(self) -> bool:
-        return self.mode in ("correct", "project", "hyperball")
-
     @torch.no_grad()
     def snapshot(self, model: nn.Module) -> dict[str, Tensor] | None:
-        """Copies of the attention parameters before the step (None when the mode does not need them)."""
-        if not self.acts_on_updates:
+        """Copies of the attention parameters before the step (None for dress, which does not read the step)."""
+        if self.mode == "dress":
             return None
         return {name: p.clone() for name, p in attention_parameters(model).items()}
 
     @torch.no_grad()
-    def after_step(self, model: nn.Module, optimizers: list[torch.optim.Optimizer], before: dict[str, Tensor] | None,
+    def after_step(self, model: nn.Module, optimizer: OptimizerInterface | None, before: dict[str, Tensor] | None,
                    step: int, lr_scale: float = 1.0) -> None:
-        """Post-process the step that led to `step` (steps counted from 1); lr_scale: the schedule's factor."""
+        """Post-process the step that led to `step` (steps counted from 1); lr_scale: the schedule's factor;
+        optimizer: the one that stepped, whose first moments project and dress move (None: no state to move)."""
         params = attention_parameters(model)
         # correct, project and dress act on the factors of the model as evaluated; hyperball constrains the stored
         # parameters' norms (docs/gauge.md#the-biases).
         shift = {} if self.mode == "hyperball" else mean_bias_rows(model)
         if self.mode == "dress":
             if step % self.every == 0:
-                self.dress(params, optimizers, shift)
-            return
-        if not self.acts_on_updates:
+                self.dress(params, optimizer, shift)
             return
         old, new = factor_pairs(before, self.n_head, shift), factor_pairs(params, self.n_head, shift)
         result = {sector: self._processed(sector, a, b, new[sector][0] - a, new[sector][1] - b, step, lr_scale)
@@ -225,7 +221,7 @@ class GaugeUpdates:
         if self.mode == "project" and self.project_velocity:
             # The velocity at the new point loses its orbit component too (docs/gauge.md#projection); Adam's first
             # moment is divided by its unprojected √v, so projecting it would not project the step (#the-velocity).
-            self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: orbit_projection(
+            self._move_first_moments(params, optimizer, lambda sector, u_a, u_b: orbit_projection(
                 *result[sector], u_a, u_b, self.group), steering_only=True)
 
     def _processed(self, sector: str, a: Tensor, b: Tensor, u_a: Tensor, u_b: Tensor, step: int,
@@ -244,9 +240,9 @@ class GaugeUpdates:
         return a + u_a, b + u_b
 
     @torch.no_grad()
-    def dress(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
+    def dress(self, params: Mapping[str, Tensor], optimizer: OptimizerInterface | None,
               shift: Mapping[str, Tensor] | None = None) -> None:
-        """Move every head to its Gram-balanced representative and transport the optimizers' first moments (not
+        """Move every head to its Gram-balanced representative and transport the optimizer's first moments (not
         SOAP's, which live in its eigenbasis) like the factors' increments; second moments and SOAP's state are
         kept (docs/gauge.md#dressed-representatives). shift: `mean_bias_rows` of the model, without which a model
         with sampled bias means would change (docs/gauge.md#the-biases)."""
@@ -254,26 +250,27 @@ class GaugeUpdates:
         for sector, (a, b) in factor_pairs(params, self.n_head, shift).items():
             a, b, s, s_inv_t = balancing_gauge(a, b)
             pairs[sector], gauges[sector] = (a, b), (s, s_inv_t)
-        self._move_first_moments(params, optimizers, lambda sector, u_a, u_b: (u_a @ gauges[sector][0],
-                                                                               u_b @ gauges[sector][1]))
+        self._move_first_moments(params, optimizer, lambda sector, u_a, u_b: (u_a @ gauges[sector][0],
+                                                                              u_b @ gauges[sector][1]))
         for name, value in named_tensors(pairs, params, self.n_head, shift).items():
             params[name].copy_(value)
 
-    def _move_first_moments(self, params: Mapping[str, Tensor], optimizers: list[torch.optim.Optimizer],
+    def _move_first_moments(self, params: Mapping[str, Tensor], optimizer: OptimizerInterface | None,
                             move: Callable[[str, Tensor, Tensor], tuple[Tensor, Tensor]],
                             steering_only: bool = False) -> None:
-        """Rewrite the optimizers' first moments of the attention parameters (optim.base.OptimizerInterface;
+        """Rewrite the optimizer's first moments of the attention parameters (optim.base.OptimizerInterface;
         steering_only: those the step moves along): move(sector, U_A, U_B) -> (U_A', U_B') per sector, stacked like
         `factor_pairs`. Collectives for the sharded optimizers."""
-        for opt in optimizers:
-            moments = {plain_name(name): (name, value) for name, value in opt.first_moments(steering_only).items()}
-            present = {name: moments[name][1] for name in params if name in moments}
-            if not present:
-                continue
-            full = complete_velocity(params, present)
-            moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
-            opt.set_first_moments({moments[name][0]: value for name, value in
-                                   named_tensors(moved, full, self.n_head).items() if name in present})
+        if optimizer is None:
+            return
+        moments = {plain_name(name): (name, value) for name, value in optimizer.first_moments(steering_only).items()}
+        present = {name: moments[name][1] for name in params if name in moments}
+        if not present:
+            return
+        full = complete_velocity(params, present)
+        moved = {sector: move(sector, u_a, u_b) for sector, (u_a, u_b) in factor_pairs(full, self.n_head).items()}
+        optimizer.set_first_moments({moments[name][0]: value for name, value in
+                                     named_tensors(moved, full, self.n_head).items() if name in present})
 
     def state_dict(self) -> dict:
         return {"mode": self.mode, "radii": {k: v.cpu() for k, v in self.radii.items()}}

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_paths import HEAD_DIMS
+from kernels import ATTENTION_HEAD_DIMS
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2_E = 1.4426950408889634
@@ -548,9 +548,9 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b_q: torch.
     if span >= 2**31:  # the outputs hold q.numel() elements; a view of a projection reaches further
         raise ValueError(f"attention_triton: q, k, v span {span} elements; the kernel's int32 offsets need fewer "
                          "than 2**31 (split the batch)")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"attention_triton: head dim {head_dim} is not supported; the kernel handles {HEAD_DIMS} "
-                         "(use attention_reference for others)")
+    if head_dim not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"attention_triton: head dim {head_dim} is not supported; the kernel handles "
+                         f"{ATTENTION_HEAD_DIMS} (use attention_reference for others)")
     for name, bias in (("b_q", b_q), ("b_v", b_v)):
         if bias is not None:
             if bias.shape not in ((head_dim,), (num_heads, head_dim)):

@@ -14,9 +14,11 @@ to the output, which is what every path does. The paths:
   on CUDA (torch 2.13 has no FlexAttention backward on the CPU).
 
 Which path a training run takes (`choose`, --attention-impl auto|triton|sdpa|flex) is decided once, before
-torch.compile, and recorded in config.json: a forced path, or under auto the row of kernels/attention_table.json for
-this GPU, head dim and dtype (rows written from measurements by `python -m bench.attention --write-table`); a GPU
-without a row takes the library path, sdpa. The choice changes rounding only, never what is computed.
+torch.compile, and recorded in config.json and every checkpoint: a forced path, or under auto the row of
+kernels/attention_table.json for this GPU, head dim and dtype (rows written from measurements by `python -m
+bench.attention --write-table`); a GPU without a row takes the library path, sdpa, which is also a model's path until
+a run sets one (DEFAULT_IMPLEMENTATION). Whatever reads a checkpoint (eval, sample, export) runs the path the run
+recorded. The choice changes rounding only, never what is computed.
 """
 from __future__ import annotations
 
@@ -29,8 +31,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-HEAD_DIMS = (64, 128)  # the Triton kernel's
+from kernels import ATTENTION_HEAD_DIMS
+
 IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...)
+# The one default path: a model's until a run chooses (and a reader of a checkpoint that recorded no choice), and
+# what --attention-impl auto takes where the table has no usable row.
+DEFAULT_IMPLEMENTATION = "sdpa"
 CHOICES = ("auto", *IMPLEMENTATIONS)  # --attention-impl
 TABLE = Path(__file__).with_name("attention_table.json")
 TABLE_KEY = ("gpu", "head_dim", "dtype")
@@ -126,8 +132,8 @@ def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str |
         return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"the Triton kernel is used for float16 and bfloat16 (this call is {dtype_name(dtype)})"
-    if head_dim not in HEAD_DIMS:
-        return f"the Triton kernel handles head dims {HEAD_DIMS} (this model's is {head_dim})"
+    if head_dim not in ATTENTION_HEAD_DIMS:
+        return f"the Triton kernel handles head dims {ATTENTION_HEAD_DIMS} (this model's is {head_dim})"
     return None
 
 
@@ -138,7 +144,7 @@ def attention(
     b_q: torch.Tensor | None = None,
     b_v: torch.Tensor | None = None,
     causal: bool = True,
-    impl: str = "triton",
+    impl: str = DEFAULT_IMPLEMENTATION,
 ) -> torch.Tensor:
     """Attention with optional symmetry-breaking biases on the path `impl` (see the module docstring). The model
     carries impl as a plain attribute, so torch.compile sees a constant and traces one path."""
@@ -219,11 +225,11 @@ def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: i
     if row is None:
         source = (f"no row for {where} in {table.name}: the library path (measure and add the row with "
                   "`python -m bench.attention --write-table`)")
-        return {"requested": "auto", "choice": "sdpa", "source": source}
+        return {"requested": "auto", "choice": DEFAULT_IMPLEMENTATION, "source": source}
     problem = path_problem(row["impl"], device, dtype, head_dim, compiled)
     if problem:
         source = f"{table.name} gives {row['impl']} for {where}, which cannot run here ({problem}): the library path"
-        return {"requested": "auto", "choice": "sdpa", "source": source}
+        return {"requested": "auto", "choice": DEFAULT_IMPLEMENTATION, "source": source}
     return {"requested": "auto", "choice": row["impl"], "source": f"{table.name}, {where}: {row['source']}"}
 
 

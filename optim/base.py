@@ -24,6 +24,8 @@ class OptimizerInterface:
 
     grad_clip: float = 0.0
     grad_norm: Tensor | None = None
+    has_velocity: bool = False  # whether its state defines a direction of motion: then velocity() and
+    #                             saved_velocity() return it (--dynamics-every and eval.dynamics read it)
 
     def capture_problem(self) -> str | None:
         """Why `device_step` cannot be replayed from a CUDA graph as configured (one line); None when it can."""
@@ -86,14 +88,15 @@ class OptimizerInterface:
             raise ValueError(f"{type(self).__name__} keeps no first moment of {name} in the parameters' coordinates")
         return index, keys[index]
 
-    def velocity(self) -> dict[str, Tensor] | None:
-        """The direction of motion by parameter name (any positive scale), None where none is defined."""
+    def velocity(self) -> dict[str, Tensor]:
+        """The direction of motion by parameter name (any positive scale); for optimizers with has_velocity."""
         return self.saved_velocity(self.state_dict())
 
     @classmethod
-    def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor] | None:
-        """`velocity` of a state dict in torch's layout whose groups carry "names" (a checkpoint's)."""
-        return None
+    def saved_velocity(cls, state_dict: Mapping) -> dict[str, Tensor]:
+        """`velocity` of a state dict in torch's layout whose groups carry "names" (a checkpoint's); an optimizer
+        that sets has_velocity implements it."""
+        raise NotImplementedError(f"{cls.__name__} defines no velocity (has_velocity is False)")
 
 
 def parameter_names(param_groups: list[dict]) -> list[str]:

@@ -97,6 +97,8 @@ class ECD(ShardedOptimizer):
     also run under Triton's interpreter (TRITON_INTERPRET=1).
     """
 
+    has_velocity = True
+
     def __init__(
         self,
         params,

@@ -114,6 +114,8 @@ class TorchOptimizer(OptimizerInterface):
 class AdamW(TorchOptimizer, torch.optim.AdamW):
     """torch.optim.AdamW taking AdamWConfig's fields."""
 
+    has_velocity = True
+
     def __init__(self, params: list[dict], lr: float = AdamWConfig.lr, weight_decay: float = AdamWConfig.weight_decay,
                  beta1: float = AdamWConfig.beta1, beta2: float = AdamWConfig.beta2, eps: float = AdamWConfig.eps,
                  fused: bool = AdamWConfig.fused) -> None:
@@ -145,6 +147,8 @@ class SGDM(TorchOptimizer, torch.optim.SGD):
     """torch.optim.SGD with (Nesterov) momentum taking SGDMConfig's fields. With initial_velocity_std > 0 every
     momentum buffer starts at N(0, std²), drawn on the CPU from (optim_seed, the parameter's index), so every rank
     and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers."""
+
+    has_velocity = True
 
     def __init__(self, params: list[dict], lr: float = SGDMConfig.lr, weight_decay: float = SGDMConfig.weight_decay,
                  momentum: float = SGDMConfig.momentum, nesterov: bool = SGDMConfig.nesterov,

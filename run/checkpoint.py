@@ -1,6 +1,8 @@
-"""The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of its tensors: writing it
-atomically, reading and verifying it (v1 files through `upgrade_v1`, so every reader sees v2), the checkpoints of a
-run and the one --resume continues from, and --init-from's weights. Importing this module has no side effects."""
+"""The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of its tensors and its kind
+(model weights, or the training state a run resumes from): writing it atomically, reading and verifying it (older
+formats through `upgrade`, so every reader sees today's), the trainer's restorable parts (`TrainingState`), the
+checkpoints of a run and the one --resume continues from, and --init-from's weights. Importing this module has no
+side effects."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,9 +20,12 @@ from torch import nn
 from cli import option
 from fileio import atomic_writer
 
-CHECKPOINT_FORMAT = "symgpt-checkpoint-v2"
-V1_FORMAT = "symgpt-checkpoint-v1"  # read through upgrade_v1
-CONFIG_ENTRIES = ("model", "train", "research", "optim", "data", "preset")  # a v2 checkpoint's config
+CHECKPOINT_FORMAT = "symgpt-checkpoint-v3"
+V1_FORMAT, V2_FORMAT = "symgpt-checkpoint-v1", "symgpt-checkpoint-v2"  # read through upgrade
+CONFIG_ENTRIES = ("model", "train", "research", "optim", "data", "preset", "attention")  # a checkpoint's config
+WEIGHTS, TRAINING = "weights", "training"  # a checkpoint's kind: model weights only, or a run to resume
+ENTRIES = ("step", "config", "model", "tied", "metrics", "kind")  # in every checkpoint
+TRAINING_ENTRIES = ("optimizer", "loader", "rng", "hooks")  # in a checkpoint of kind training
 
 
 class CheckpointError(ValueError):
@@ -89,20 +94,25 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                               "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory",
                               reason=f"unreadable: {reason}") from exc
     form = ckpt.get("format") if isinstance(ckpt, dict) else None
-    if form == V1_FORMAT:
-        return link_tied(upgrade_v1(ckpt, Path(path), verify))
-    if form != CHECKPOINT_FORMAT:
+    if form in (V1_FORMAT, V2_FORMAT):
+        ckpt = upgrade(ckpt, Path(path), verify)
+    elif form != CHECKPOINT_FORMAT:
         newer = isinstance(form, str) and form.startswith("symgpt-checkpoint-")
         raise CheckpointError(f"{path}: " + (f"format {form}, which this version does not read (it reads "
-                                             f"{CHECKPOINT_FORMAT} and v1): update the code" if newer else
+                                             f"{CHECKPOINT_FORMAT}, v2 and v1): update the code" if newer else
                                              f"not a {CHECKPOINT_FORMAT} checkpoint"),
                               reason=f"format {form}" if newer else f"not {CHECKPOINT_FORMAT}")
-    missing = [key for key in ("step", "config", "model", "tied", "metrics") if key not in ckpt]
-    missing += [f"config.{key}" for key in CONFIG_ENTRIES if key not in ckpt.get("config", {})]
+    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    missing = [key for key in ENTRIES if key not in ckpt] + [f"config.{key}" for key in CONFIG_ENTRIES
+                                                               if key not in config]
+    missing += [key for key in TRAINING_ENTRIES if ckpt.get("kind") == TRAINING and key not in ckpt]
     if missing:
-        raise CheckpointError(f"{path}: a {CHECKPOINT_FORMAT} checkpoint without {', '.join(missing)}; it was not "
-                              "written by train_gpt.py", reason=f"incomplete: no {', '.join(missing)}")
-    if verify:
+        raise CheckpointError(f"{path}: a {form} checkpoint without {', '.join(missing)}; it was not written by "
+                              "train_gpt.py, or not whole", reason=f"incomplete: no {', '.join(missing)}")
+    if ckpt["kind"] not in (WEIGHTS, TRAINING):
+        raise CheckpointError(f"{path}: a checkpoint of kind {ckpt['kind']!r}, which this version does not know "
+                              f"({WEIGHTS} or {TRAINING}): update the code", reason=f"kind {ckpt['kind']!r}")
+    if verify and form == CHECKPOINT_FORMAT:
         verify_checksum(ckpt, Path(path))
     return link_tied(ckpt)
 
@@ -188,6 +198,15 @@ def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
     raise CheckpointError(f"--resume {source}: no intact checkpoint: {'; '.join(passed)}; start a new run")
 
 
+def non_finite_weights(model_state: dict[str, torch.Tensor]) -> str | None:
+    """Which of a model's floating-point tensors (a checkpoint's "model" or a state_dict) hold NaN or infinite
+    values, as the words of a message; None when none does. A diverged run's checkpoint has an intact checksum."""
+    bad = [name for name, tensor in model_state.items()
+           if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    return f"the weights hold NaN or infinite values ({', '.join(bad[:3])}{more})" if bad else None
+
+
 def link_tied(ckpt: dict) -> dict:
     """The checkpoint with each tied name of its model (ckpt["tied"], see checkpoint_model_state) pointing at the
     stored tensor."""
@@ -196,13 +215,13 @@ def link_tied(ckpt: dict) -> dict:
     return ckpt
 
 
-def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(state, tied): CPU copies of the model's tensors, each parameter once, and {alias: stored name} for the
-    names of a parameter stored under an earlier one (the tied lm_head.weight is transformer.wte.weight: one copy,
-    154 MB at 124M parameters, instead of two). Copies, because sharded optimizers make parameters views into
-    padded flat buffers that torch.save would write whole."""
+def checkpoint_model_state(model_state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(state, tied) from a model's state_dict(keep_vars=True): CPU copies of its tensors, each parameter once, and
+    {alias: stored name} for the names of a parameter stored under an earlier one (the tied lm_head.weight is
+    transformer.wte.weight: one copy, 154 MB at 124M parameters, instead of two). Copies, because sharded optimizers
+    make parameters views into padded flat buffers that torch.save would write whole."""
     state, tied, first_name = {}, {}, {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in model_state.items():
         if id(tensor) in first_name:
             tied[name] = first_name[id(tensor)]
             continue
@@ -211,15 +230,25 @@ def checkpoint_model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], d
     return state, tied
 
 
-def model_checkpoint(model: nn.Module, config: dict, step: int, metrics: dict, **training_state) -> dict:
-    """A checkpoint of `model` at `step` (docs/runs.md#checkpoints) with `config` (CONFIG_ENTRIES) and `metrics`;
-    without the trainer's `training_state` (optimizer, loader, rng, hooks) it holds weights only (for --init-from)."""
+def _checkpoint(kind: str, model_state: dict, config: dict, metrics: dict, **entries) -> dict:
     missing = [key for key in CONFIG_ENTRIES if key not in config]
     if missing:
-        raise ValueError(f"model_checkpoint: the config has no {', '.join(missing)}")
-    state, tied = checkpoint_model_state(model)
-    return {"format": CHECKPOINT_FORMAT, "step": step, "config": config, "model": state, "tied": tied,
-            "metrics": metrics, **training_state}
+        raise ValueError(f"a checkpoint's config needs {', '.join(CONFIG_ENTRIES)}; it has no {', '.join(missing)}")
+    state, tied = checkpoint_model_state(model_state)
+    return {"format": CHECKPOINT_FORMAT, "kind": kind, "step": metrics["step"], "config": config, "model": state,
+            "tied": tied, "metrics": metrics, **entries}
+
+
+def weights_checkpoint(model: nn.Module, config: dict, metrics: dict, **notes) -> dict:
+    """A checkpoint of kind weights (docs/runs.md#checkpoints): `model` with `config` (CONFIG_ENTRIES) and
+    `metrics` (with its "step"); `export from-hf` writes one, with a note of where it came from."""
+    return _checkpoint(WEIGHTS, model.state_dict(keep_vars=True), config, metrics, **notes)
+
+
+def training_checkpoint(config: dict, state: dict) -> dict:
+    """A checkpoint of kind training, to resume from: `state` is TrainingState.state_dict() and `config` the run's
+    (CONFIG_ENTRIES)."""
+    return _checkpoint(TRAINING, state["model"], config, state["metrics"], **{k: state[k] for k in TRAINING_ENTRIES})
 
 
 @dataclasses.dataclass
@@ -244,30 +273,42 @@ class Progress:
         return True
 
 
-def training_checkpoint(model: nn.Module, config: dict, metrics: dict, optimizer_state: dict, loader, hooks: list
-                        ) -> dict:
-    """A checkpoint to resume from at metrics["step"]: model_checkpoint with the training state, the optimizer's
-    (`optimizer_state`, gathered by the caller), the loader's position, the torch RNG and each hook's state by name."""
-    return model_checkpoint(model, config, metrics["step"], metrics, optimizer=optimizer_state,
-                            loader=loader.state_dict(), rng={"torch": torch.get_rng_state()},
-                            hooks={hook.name: state for hook in hooks if (state := hook.state_dict()) is not None})
+@dataclasses.dataclass
+class TrainingState:
+    """The trainer's restorable parts, gathered once (torchtitan's Stateful shape): `state_dict()` is what a
+    checkpoint of kind training holds besides its config (training_checkpoint), `load_state_dict(checkpoint)` puts
+    it back. The optimizer keeps this run's hyperparameters (`settings`: each parameter group's as built from the
+    flags, which on --resume may differ from the saved ones), so flags given on --resume take effect."""
 
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    settings: list[dict]
+    loader: object  # data.loader.DistributedTokenLoader
+    hooks: object  # hooks.TrainingHooks
+    device: torch.device
+    progress: Progress = dataclasses.field(default_factory=Progress)
 
-def restore_training_state(ckpt: dict, model: nn.Module, optimizer, settings: list[dict], loader, hooks: list,
-                           device: torch.device) -> Progress:
-    """The inverse of training_checkpoint, except that `settings` (each parameter group's hyperparameters as this
-    run built them: the flags given on --resume) replace the saved groups' settings; returns the run's Progress."""
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
-    for group, values in zip(optimizer.param_groups, settings, strict=True):
-        group.update(values)
-    loader.load_state_dict(ckpt["loader"])
-    for hook in hooks:
-        if hook.name in ckpt["hooks"]:
-            hook.load_state_dict(ckpt["hooks"][hook.name], device)
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    fields = {f.name for f in dataclasses.fields(Progress)}
-    return Progress(**{k: v for k, v in ckpt["metrics"].items() if k in fields})
+    def state_dict(self) -> dict:
+        """The model's tensors (not copies: the checkpoint copies them), the optimizer's state (a collective for the
+        sharded optimizers: call it on every rank), the loader's position, the torch RNG, the hooks' state and the
+        progress ("metrics")."""
+        return {"model": self.model.state_dict(keep_vars=True), "optimizer": self.optimizer.state_dict(),
+                "loader": self.loader.state_dict(), "rng": {"torch": torch.get_rng_state()},
+                "hooks": self.hooks.state_dict(), "metrics": dataclasses.asdict(self.progress)}
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        """Put back what state_dict returned, from a checkpoint of kind training loaded onto `device`."""
+        if checkpoint["kind"] != TRAINING:
+            raise CheckpointError(f"a checkpoint of kind {checkpoint['kind']} holds no training state to resume from")
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        for group, values in zip(self.optimizer.param_groups, self.settings, strict=True):
+            group.update(values)
+        self.loader.load_state_dict(checkpoint["loader"])
+        self.hooks.load_state_dict(checkpoint["hooks"], self.device)
+        torch.set_rng_state(checkpoint["rng"]["torch"])
+        fields = {f.name for f in dataclasses.fields(Progress)}
+        self.progress = Progress(**{k: v for k, v in checkpoint["metrics"].items() if k in fields})
 
 
 def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:
@@ -323,7 +364,7 @@ def load_initial_weights(model: nn.Module, source: str | os.PathLike) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reading v1 (docs/runs.md#reading-v1-checkpoints): the layouts the first format took, in the order they changed.
+# Reading older formats (docs/runs.md#reading-older-checkpoints): the layouts they took, in the order they changed.
 
 # Fields of the research section that v1 checkpoints written before it existed kept in the train section.
 RESEARCH_FIELDS_ONCE_IN_TRAIN = ("dynamics_every", "gauge", "gauge_correction", "gauge_every", "gauge_damping",
@@ -333,35 +374,43 @@ DECAY_GROUPS_OF_SWITCHES = {(False, False): "matrices", (True, False): "matrices
                             (False, True): "all-but-embeddings", (True, True): "all"}
 
 
-def upgrade_v1(ckpt: dict, path: Path, verify: bool) -> dict:
-    """A v1 checkpoint read from `path` in the v2 layout, so that no reader knows v1 (each change, none of which a
-    resumed run computes with: docs/runs.md#reading-v1-checkpoints); verify: its checksum first, where it has one."""
-    ckpt.setdefault("tied", {})
+def upgrade(ckpt: dict, path: Path, verify: bool) -> dict:
+    """A v1 or v2 checkpoint read from `path` in today's layout, so that no reader knows the older formats (each
+    change, none of which a resumed run computes with: docs/runs.md#reading-older-checkpoints); verify: its checksum
+    first, over the layout it was written in, where it has one. An entry the file lacks stays missing, for
+    load_checkpoint to name."""
+    ckpt.setdefault("tied", {})  # the oldest v1 files stored both names of the tied embedding
     if verify and "checksum" in ckpt:
         verify_checksum(ckpt, path)
-    ckpt.pop("checksum", None)  # it covers the v1 layout; save_checkpoint writes a new one
-    config = ckpt.get("config", {})
-    train = dict(config.get("train", {}))
-    research = {name: train.pop(name) for name in RESEARCH_FIELDS_ONCE_IN_TRAIN if name in train}
-    research = {"gauge_project_velocity": False, **research, **config.get("research", {})}
-    if isinstance(train.get("keep_checkpoints"), bool):
-        train["keep_checkpoints"] = -int(train["keep_checkpoints"])
-    optim = dict(config.get("optim", {}))
-    if "decay_groups" not in optim:
-        switches = bool(optim.pop("decay_embeddings", False)), bool(optim.pop("decay_norms_and_biases", False))
-        optim["decay_groups"] = DECAY_GROUPS_OF_SWITCHES[switches]
-    preset = config["preset"] if "preset" in config else recorded_preset(path)
-    ckpt["config"] = {**config, "train": train, "research": research, "optim": optim,
-                      "data": config.get("data"), "preset": preset}
-    if "optimizers" in ckpt:
-        optimizers = ckpt.pop("optimizers")
-        if len(optimizers) != 1:
-            raise CheckpointError(f"{path}: a v1 checkpoint with {len(optimizers)} optimizer states; the trainer "
-                                  "always wrote one", reason="v1 with several optimizer states")
-        ckpt["optimizer"] = optimizers[0]
-        gauge = ckpt.pop("gauge", None)
-        ckpt["hooks"] = ckpt.get("hooks") or ({"gauge": gauge} if gauge else {})
-    ckpt.pop("sampler", None)
+    ckpt.pop("checksum", None)  # it covers the old layout; save_checkpoint writes a new one
+    if ckpt["format"] == V1_FORMAT:  # v1 -> v2
+        config = ckpt.get("config", {})
+        train = dict(config.get("train", {}))
+        research = {name: train.pop(name) for name in RESEARCH_FIELDS_ONCE_IN_TRAIN if name in train}
+        research = {"gauge_project_velocity": False, **research, **config.get("research", {})}
+        if isinstance(train.get("keep_checkpoints"), bool):
+            train["keep_checkpoints"] = -int(train["keep_checkpoints"])
+        optim = dict(config.get("optim", {}))
+        if "decay_groups" not in optim:
+            switches = bool(optim.pop("decay_embeddings", False)), bool(optim.pop("decay_norms_and_biases", False))
+            optim["decay_groups"] = DECAY_GROUPS_OF_SWITCHES[switches]
+        preset = config["preset"] if "preset" in config else recorded_preset(path)
+        ckpt["config"] = {**config, "train": train, "research": research, "optim": optim,
+                          "data": config.get("data"), "preset": preset}
+        if "optimizers" in ckpt:
+            optimizers = ckpt.pop("optimizers")
+            if len(optimizers) != 1:
+                raise CheckpointError(f"{path}: a v1 checkpoint with {len(optimizers)} optimizer states; the trainer "
+                                      "always wrote one", reason="v1 with several optimizer states")
+            ckpt["optimizer"] = optimizers[0]
+            gauge = ckpt.pop("gauge", None)
+            ckpt["hooks"] = ckpt.get("hooks") or ({"gauge": gauge} if gauge else {})
+        ckpt.pop("sampler", None)
+    # v2 -> v3: the kind, which v2 left to the presence of an optimizer state, and the attention path, which v2 did
+    # not record (a reader takes kernels.attention_paths.DEFAULT_IMPLEMENTATION)
+    ckpt["kind"] = TRAINING if "optimizer" in ckpt else WEIGHTS
+    if isinstance(ckpt.get("config"), dict):
+        ckpt["config"].setdefault("attention", None)
     ckpt["format"] = CHECKPOINT_FORMAT
     return ckpt
 

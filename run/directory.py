@@ -9,12 +9,15 @@ and logs. Importing this module has no side effects.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
 import socket
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from run.log import RunLog, open_trackers
 from run.process import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-CODE_PACKAGES = ("", "run", "kernels", "optim", "gauge", "data")  # what <run>/code keeps
+DISTRIBUTION = "symgpt"  # pyproject.toml's project name
 RUN_LOCK = ".lock"  # held by the trainer that owns the run while it runs
 
 
@@ -130,12 +133,51 @@ class RunDirectory:
             self._lock = None
 
     def copy_code(self) -> None:
-        """<run>/code: the trainer and its modules as they run (a resumed run refreshes it)."""
-        for package in CODE_PACKAGES:
-            for source in sorted((REPO_ROOT / package).glob("*.py")):
-                target = self.path / "code" / package / source.name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source, target)
+        """<run>/code: the trainer and its modules as they run (trainer_sources; a resumed run refreshes it)."""
+        for source in trainer_sources():
+            target = self.path / "code" / source.relative_to(REPO_ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, target)
+
+
+def imported_names(path: Path) -> set[str]:
+    """The dotted names the import statements of source file `path` name, at the top and inside functions (for
+    `from a import b`, a and a.b: b may be a module). The repository writes every import absolute."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            raise ValueError(f"{path}:{node.lineno}: a relative import; write it absolute")
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    return names
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of module `name` in the source tree (a package's __init__.py), None if it has none there."""
+    base = REPO_ROOT.joinpath(*name.split("."))
+    return next((path for path in (base.with_suffix(".py"), base / "__init__.py") if path.is_file()), None)
+
+
+def trainer_sources(entry: str = "train_gpt") -> list[Path]:
+    """The source files a training process runs, derived from the tree: the entry module and every module of the
+    source tree that its import statements reach (imported_names, transitively), with the __init__.py of each
+    package on the way. Installed as a wheel, the tree is site-packages: the modules of other distributions there
+    (torch, numpy, ...) are not followed."""
+    in_site_packages = REPO_ROOT == Path(sysconfig.get_paths()["purelib"]).resolve()
+    foreign = {name for name, owners in importlib.metadata.packages_distributions().items()
+               if DISTRIBUTION not in owners} if in_site_packages else set()
+    found, todo = set(), [entry]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        modules = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]  # each package on the way, then the module
+        for path in filter(None, map(module_file, modules)):
+            if parts[0] not in foreign and path not in found:
+                found.add(path)
+                todo.extend(imported_names(path))
+    return sorted(found)
 
 
 def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,

@@ -83,16 +83,26 @@ class Runtime:
         return flops_per_token / (peak * self.world) if peak else None
 
 
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device a --device value names, for the trainer and every tool: auto is CUDA where there is a GPU, else
+    the CPU; cuda is this process's GPU (cuda:LOCAL_RANK under torchrun). A one-line error (SystemExit) for cuda
+    where there is none."""
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {name}: no CUDA device is available (use --device cpu or auto)")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(f"cuda:{local_rank}" if name == "cuda" else name)
+
+
 def setup_process(hp) -> Runtime:
     """Process group (torchrun sets RANK/WORLD_SIZE/LOCAL_RANK), device, autocast and the per-rank batch layout of
     the training flags `hp` (train_gpt.TrainConfig)."""
     world = world_size_from_env()
-    use_cuda = hp.device == "cuda" or (hp.device == "auto" and torch.cuda.is_available())
+    device = resolve_device(hp.device, int(os.environ.get("LOCAL_RANK", "0")))
+    use_cuda = device.type == "cuda"
     micro_batch, grad_accum = batch_layout(hp, world)
     if world > 1:
         init_process_group(backend="nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None

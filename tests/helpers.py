@@ -190,11 +190,12 @@ def write_v1_checkpoint(source: Path, target: Path, oldest: bool = False) -> Non
     entry and the gauge's state as "gauge" (no "hooks"), and a config without "preset", "data" or a research
     section (its fields in train, --gauge-project-velocity unknown), --keep-checkpoints as a switch and
     --decay-groups as its two switches. Written by hand, as the old trainer wrote them, independently of
-    run.checkpoint.upgrade_v1."""
+    run.checkpoint.upgrade."""
     from run.checkpoint import tensor_checksum
 
     ckpt = torch.load(source, map_location="cpu", weights_only=False)
     ckpt["format"] = "symgpt-checkpoint-v1"
+    del ckpt["kind"], ckpt["config"]["attention"]  # v3's
     ckpt["optimizers"] = [ckpt.pop("optimizer")]
     if oldest:
         for alias, name in ckpt.pop("tied").items():

@@ -60,7 +60,7 @@ def test_help_shows_real_defaults_and_every_optimizer(capsys):
     for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, "ecd").values():
         for field in dataclasses.fields(cls):
             assert option(field.name) in text and field.metadata["help"], field.name
-    for name, spec in train_gpt.OPTIMIZERS.items():
+    for name, spec in OPTIMIZERS.items():
         assert f"{name} {spec.description}" in text
 
 
@@ -146,7 +146,7 @@ def test_logging_flags_do_not_count_as_differences_from_the_paper():
     assert "--mean-q 0.25 (gpt2-124m: 0.5)" in preset_report(moved)["differs"]
 
 def test_a_saved_config_is_read_section_by_section():
-    """Each section of a checkpoint's config (v2, or v1 upgraded by run.checkpoint.upgrade_v1) holds its own fields:
+    """Each section of a checkpoint's config (today's, or v1 upgraded by run.checkpoint.upgrade) holds its own fields:
     a field is read from its section only, never found in another one."""
     saved = {"train": {"seed": 7, "steps": 3}, "research": {"gauge": "correct"}, "optim": {"lr": 0.5}}
     assert config.config_from_dict(saved["train"], train_gpt.TrainConfig).seed == 7

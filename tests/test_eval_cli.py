@@ -18,7 +18,7 @@ from eval import alignment, compare, dynamics, logic_puzzles, report, val_loss
 from eval.alignment import residual_keys
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
-from run.checkpoint import model_checkpoint, save_checkpoint
+from run.checkpoint import save_checkpoint, training_checkpoint
 from tests.helpers import ROOT
 from variants import ResearchConfig
 
@@ -48,8 +48,9 @@ def make_run(root, name: str, bias_mode: str, val_file) -> Path:
         opt.step()
         log.append({"step": step, "train_loss": loss.item(), "val_loss": loss.item() + 0.1, "tokens": 128 * step,
                     "lr": 1e-3, "J_QK": 0.01 * step, "J_VO": 0.02 * step, "f_rot_QK": 0.1, "f_rot_VO": 0.2})
-        ckpt = model_checkpoint(model, {**saved, "data": None, "preset": None}, step, {"tokens": 128 * step},
-                                optimizer=opt.state_dict())
+        state = {"model": model.state_dict(keep_vars=True), "optimizer": opt.state_dict(), "loader": {}, "rng": {},
+                 "hooks": {}, "metrics": {"step": step, "tokens": 128 * step}}
+        ckpt = training_checkpoint({**saved, "data": None, "preset": None, "attention": None}, state)
         save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
     save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))

@@ -18,7 +18,7 @@ from data.shards import sha256_file, write_shard
 from eval import common, compare, logic_puzzles, report, val_loss
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
-from run.checkpoint import load_checkpoint, model_checkpoint, save_checkpoint
+from run.checkpoint import load_checkpoint, save_checkpoint, training_checkpoint, weights_checkpoint
 from tests.helpers import ROOT
 from variants import ResearchConfig
 
@@ -56,8 +56,10 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
 
 def save_step(run: Path, model: train_gpt.GPT, opt: torch.optim.Optimizer | None, config: dict, step: int) -> None:
     """checkpoints/step_<step>.pt and latest.pt of `model` at `step`."""
-    ckpt = model_checkpoint(model, {**config, "data": None, "preset": None}, step, {"tokens": 64 * step},
-                            **({"optimizer": opt.state_dict()} if opt else {}))
+    config, metrics = {**config, "data": None, "preset": None, "attention": None}, {"step": step, "tokens": 64 * step}
+    ckpt = training_checkpoint(config, {"model": model.state_dict(keep_vars=True), "optimizer": opt.state_dict(),
+                                        "loader": {}, "rng": {}, "hooks": {}, "metrics": metrics}) if opt else (
+        weights_checkpoint(model, config, metrics))
     save_checkpoint(run / "checkpoints" / f"step_{step:06d}.pt", ckpt)
     save_checkpoint(run / "checkpoints" / "latest.pt", ckpt)
 
@@ -184,7 +186,8 @@ def test_report_command_exits_1_naming_the_failed_module(tmp_path, val_file):
     result = subprocess.run([sys.executable, "-m", "eval.report", "--run", str(run)], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 1, result.stderr
-    assert "eval.dynamics failed: ValueError: checkpoint at step 1 holds no optimizer state" in result.stderr
+    assert "eval.dynamics failed: SystemExit: error: " in result.stderr
+    assert ".pt: a checkpoint of kind weights holds no optimizer state" in result.stderr
     assert "1 of 4 evaluations failed (dynamics)" in result.stderr
     assert (run / "report.md").is_file()
 

@@ -14,8 +14,8 @@ from gauge.dynamics import (
     head_dynamics,
     head_factors,
     solve_rotation_generator,
-    velocity_from_optimizers,
-    velocity_from_state_dicts,
+    velocity_from_optimizer,
+    velocity_from_state_dict,
     weight_drift_ratio,
 )
 from optim.ecd import ECD
@@ -208,7 +208,7 @@ def _trained_optimizer(kind: str) -> tuple[GPT, torch.optim.Optimizer]:
 @pytest.mark.parametrize("kind", ["sgdm", "adamw"])
 def test_velocity_from_optimizer_state_is_the_unit_update_direction(kind):
     model, opt = _trained_optimizer(kind)
-    u = velocity_from_optimizers([opt])
+    u = velocity_from_optimizer(opt)
     norm = torch.stack([v.double().square().sum() for v in u.values()]).sum().sqrt()
     assert norm.item() == pytest.approx(1.0, rel=1e-6)
     name, p = "transformer.h.0.attn.c_attn.weight", model.transformer.h[0].attn.c_attn.weight
@@ -221,20 +221,20 @@ def test_velocity_from_optimizer_state_is_the_unit_update_direction(kind):
         direction = -m_hat / ((state["exp_avg_sq"] / (1 - 0.95 ** step)).sqrt() + 1e-6)
     cosine = torch.nn.functional.cosine_similarity(u[name].flatten(), direction.flatten(), dim=0)
     assert cosine.item() == pytest.approx(1.0, abs=1e-6)
-    assert torch.allclose(velocity_from_state_dicts(type(opt), [opt.state_dict()])[name], u[name])
+    assert torch.allclose(velocity_from_state_dict(type(opt), opt.state_dict())[name], u[name])
 
 
 def test_velocity_from_ecd_state_and_from_optimizers_without_one():
     g = torch.Generator().manual_seed(12)
     pis = {0: torch.randn(4, 3, generator=g), 1: torch.randn(5, generator=g)}
     sd = {"state": {i: {"pi": v} for i, v in pis.items()}, "param_groups": [{"params": [0, 1], "names": ["a", "b"]}]}
-    u = velocity_from_state_dicts(ECD, [sd])
+    u = velocity_from_state_dict(ECD, sd)
     total = math.sqrt(sum(v.square().sum().item() for v in pis.values()))
     assert torch.allclose(u["a"], pis[0] / total) and torch.allclose(u["b"], pis[1] / total)
     sd["state"][0] = {"exp_avg": pis[0], "exp_avg_sq": pis[0].abs()}  # Muon's AdamW part: m, v, no velocity
     for optimizer in (Muon, SOAP):
         with pytest.raises(ValueError, match=f"{optimizer.__name__} defines no velocity"):
-            velocity_from_state_dicts(optimizer, [sd])
+            velocity_from_state_dict(optimizer, sd)
 
 
 def test_weight_drift_ratio_matches_explicit_products():
@@ -265,7 +265,7 @@ def test_online_diagnostics_do_not_synchronise_with_the_host():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any implicit device->host sync raises
     try:
-        velocity = velocity_from_optimizers([opt])
+        velocity = velocity_from_optimizer(opt)
         per_head = head_dynamics({n: p.detach() for n, p in model.named_parameters()}, velocity, N_HEAD)
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -4,12 +4,14 @@ assumes under every bias mode, the trainer's --gauge modes with every optimizer,
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import train_gpt
 from gauge.updates import (
+    MODES,
     GaugeUpdates,
     attention_parameters,
     balancing_gauge,
@@ -24,6 +26,7 @@ from gauge.updates import (
 )
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
+from variants import ResearchConfig
 from tests.helpers import (ROOT, resume_in_new_directory, tiny_args, tiny_gpt, torchrun, train_losses,
                            write_v1_checkpoint)
 
@@ -244,7 +247,7 @@ def test_dressing_keeps_the_forward_pass_balances_the_grams_and_transports_the_f
             for i, state in opt.state_dict()["state"].items()}
     params = attention_parameters(model)
     assert gram_imbalance(*factor_pairs(params, 2)["QK"]).min() > 0.1
-    GaugeUpdates("dress", n_head=2).dress(params, [opt])
+    GaugeUpdates("dress", n_head=2).dress(params, opt)
     with torch.no_grad():
         torch.testing.assert_close(model(idx, all_logits=True)[0], logits, rtol=1e-9, atol=1e-9)
     for sector, (a, b) in factor_pairs(params, 2).items():
@@ -290,7 +293,7 @@ def test_dressing_keeps_the_evaluated_model_under_every_bias_mode(bias_mode, con
     assert sorted(shift) == sorted(sampled)
     logits = evaluated_logits(model)
     assert gram_imbalance(*factor_pairs(attention_parameters(model), 2, shift)["QK"]).min() > 0.1
-    GaugeUpdates("dress", n_head=2, every=1).after_step(model, [], None, step=1)
+    GaugeUpdates("dress", n_head=2, every=1).after_step(model, None, None, step=1)
     torch.testing.assert_close(evaluated_logits(model), logits, rtol=1e-9, atol=1e-9)
     for sector, (a, b) in factor_pairs(attention_parameters(model), 2, shift).items():
         assert gram_imbalance(a, b).max() < 1e-12, sector
@@ -317,7 +320,7 @@ def test_projection_removes_only_motion_the_evaluated_model_does_not_see(bias_mo
     with torch.no_grad():
         for name, p in params.items():
             p.add_(raw[name])
-    GaugeUpdates("project", n_head=2, group=group).after_step(model, [], before, step=1)
+    GaugeUpdates("project", n_head=2, group=group).after_step(model, None, before, step=1)
     removed = {name: before[name] + raw[name] - p.detach() for name, p in params.items()}
     size = sum(v.square().sum() for v in removed.values()).sqrt() / sum(v.square().sum() for v in raw.values()).sqrt()
     assert size > 0.05  # the projection took something out
@@ -348,7 +351,7 @@ def test_corrected_gradient_step_moves_every_representative_to_the_same_model_un
         with torch.no_grad():
             for p in m.parameters():
                 p.sub_(1e-2 * p.grad)
-        updates.after_step(m, [], before, step=1)
+        updates.after_step(m, None, before, step=1)
     after = evaluated_logits(model)
     assert (after - start).norm() / start.norm() > 1e-3  # the step moved the model
     torch.testing.assert_close(evaluated_logits(gauged), after, rtol=1e-8, atol=1e-8)
@@ -379,7 +382,7 @@ def projected_steps(optimizer: str, steps: int, lr: float | None = None, **gauge
         loss.backward()
         opt.step(loss.detach()) if spec.needs_loss else opt.step()
         opt.zero_grad()
-        updates.after_step(model, [opt], before, step + 1)
+        updates.after_step(model, opt, before, step + 1)
         moved = attention_parameters(model)
         largest = max(largest, *((moved[n] - p).abs().max().item() / opt.param_groups[0]["lr"]
                                  for n, p in before.items()))
@@ -422,7 +425,7 @@ def test_weight_decay_changes_a_hyperball_step():
         before = updates.snapshot(model)
         model(TOKENS, TOKENS)[1].backward()
         opt.step()
-        updates.after_step(model, [opt], before, step=1)
+        updates.after_step(model, opt, before, step=1)
         pairs = factor_pairs(attention_parameters(model), 2)
         for sector, (a, b) in pairs.items():  # on the sphere either way
             torch.testing.assert_close(torch.linalg.matrix_norm(a), updates.radii[f"{sector}.A"])
@@ -491,6 +494,15 @@ def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, one_thread, opt
     assert sorted(single) == sorted(double) == list(range(1, 9))
     for step in single:
         assert double[step] == pytest.approx(single[step], rel=2e-6, abs=0)
+
+
+def test_the_gauge_flag_offers_none_and_exactly_the_modes_gauge_updates_implements():
+    gauge = next(f for f in dataclasses.fields(ResearchConfig) if f.name == "gauge")
+    assert gauge.metadata["choices"] == ("none", *MODES) and gauge.default == "none"
+    for mode in MODES:
+        assert GaugeUpdates(mode, n_head=2).mode == mode
+    with pytest.raises(ValueError, match="--gauge must be one of correct, project, dress, hyperball"):
+        GaugeUpdates("none", n_head=2)
 
 
 def test_gauge_flags_are_checked(capsys):

@@ -12,7 +12,8 @@ import torch
 
 import train_gpt
 from run import capture
-from run.log import read_log
+from run.log import RunLog, read_log
+from run.process import setup_process
 from tests.helpers import tiny_args
 
 
@@ -20,7 +21,7 @@ def test_a_log_line_is_written_after_the_next_step_is_issued(corpus, tmp_path, m
     """The line of log step N waits for step N+1 to be issued (by then the device has finished step N), except the
     last, written when the loop ends; the numbers are those the step computed."""
     events: list[str] = []
-    train_step, write_line = train_gpt.Trainer.train_step, train_gpt.RunLog.line
+    train_step, write_line = train_gpt.Trainer.train_step, RunLog.line
 
     def recording_step(self):
         loss = train_step(self)
@@ -33,7 +34,7 @@ def test_a_log_line_is_written_after_the_next_step_is_issued(corpus, tmp_path, m
         write_line(self, text)
 
     monkeypatch.setattr(train_gpt.Trainer, "train_step", recording_step)
-    monkeypatch.setattr(train_gpt.RunLog, "line", recording_line)
+    monkeypatch.setattr(RunLog, "line", recording_line)
     train_gpt.main(tiny_args(corpus, tmp_path, "order", steps=6, **{"log-every": 2, "val-every": 0}))
     logged = [i for i, e in enumerate(events) if e.startswith("logged")]
     assert [events[i].split()[1] for i in logged] == ["2", "4", "6"]
@@ -72,8 +73,8 @@ def test_compile_mode_is_recorded_and_passed_to_torch_compile(corpus, tmp_path, 
     train_gpt.main(tiny_args(corpus, tmp_path, "mode", steps=1, **{"compile-mode": "reduce-overhead"}))
     assert json.loads((tmp_path / "mode" / "config.json").read_text())["train"]["compile_mode"] == "reduce-overhead"
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "modes", **{"compile-mode": "max-autotune"}))
-    rt = train_gpt.setup_process(cfg.train)
-    trainer = train_gpt.Trainer(cfg, rt, train_gpt.RunLog(True))
+    rt = setup_process(cfg.train)
+    trainer = train_gpt.Trainer(cfg, rt, RunLog(True))
     try:
         calls = []
         monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)

@@ -11,6 +11,7 @@ import torch
 import train_gpt
 from kernels.attention_paths import attention_reference
 from train_gpt import GPT, BiasSampler, GPTConfig, mean_biases
+from variants import ModelVariants
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -130,7 +131,7 @@ def test_without_targets_the_head_projects_the_last_position_only():
 
 def test_the_model_config_lists_the_architecture_before_the_variants():
     names = [f.name for f in dataclasses.fields(GPTConfig)]
-    variants = [f.name for f in dataclasses.fields(train_gpt.ModelVariants)]
+    variants = [f.name for f in dataclasses.fields(ModelVariants)]
     assert names[:5] == ["vocab_size", "block_size", "n_layer", "n_head", "n_embd"]
     assert names[-len(variants):] == variants
 

@@ -98,7 +98,7 @@ def interface_after_training(opt: torch.optim.Optimizer) -> dict:
     doubled (collectives: every rank calls it)."""
     moments = {name: value.clone() for name, value in opt.first_moments().items()}
     steering = sorted(opt.first_moments(steering_only=True))
-    velocity = opt.velocity()
+    velocity = opt.velocity() if opt.has_velocity else None
     opt.set_first_moments({name: 2 * value for name, value in moments.items()})
     doubled = {name: value.clone() for name, value in opt.first_moments().items()}
     return {"moments": moments, "steering": steering, "velocity": velocity, "doubled": doubled}

@@ -1,6 +1,6 @@
-"""The run machinery's contracts (run/, fileio.py; docs/runs.md): the checkpoint format v2 and how v1 files are read
-(they resume bit-exactly, every layout of them), the checksum and the tied embedding, the batch layout, a stop
-request, the lock a run or grid directory holds, atomic writes."""
+"""The run machinery's contracts (run/, fileio.py; docs/runs.md): the checkpoint format and how older files are read
+(v1 files resume bit-exactly, every layout of them), the training state it saves and restores, the checksum and the
+tied embedding, the batch layout, a stop request, the lock a run or grid directory holds, atomic writes."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,22 +20,24 @@ from optim import OPTIMIZERS
 from run.checkpoint import (
     CHECKPOINT_FORMAT,
     CONFIG_ENTRIES,
+    TRAINING,
+    WEIGHTS,
     CheckpointError,
     Progress,
+    TrainingState,
     load_checkpoint,
-    model_checkpoint,
-    restore_training_state,
     save_checkpoint,
     tensor_checksum,
     training_checkpoint,
-    upgrade_v1,
+    upgrade,
+    weights_checkpoint,
 )
 from run.log import format_duration, read_log, record_numbers
 from run.process import batch_layout
 from run.stop import StopRequest
 from tests.helpers import ENV, ROOT, VOCAB, resume_in_new_directory, tiny_args, train_losses, write_v1_checkpoint
 
-# ----- the checkpoint format: v2 written, v1 read through one upgrade -----
+# ----- the checkpoint format: today's written, v1 and v2 read through one upgrade -----
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -50,7 +52,7 @@ def test_a_v1_checkpoint_of_every_optimizer_resumes_bit_exactly(corpus, tmp_path
     straight = train_losses(tmp_path / "straight")
     assert sorted(resumed) == [3, 4] and all(resumed[step] == straight[step] for step in resumed)
     assert next(r for r in read_log(tmp_path / "resumed") if "resumed_from" in r)["changed"] == {}
-    again = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "latest.pt", verify=True)  # written as v2
+    again = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "latest.pt", verify=True)  # written as today's
     assert torch.load(tmp_path / "resumed" / "checkpoints" / "latest.pt", weights_only=False)["format"] == \
         CHECKPOINT_FORMAT and again["step"] == 4
 
@@ -86,40 +88,64 @@ def test_the_oldest_v1_layout_resumes_bit_exactly_with_its_gauge_state_and_prese
 def test_v1_configs_from_before_decay_groups_keep_their_meaning(tmp_path, embeddings, rest, meant):
     old = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {"optim": {
         "lr": 1.0, "decay_embeddings": embeddings, "decay_norms_and_biases": rest}}}
-    assert upgrade_v1(old, tmp_path / "x.pt", verify=False)["config"]["optim"]["decay_groups"] == meant
+    assert upgrade(old, tmp_path / "x.pt", verify=False)["config"]["optim"]["decay_groups"] == meant
     unset = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {"optim": {"lr": 1.0}}}
-    assert upgrade_v1(unset, tmp_path / "x.pt", verify=False)["config"]["optim"]["decay_groups"] == "matrices"
+    assert upgrade(unset, tmp_path / "x.pt", verify=False)["config"]["optim"]["decay_groups"] == "matrices"
 
 
-def test_the_v1_upgrade_fills_every_v2_entry_and_keeps_what_v1_said(tmp_path):
+def test_the_v1_upgrade_fills_every_entry_and_keeps_what_v1_said(tmp_path):
     old = {"format": "symgpt-checkpoint-v1", "step": 5, "model": {}, "sampler": {"seed": 1}, "metrics": {},
            "optimizers": [{"state": {}}], "hooks": {}, "loader": {}, "rng": {},
            "config": {"model": {}, "train": {"keep_checkpoints": False, "gauge": "project", "seed": 3},
                       "optim": {"decay_groups": "all"}, "research": {"gauge_every": 7}}}
-    new = upgrade_v1(old, tmp_path / "x.pt", verify=False)
-    assert new["format"] == CHECKPOINT_FORMAT and set(CONFIG_ENTRIES) <= set(new["config"])
+    new = upgrade(old, tmp_path / "x.pt", verify=False)
+    assert new["format"] == CHECKPOINT_FORMAT and set(CONFIG_ENTRIES) <= set(new["config"]) and new["kind"] == TRAINING
+    assert new["config"]["attention"] is None  # not recorded: readers take the default path
     assert new["optimizer"] == {"state": {}} and "optimizers" not in new and "sampler" not in new
     assert new["config"]["train"] == {"keep_checkpoints": 0, "seed": 3}
     assert new["config"]["research"] == {"gauge": "project", "gauge_every": 7, "gauge_project_velocity": False}
     assert new["config"]["data"] is None and new["config"]["preset"] is None and new["hooks"] == {}
     two = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {}, "optimizers": [{}, {}]}
     with pytest.raises(CheckpointError, match="2 optimizer states"):
-        upgrade_v1(two, tmp_path / "x.pt", verify=False)
+        upgrade(two, tmp_path / "x.pt", verify=False)
 
 
-def test_a_newer_or_incomplete_format_is_refused_naming_what_is_wrong(tmp_path):
-    torch.save({"format": "symgpt-checkpoint-v3", "step": 1}, tmp_path / "new.pt")
-    with pytest.raises(CheckpointError, match="format symgpt-checkpoint-v3, which this version does not read .* "
+def test_a_newer_or_incomplete_format_or_an_unknown_kind_is_refused_naming_what_is_wrong(tmp_path):
+    torch.save({"format": "symgpt-checkpoint-v9", "step": 1}, tmp_path / "new.pt")
+    with pytest.raises(CheckpointError, match="format symgpt-checkpoint-v9, which this version does not read .* "
                                               "update the code"):
         load_checkpoint(tmp_path / "new.pt")
     torch.save({"format": CHECKPOINT_FORMAT, "step": 1, "model": {}, "tied": {}, "config": {"model": {}}},
                tmp_path / "cut.pt")
-    with pytest.raises(CheckpointError, match="without metrics, config.train, config.research, config.optim, "
-                                              "config.data, config.preset"):
+    with pytest.raises(CheckpointError, match="without metrics, kind, config.train, config.research, config.optim, "
+                                              "config.data, config.preset, config.attention"):
         load_checkpoint(tmp_path / "cut.pt")
+    whole = {"format": CHECKPOINT_FORMAT, "step": 1, "model": {}, "tied": {}, "metrics": {},
+             "config": {key: {} for key in CONFIG_ENTRIES}}
+    torch.save({**whole, "kind": TRAINING, "optimizer": {}}, tmp_path / "training.pt")
+    with pytest.raises(CheckpointError, match="without loader, rng, hooks"):  # what resuming would need
+        load_checkpoint(tmp_path / "training.pt")
+    torch.save({**whole, "kind": "everything"}, tmp_path / "kind.pt")
+    with pytest.raises(CheckpointError, match="of kind 'everything', which this version does not know"):
+        load_checkpoint(tmp_path / "kind.pt")
     model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
-    with pytest.raises(ValueError, match="the config has no data, preset"):
-        model_checkpoint(model, {"model": {}, "train": {}, "research": {}, "optim": {}}, 0, {})
+    with pytest.raises(ValueError, match="it has no data, preset, attention"):
+        weights_checkpoint(model, {"model": {}, "train": {}, "research": {}, "optim": {}}, {"step": 0})
+
+
+def test_a_v2_checkpoint_reads_with_its_kind_made_explicit(tmp_path):
+    """v2 left the kind to the presence of an optimizer state and recorded no attention path; its checksum, over
+    the same tensors, still verifies."""
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    config = {key: {} for key in CONFIG_ENTRIES if key != "attention"}
+    for kind, extra in ((WEIGHTS, {}), (TRAINING, {"optimizer": {}, "loader": {}, "rng": {}, "hooks": {}})):
+        ckpt = weights_checkpoint(model, {**config, "attention": None}, {"step": 2}, **extra)
+        del ckpt["kind"], ckpt["config"]["attention"]
+        ckpt["format"] = "symgpt-checkpoint-v2"
+        save_checkpoint(tmp_path / f"{kind}.pt", ckpt)
+        loaded = load_checkpoint(tmp_path / f"{kind}.pt", verify=True)
+        assert loaded["format"] == CHECKPOINT_FORMAT and loaded["kind"] == kind
+        assert loaded["config"]["attention"] is None and loaded["step"] == 2
 
 
 def test_the_tied_embedding_is_stored_once_and_loads_back(corpus, tmp_path):
@@ -158,31 +184,36 @@ class Stateful:
 
 
 def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings(tmp_path):
-    """What a resumed run continues from: weights, optimizer state, loader position, hook state, RNG and Progress
-    as saved; the optimizer's hyperparameters as this run built them (flags given on --resume take effect)."""
-    def build(seed: int, lr: float):
+    """What a resumed run continues from, through a checkpoint file: weights, optimizer state, loader position, hook
+    state, RNG and Progress as saved; the optimizer's hyperparameters as this run built them (flags given on
+    --resume take effect). A checkpoint of model weights only has nothing to restore."""
+    def build(seed: int, lr: float) -> TrainingState:
         torch.manual_seed(seed)
         model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
-        return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+        return TrainingState(model, opt, settings, Stateful(None), Stateful(None), torch.device("cpu"))
 
-    model, opt = build(0, 1e-2)
-    model(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))[1].backward()
-    opt.step()
-    progress = Progress(step=3, tokens=96, train_time_s=1.5, val_loss=4.0, val_step=2)
+    saved = build(0, 1e-2)
+    saved.model(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))[1].backward()
+    saved.optimizer.step()
+    saved.loader.state, saved.hooks.state = {"position": 7}, {"gauge": {"mode": "correct"}}
+    saved.progress = Progress(step=3, tokens=96, train_time_s=1.5, val_loss=4.0, val_step=2)
     rng = torch.get_rng_state()
-    ckpt = training_checkpoint(model, {key: {} for key in CONFIG_ENTRIES}, dataclasses.asdict(progress),
-                               opt.state_dict(), Stateful({"position": 7}), [Stateful({"mode": "correct"})])
-    save_checkpoint(tmp_path / "a.pt", ckpt)
+    config = {key: {} for key in CONFIG_ENTRIES}
+    save_checkpoint(tmp_path / "a.pt", training_checkpoint(config, saved.state_dict()))
     torch.rand(5)  # the RNG moves on; restoring puts it back
-    fresh, fresh_opt = build(1, 5e-4)
-    loader, hook = Stateful(None), Stateful(None)
-    restored = restore_training_state(load_checkpoint(tmp_path / "a.pt"), fresh, fresh_opt,
-                                      [{k: v for k, v in g.items() if k != "params"} for g in fresh_opt.param_groups],
-                                      loader, [hook], torch.device("cpu"))
-    assert restored == progress and loader.state == {"position": 7} and hook.state == {"mode": "correct"}
-    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
-    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    assert fresh_opt.param_groups[0]["lr"] == 5e-4 and torch.equal(torch.get_rng_state(), rng)
+    fresh = build(1, 5e-4)
+    fresh.load_state_dict(load_checkpoint(tmp_path / "a.pt"))
+    assert fresh.progress == saved.progress and fresh.loader.state == {"position": 7}
+    assert fresh.hooks.state == {"gauge": {"mode": "correct"}}
+    assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), saved.model.state_dict().values()))
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"],
+                       saved.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fresh.optimizer.param_groups[0]["lr"] == 5e-4 and torch.equal(torch.get_rng_state(), rng)
+    save_checkpoint(tmp_path / "w.pt", weights_checkpoint(saved.model, config, {"step": 3}))
+    with pytest.raises(CheckpointError, match="of kind weights holds no training state"):
+        fresh.load_state_dict(load_checkpoint(tmp_path / "w.pt"))
 
 
 def test_a_target_is_reached_once_at_the_first_validation_at_or_below_it():
@@ -199,8 +230,9 @@ def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
     opt.step()
-    config = {key: {} for key in CONFIG_ENTRIES}
-    save_checkpoint(tmp_path / "a.pt", model_checkpoint(model, config, 1, {"tokens": 4}, optimizer=opt.state_dict()))
+    state = {"model": model.state_dict(keep_vars=True), "optimizer": opt.state_dict(), "loader": {}, "rng": {},
+             "hooks": {}, "metrics": {"step": 1, "tokens": 4}}
+    save_checkpoint(tmp_path / "a.pt", training_checkpoint({key: {} for key in CONFIG_ENTRIES}, state))
     raw = torch.load(tmp_path / "a.pt", weights_only=False)
     assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
     assert tensor_checksum(raw) == raw["checksum"]
@@ -296,6 +328,6 @@ def test_a_v1_checkpoint_without_a_preset_takes_it_from_its_runs_config_json(tmp
     (tmp_path / "config.json").write_text(json.dumps({"preset": {"name": "smoke"}}))
     (tmp_path / "checkpoints").mkdir()
     old = {"format": "symgpt-checkpoint-v1", "step": 1, "model": {}, "config": {}}
-    new = upgrade_v1(old, tmp_path / "checkpoints" / "latest.pt", verify=False)
+    new = upgrade(old, tmp_path / "checkpoints" / "latest.pt", verify=False)
     assert new["config"]["preset"] == "smoke"
     assert json.loads((tmp_path / "config.json").read_text()) == {"preset": {"name": "smoke"}}

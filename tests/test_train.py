@@ -19,7 +19,7 @@ import config
 import train_gpt
 from data import lookup
 from eval import report, val_loss
-from run.checkpoint import load_checkpoint, run_dir_of
+from run.checkpoint import CHECKPOINT_FORMAT, load_checkpoint, run_dir_of
 from run.log import RunLog, read_log
 from run.process import batch_layout, setup_process
 from tests.helpers import (ENV, VOCAB, resume_in_new_directory, stop_held_trainer, tiny_args, torchrun,
@@ -244,7 +244,7 @@ def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
     torch.save({"w": torch.zeros(2)}, foreign)
     notes = tmp_path / "notes.txt"
     notes.write_text("hello")
-    for path, reason in ((foreign, "not a symgpt-checkpoint-v2 checkpoint"), (notes, "not a readable checkpoint")):
+    for path, reason in ((foreign, f"not a {CHECKPOINT_FORMAT} checkpoint"), (notes, "not a readable checkpoint")):
         with pytest.raises(SystemExit):
             train_gpt.parse_config(["--resume", str(path)])
         assert f"{path}: {reason}" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""The README's layer diagram as a checked claim (README.md#layout): every import of every module of the repository,
+at the top of a module or inside a function, goes to a layer left of the importer's or stays in its own package;
+kernels imports nothing else of the project; only train_gpt imports hooks; nothing but grid imports eval; no module
+imports itself through a chain of others. The diagram is read from the README, so the page and the code cannot
+drift apart."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from run.directory import imported_names, module_file, trainer_sources
+from tests.helpers import ROOT, repository_modules
+
+MODULES = repository_modules()
+# A chain of layers: `a`, `b` ← `c` ← ... (a backticked name per top-level module or package, layers split by ←).
+LAYER_CHAIN = re.compile(r"`[\w.]+`(?:,\s*`[\w.]+`)*(?:\s*←\s*`[\w.]+`(?:,\s*`[\w.]+`)*)+")
+
+
+def readme_layers() -> dict[str, int]:
+    """{top-level module or package: its layer, 0 at the left} from the longest chain in README.md's Layout."""
+    text = (ROOT / "README.md").read_text()
+    layout = text[text.index("## Layout"):text.index("\n## ", text.index("## Layout") + 1)]
+    chain = max(LAYER_CHAIN.findall(layout), key=len)
+    return {name: layer for layer, group in enumerate(chain.split("←")) for name in re.findall(r"`([\w.]+)`", group)}
+
+
+def project_imports() -> dict[str, set[str]]:
+    """{module: the repository modules its import statements name}, each name taken to its longest prefix that is a
+    module of the repository (`from run import checkpoint` names run and run.checkpoint; `import torch` none)."""
+    def resolve(name: str) -> str | None:
+        parts = name.split(".")
+        return next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in MODULES), None)
+
+    return {module: {target for name in imported_names(module_file(module))
+                     if (target := resolve(name)) not in (None, module)} for module in MODULES}
+
+
+GRAPH = project_imports()
+LAYERS = readme_layers()
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_module_is_in_a_layer_of_the_readme_diagram():
+    missing = sorted({top(m) for m in MODULES} - set(LAYERS))
+    assert not missing, f"not in README.md's layer diagram (## Layout): {missing}"
+    unknown = sorted(set(LAYERS) - {top(m) for m in MODULES})
+    assert not unknown, f"README.md's layer diagram names what is no module of the repository: {unknown}"
+
+
+def test_every_import_goes_to_a_layer_to_the_left_or_stays_in_its_package():
+    wrong = [f"{a} (layer {LAYERS[top(a)]}) imports {b} (layer {LAYERS[top(b)]})"
+             for a, targets in GRAPH.items() for b in sorted(targets)
+             if top(a) != top(b) and LAYERS[top(b)] >= LAYERS[top(a)]]
+    assert not wrong, "imports against README.md's layer diagram:\n" + "\n".join(wrong)
+
+
+def test_kernels_import_nothing_of_the_project():
+    """Each kernel travels and is tested on its own, beside its reference."""
+    reached = sorted(f"{a} imports {b}" for a, targets in GRAPH.items() if top(a) == "kernels"
+                     for b in targets if top(b) != "kernels")
+    assert not reached, reached
+
+
+@pytest.mark.parametrize("imported, allowed", [
+    ("eval", {"eval", "grid"}),  # the evaluations are a tool: only grid, the top layer, calls them
+    ("hooks", {"train_gpt"}),  # the gauge mathematics stays out of the configuration and the checkpoint readers
+])
+def test_only_the_modules_allowed_import_these(imported, allowed):
+    importers = sorted({a for a, targets in GRAPH.items() for b in targets
+                        if top(b) == imported and top(a) not in allowed})
+    assert not importers, f"{imported} is imported by {importers}; only {sorted(allowed)} may"
+
+
+def test_no_module_imports_itself_through_others():
+    """Depth-first search for a cycle; the failure names one."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+
+    def cycle_from(module: str, path: list[str]) -> list[str] | None:
+        state[module] = "open"
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [module, target] if target in path else [module, target]
+            if target not in state and (found := cycle_from(target, path + [module])):
+                return found
+        state[module] = "done"
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            found = cycle_from(module, [])
+            assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_the_run_directory_keeps_the_trainers_modules_derived_from_its_imports():
+    """<run>/code keeps what train_gpt's imports reach: the kernel imported inside a function too, no tool above the
+    trainer."""
+    kept = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in trainer_sources()}
+    reached, todo = set(), ["train_gpt"]
+    while todo:
+        module = todo.pop()
+        if module not in reached:
+            reached.add(module)
+            todo.extend(GRAPH[module] | {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)})
+    assert kept == reached
+    assert {"kernels.attention", "hooks", "gauge.updates", "run.checkpoint"} <= kept
+    assert not {top(m) for m in kept} & {"eval", "grid", "bench", "sample", "export", "tests"}
