@@ -22,6 +22,7 @@ import train_gpt
 from optim import OPTIMIZERS
 from run import capture
 from run.log import RunLog
+from run.process import setup_process
 from tests.helpers import tiny_args, train_losses
 
 OPTIMIZER_FLAGS = {"adamw": {}, "sgdm": {}, "ecd": {}, "muon": {}, "soap": {"soap-precondition-frequency": 3}}
@@ -105,7 +106,7 @@ class OpTrace(TorchDispatchMode):
 def build_trainer(corpus, tmp_path, optimizer: str) -> train_gpt.Trainer:
     cfg = train_gpt.parse_config(run_flags(corpus, tmp_path, optimizer, optimizer, steps=20,
                                            **{"compile-mode": "reduce-overhead"}))
-    trainer = train_gpt.Trainer(cfg, train_gpt.setup_process(cfg.train), RunLog(True))
+    trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.build_step_model()
     return trainer
 
@@ -260,7 +261,7 @@ def test_a_run_that_cannot_be_captured_says_why_and_trains_in_the_default_mode(c
     train_gpt.main(tiny_args(corpus, tmp_path, "gauge", steps=3, **{"val-every": 0, "compile-mode": "reduce-overhead",
                                                                      "gauge": "dress"}))
     text = (tmp_path / "gauge" / "log.txt").read_text()
-    assert ("--compile-mode reduce-overhead: no CUDA graph: GaugeStep acts on each step from the host; the step runs "
+    assert ("--compile-mode reduce-overhead: no CUDA graph: --gauge dress acts on each step from the host; the step runs "
             "in the default mode") in text
     assert len(train_losses(tmp_path / "gauge")) == 3
 
@@ -271,7 +272,7 @@ def test_each_reason_a_step_cannot_be_captured_is_one_line(corpus, tmp_path):
     ecd = OPTIMIZERS["ecd"].build(model, cfg.optim)
     assert "--ecd-nu 0" in capture.graph_problem(1, [], ecd)
     assert "2 processes" in capture.graph_problem(2, [], ecd)
-    assert capture.graph_problem(1, ["GaugeStep"], ecd) == "GaugeStep acts on each step from the host"
+    assert capture.graph_problem(1, ["--gauge dress"], ecd) == "--gauge dress acts on each step from the host"
     bf16 = OPTIMIZERS["soap"].build(train_gpt.GPT(cfg.model), OPTIMIZERS["soap"].config(optim_state_dtype="bf16"))
     assert capture.graph_problem(1, [], bf16) is None  # the CPU rounds to nearest: nothing seeded per step
     bf16.fused = True  # the Triton kernels round stochastically with a seed per step
