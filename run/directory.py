@@ -10,6 +10,7 @@ and logs. Importing this module has no side effects.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -140,9 +141,18 @@ class RunDirectory:
             shutil.copyfile(source, target)
 
 
-def imported_names(path: Path) -> set[str]:
+def imported_names(path: Path) -> frozenset[str]:
     """The dotted names the import statements of source file `path` name, at the top and inside functions (for
-    `from a import b`, a and a.b: b may be a module). The repository writes every import absolute."""
+    `from a import b`, a and a.b: b may be a module). The repository writes every import absolute. Each version of
+    a file (its modification time and size) is parsed once per process: a process that opens many runs (a notebook,
+    the test suite) does not parse the tree again for each."""
+    stat = path.stat()
+    return _imported_names(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _imported_names(path: Path, mtime_ns: int, size: int) -> frozenset[str]:
+    """imported_names of one version of the file (the cache's key: its path, modification time and size)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.ImportFrom) and node.level:
@@ -151,7 +161,7 @@ def imported_names(path: Path) -> set[str]:
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
-    return names
+    return frozenset(names)
 
 
 def module_file(name: str) -> Path | None:

@@ -108,3 +108,12 @@ def test_the_run_directory_keeps_the_trainers_modules_derived_from_its_imports()
     assert kept == reached
     assert {"kernels.attention", "hooks", "gauge.updates", "run.checkpoint"} <= kept
     assert not {top(m) for m in kept} & {"eval", "grid", "bench", "sample", "export", "tests"}
+
+
+def test_imported_names_reads_a_file_again_once_it_changed(tmp_path):
+    """Parsed once per version of a file: an edit (another size or modification time) is seen by the next call."""
+    source = tmp_path / "module.py"
+    source.write_text("import fileio\n")
+    assert imported_names(source) == {"fileio"}
+    source.write_text("import fileio\n\ndef late():\n    from run import log\n")
+    assert imported_names(source) == {"fileio", "run", "run.log"}
