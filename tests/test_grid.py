@@ -1,6 +1,7 @@
-"""python -m grid (docs/grid.md): a grid of tiny CPU runs with 2 workers finishes, reports and compares; the same
-command again starts nothing; a refused or failing run does not stop the others; SIGINT then the same command gives
-runs bit-identical to uninterrupted ones; the plan from a TOML file, GPU placement, the Slurm script, the errors."""
+"""python -m grid (docs/grid.md): a paper grid file at the CPU scale, cut to 2 x 2 tiny runs on 2 workers, finishes,
+reports, compares and scores (every cell not comparable); the same command again starts nothing; a refused or
+failing run does not stop the others; SIGINT then the same command gives runs bit-identical to uninterrupted ones;
+the plan from a TOML file, GPU placement, the Slurm script, the errors."""
 from __future__ import annotations
 
 import io
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import train_gpt
 from run.checkpoint import load_checkpoint
 from run.log import read_log
 from data.shards import write_shard
@@ -43,11 +45,6 @@ def tiny_flags(tmp_path_factory) -> list[str]:
             "--log-every", "1"]
 
 
-def grid(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=600, **kwargs)
-
-
 def markdown_rows(text: str, heading: str) -> list[list[str]]:
     """The header and body rows of the first Markdown table after `heading`."""
     lines = text.split(heading, 1)[1].splitlines()
@@ -62,14 +59,19 @@ def started(directory: Path) -> list[str]:
 
 
 @pytest.mark.serial
-def test_a_2x2_grid_finishes_reports_and_compares_and_the_same_command_starts_nothing(tmp_path, tiny_flags, capsys):
-    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "optimizer=adamw,sgdm", "--axis",
-            "bias-mode=none,bqbv", "--workers", "2", "--", *tiny_flags, "--steps", "3"]
-    first = grid(args)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    directory = tmp_path / "g"
-    names = ["optimizer=adamw,bias-mode=none", "optimizer=adamw,bias-mode=bqbv", "optimizer=sgdm,bias-mode=none",
-             "optimizer=sgdm,bias-mode=bqbv"]
+def test_a_2x2_paper_grid_at_cpu_scale_finishes_reports_compares_and_scores_and_the_same_command_starts_nothing(
+        tmp_path, capsys):
+    """Table 1's grid file at --scale cpu on the default data, cut to 2 optimizers x 2 bias modes x 1 seed of a
+    1-layer, 16-wide model: each run trains and is reported, the grid compares them and scores them against the
+    paper's cells, every one not comparable at this scale."""
+    args = ["--grid", str(ROOT / "grids" / "table1.toml"), "--scale", "cpu", "--run-dir", str(tmp_path), "--axis",
+            "optimizer=adamw,sgdm", "--axis", "seed=42", "--workers", "2", "--", "--n-layer", "1", "--n-embd", "16",
+            "--seq-len", "16", "--batch-tokens", "32", "--micro-batch", "2", "--val-tokens", "32", "--steps", "3",
+            "--val-every", "3", "--log-every", "1"]
+    assert main(args) == 0, capsys.readouterr().err[-3000:]
+    first = capsys.readouterr().out
+    directory = tmp_path / "table1-cpu"
+    names = [f"optimizer={o},bias-mode={b},seed=42" for o in ("adamw", "sgdm") for b in ("none", "bqbv")]
     assert sorted(started(directory)) == sorted(names)
     for name in names:
         assert read_log(directory / name)[-1]["summary"] and read_log(directory / name)[-1]["step"] == 3
@@ -82,16 +84,22 @@ def test_a_2x2_grid_finishes_reports_and_compares_and_the_same_command_starts_no
     assert pivot[0] == ["optimizer and settings", "symmetric (none)", "b_Q + b_V (bqbv)", "Δ b_Q + b_V"]
     assert [row[0] for row in pivot[1:]] == ["adamw", "sgdm"]
     assert all(row[3].startswith(("+", "-")) for row in pivot[1:])  # the Δ column
-    assert (directory / "compare_loss.png").is_file() and f"comparison: {directory / 'compare.md'}" in first.stdout
+    assert (directory / "compare_loss.png").is_file() and f"comparison: {directory / 'compare.md'}" in first
+    assert "scorecard.md" in first
+    cells = json.loads((directory / "scorecard.json").read_text())["cells"]
+    with_runs = [c for c in cells if c["verdict"] != "no run"]
+    assert with_runs and all(c["verdict"] == "not comparable" for c in with_runs)
+    assert any(c["ours"] is not None for c in with_runs)  # the path computed our numbers, and still no verdict
+    top = (directory / "scorecard.md").read_text().split("**The rule.**")[0]
+    assert f"every one of the {len(with_runs)} cells with runs is not comparable" in top
 
-    again = grid(args)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 to start, 0 to resume, 4 finished" in again.stdout
+    assert main(args) == 0, capsys.readouterr().err[-3000:]
+    assert "0 to start, 0 to resume, 4 finished" in capsys.readouterr().out
     assert sorted(started(directory)) == sorted(names)  # no run started a second time
 
     assert main(["status", str(directory)]) == 0
     status = capsys.readouterr().out
-    assert "grid g: 4 runs: 4 finished" in status and "3/3" in status and "CPU worker" in status
+    assert "grid table1-cpu: 4 runs: 4 finished" in status and "3/3" in status and "CPU worker" in status
 
 
 def without(flags: list[str], *names: str) -> list[str]:
@@ -104,13 +112,13 @@ def without(flags: list[str], *names: str) -> list[str]:
 def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags, capsys):
     args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "n-head=2,3", "--axis", "val-tokens=32,100000000",
             "--workers", "2", "--no-report", "--", *without(tiny_flags, "--n-head", "--val-tokens"), "--steps", "2"]
-    result = grid(args)
-    assert result.returncode == 1, result.stderr[-3000:]
+    assert main(args) == 1
+    stderr = capsys.readouterr().err
     directory = tmp_path / "g"
     assert read_log(directory / "n-head=2,val-tokens=32")[-1]["summary"]
     assert started(directory) == ["n-head=2,val-tokens=32", "n-head=2,val-tokens=100000000"]  # n-head 3: refused
-    assert ("NOT FINISHED n-head=3,val-tokens=32: --n-embd 16 must be divisible by --n-head 3" in result.stderr)
-    failure = result.stderr.split("NOT FINISHED n-head=2,val-tokens=100000000: failed", 1)[1]
+    assert ("NOT FINISHED n-head=3,val-tokens=32: --n-embd 16 must be divisible by --n-head 3" in stderr), stderr
+    failure = stderr.split("NOT FINISHED n-head=2,val-tokens=100000000: failed", 1)[1]
     assert "--val-tokens" in failure  # the last lines of the run's output, which name the cause
     assert Journal(directory).states()["n-head=2,val-tokens=100000000"]["state"] == "failed"
 
@@ -125,18 +133,16 @@ def test_a_refused_and_a_failing_run_do_not_stop_the_others(tmp_path, tiny_flags
 
 @pytest.mark.serial
 def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes_them_bit_identically(
-        tmp_path, tiny_flags, capsys):
-    def args(name: str) -> list[str]:
-        return ["--name", name, "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "2", "--no-report",
-                "--", *tiny_flags, "--steps", "8"]
-    assert grid(args("straight")).returncode == 0
-    proc = subprocess.Popen([sys.executable, "-m", "grid", *args("stopped")], cwd=ROOT, env=held_env(3, ENV),
+        tmp_path, tiny_flags, capsys, one_thread):
+    args = ["--name", "stopped", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "2", "--no-report",
+            "--", *tiny_flags, "--steps", "8"]
+    proc = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=held_env(3, ENV),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = PipedLines(proc)  # each run holds after step 3 until the grid passes the signal on
     outputs = [tmp_path / "stopped" / "logs" / f"seed={seed}.log" for seed in (1, 2)]
     wait_until(lambda: all(p.is_file() and "held after step 3" in p.read_text() for p in outputs),
                "both runs holding after step 3")
-    assert main(args("stopped")) == 2  # a second grid process on the same directory is refused
+    assert main(args) == 2  # a second grid process on the same directory is refused
     assert f"{tmp_path / 'stopped'} is in use by grid pid {proc.pid}" in capsys.readouterr().err
     assert main(["status", str(tmp_path / "stopped")]) == 0  # from another terminal
     assert f"running: grid pid {proc.pid} on host" in capsys.readouterr().out
@@ -149,12 +155,13 @@ def test_sigint_stops_every_run_with_a_checkpoint_and_the_same_command_completes
     assert kept == ["seed=1", "seed=2"], states  # each stopped where it was, with a checkpoint
 
     before = len(Journal(tmp_path / "stopped").records())
-    again = grid(args("stopped"))
-    assert again.returncode == 0, again.stderr[-3000:]
+    assert main(args) == 0, capsys.readouterr().err[-3000:]  # the same command
     resumed = [r["run"] for r in Journal(tmp_path / "stopped").records()[before:] if r.get("state") == "running"
                and r["resume"]]
     assert resumed == kept
-    for seed in (1, 2):
+    for seed in (1, 2):  # uninterrupted runs with the flags the grid gives, trained here (one thread, as its workers)
+        train_gpt.main([*tiny_flags, "--steps", "8", f"--seed={seed}", "--run-dir", str(tmp_path / "straight"),
+                        "--run-name", f"seed={seed}"])
         done, straight = (tmp_path / name / f"seed={seed}" for name in ("stopped", "straight"))
         a = load_checkpoint(done / "checkpoints" / "latest.pt")["model"]
         b = load_checkpoint(straight / "checkpoints" / "latest.pt")["model"]

@@ -23,7 +23,7 @@ from grid.__main__ import main
 from grid.execute import Journal
 from run.log import read_log
 from tests.helpers import ROOT
-from tests.test_grid import ENV, grid, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
+from tests.test_grid import ENV, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
 
 
 def wait_for(condition, what: str, timeout: float = 300.0) -> None:
