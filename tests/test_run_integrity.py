@@ -5,6 +5,7 @@ the advice of a non-finite stop after a resume, and a refusal reaches every rank
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import export
 import sample
 import train_gpt
 from eval import dynamics, val_loss
+from run.directory import RunDirectory
 from run.log import read_log
 from run.stop import non_finite_stop_message
 from tests.helpers import ENV, ROOT, tiny_args, train_losses, write_v1_checkpoint
@@ -197,16 +199,12 @@ def test_a_refusal_by_rank_0_ends_every_rank_with_its_one_line_message(corpus, t
     assert 'train_gpt.py", line' not in result.stderr and "rank 0 could not" not in result.stderr
 
     train_gpt.main(tiny_args(corpus, tmp_path, "owned", steps=1, **{"val-every": 0}))
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from pathlib import Path; from run.directory import RunDirectory; "
-                               f"owner = RunDirectory(Path({str(tmp_path / 'owned')!r})); "
-                               "owner.claim(new_run=False); print('held', flush=True); time.sleep(600)"], env=ENV,
-                              stdout=subprocess.PIPE, text=True)
+    owner = RunDirectory(tmp_path / "owned")  # this process holds the run, as its trainer would
+    owner.claim(new_run=False)
     try:
-        assert holder.stdout.readline().strip() == "held"
         result = torchrun_with(["--resume", str(tmp_path / "owned"), "--steps", "2"])
     finally:
-        holder.kill()
-        holder.wait()
-    refusal = f"error: {tmp_path / 'owned'} is in use by pid {holder.pid} on host"
+        owner.release()
+    refusal = f"error: {tmp_path / 'owned'} is in use by pid {os.getpid()} on host"
     assert result.returncode != 0 and refusal in result.stderr, result.stderr[-3000:]
     assert 'train_gpt.py", line' not in result.stderr and "Connection closed by peer" not in result.stderr
