@@ -30,6 +30,7 @@ import subprocess
 import tempfile
 import time
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -228,6 +229,38 @@ def print_row(row: dict) -> None:
           f"{row['build_s']:>5.1f}{'  <- ' + flags if flags else ''}", flush=True)
 
 
+def build_all(targets: list[str], subset: bool, autotune_tiles: bool = False,
+              show: Callable[[dict], None] = lambda row: None) -> list[dict]:
+    """Every captured launch (`captured`) built for each of `targets` in a fresh Triton cache, so that every build
+    runs ptxas and reports: a row per build (build's, with its `problems`, or the build error: a result too), each
+    also marked `shipped` (False for an autotuning candidate) and passed to `show` as it is made."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope():
+        triton.knobs.cache.dir = cache
+        for name in targets:
+            target = TARGETS[name]
+            for launch in captured(target.arch, subset, autotune_tiles):
+                try:
+                    row = build(launch, target)
+                except Exception as exc:  # a build error is a result: report it and go on
+                    row = {"kernel": launch.kernel.fn.__name__.lstrip("_"), "config": launch.label, "target": name,
+                           "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                else:
+                    row["problems"] = problems(row)
+                row["shipped"] = launch.shipped
+                show(row)
+                rows.append(row)
+    return rows
+
+
+def show_row(row: dict) -> None:
+    """One build's line as it is made: its figures, or its build error."""
+    if "error" in row:
+        print(f"{row['target']:>6} {row['kernel']:<20} {row['config']:<28} build error: {row['error']}", flush=True)
+    else:
+        print_row(row)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(module="bench.kernels", description=__doc__)
     parser.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS, reverse=True),
@@ -243,24 +276,8 @@ def main(argv: list[str] | None = None) -> int:
           "SASS instructions, HGMMA, HMMA, TMA, widest global load (bits), build seconds")
     print(f"{'target':>6} {'kernel':<20} {'config':<28} {'tile':>5} {'regs':>4} {'spill':>6} {'smem':>7} {'instr':>6} "
           f"{'hgmma':>5} {'hmma':>5} {'tma':>3} {'ld':>4} {'s':>5}")
-    rows, failed = [], 0
-    with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope():
-        triton.knobs.cache.dir = cache  # a fresh cache: every build runs ptxas (and reports)
-        for name in args.targets:
-            target = TARGETS[name]
-            for launch in captured(target.arch, args.subset, args.autotune_tiles):
-                try:
-                    row = build(launch, target)
-                except Exception as exc:  # a build error is a result: report it and go on
-                    row = {"kernel": launch.kernel.fn.__name__.lstrip("_"), "config": launch.label, "target": name,
-                           "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-                    print(f"{name:>6} {row['kernel']:<20} {row['config']:<28} build error: {row['error']}",
-                          flush=True)
-                else:
-                    row["problems"] = problems(row)
-                    print_row(row)
-                failed += launch.shipped and bool("error" in row or row["problems"])
-                rows.append(row)
+    rows = build_all(args.targets, args.subset, args.autotune_tiles, show_row)
+    failed = sum(row["shipped"] and bool("error" in row or row["problems"]) for row in rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"{len(rows)} builds, {failed} shipped with problems")

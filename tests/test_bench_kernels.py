@@ -1,29 +1,22 @@
 """bench.kernels on the CPU: the GPT-2 training configuration of every Triton kernel built offline for sm_90 and
 sm_80 with Triton's run-time specialisation (no spills, within shared memory, wgmma on Hopper, 16-byte loads where
-the ECD table is aligned). The full set is `python -m bench.kernels` (about a minute more)."""
+the ECD table is aligned), built in this process as `python -m bench.kernels --subset` builds them; the command's
+JSON and exit status. The full set is `python -m bench.kernels` (about a minute more)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from bench import kernels as bench_kernels
 
-ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow  # 22 offline builds: ~35 s on 2 busy cores
+pytestmark = pytest.mark.slow  # 24 offline builds: ~15 s on 2 busy cores
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("kernels") / "kernels.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.kernels", "--subset", "--json", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+def rows() -> list[dict]:
+    return bench_kernels.build_all(sorted(bench_kernels.TARGETS, reverse=True), subset=True)
 
 
 def by(rows: list[dict], target: str, kernel: str, config: str = "d64 bf16 biases causal") -> dict:
@@ -37,7 +30,7 @@ def test_every_kernel_builds_for_both_targets_without_spills(rows: list[dict]) -
     for target in ("sm_90", "sm_80"):
         assert {r["kernel"] for r in rows if r["target"] == target} == kernels
     for row in rows:
-        assert "error" not in row and row["problems"] == [] and row["registers"] > 0, row
+        assert "error" not in row and row["problems"] == [] and row["registers"] > 0 and row["shipped"], row
         assert row["spill_bytes"] == 0 and row["shared_bytes"] <= bench_kernels.SHARED_LIMIT[int(row["target"][3:])]
 
 
@@ -85,3 +78,28 @@ def test_problems_are_spills_and_shared_memory_over_the_limit() -> None:
     assert bench_kernels.problems({**ok, "spill_bytes": 8}) == ["spills 8 bytes"]
     assert bench_kernels.problems({**ok, "shared_bytes": 200_000}) == ["shared memory 200000 > 166912 bytes"]
     assert bench_kernels.problems({**ok, "target": "sm_90", "shared_bytes": 200_000}) == []
+
+
+def test_the_command_writes_every_row_and_exits_1_only_for_a_shipped_build_with_a_problem(tmp_path, monkeypatch,
+                                                                                          capsys):
+    ok = {"kernel": "attn_fwd", "config": "d64", "target": "sm_90", "warps": 4, "stages": 3, "registers": 100,
+          "spill_bytes": 0, "shared_bytes": 1024, "instructions": 10, "hgmma": 1, "hmma": 0, "tma": 0,
+          "widest_load_bits": 128, "build_s": 0.1, "problems": [], "shipped": True}
+    built = []
+
+    def build_all(targets, subset, autotune_tiles, show):
+        for row in built:
+            show(row)
+        return built
+
+    monkeypatch.setattr(bench_kernels, "build_all", build_all)
+    for spilled, code in ((False, 0), (True, 1)):
+        built[:] = [ok, {**ok, "kernel": "attn_bwd_dq", "spill_bytes": 8, "problems": ["spills 8 bytes"],
+                         "shipped": spilled}, {"kernel": "apply_update_kernel", "config": "Π fp32", "target": "sm_80",
+                                               "error": "RuntimeError: ptxas failed", "shipped": False}]
+        out = tmp_path / f"rows_{spilled}.json"
+        assert bench_kernels.main(["--subset", "--json", str(out)]) == code  # autotuning candidates are flagged only
+        assert json.loads(out.read_text()) == built
+        text = capsys.readouterr().out
+        assert "attn_bwd_dq" in text and "<- spills 8 bytes" in text and "build error: RuntimeError" in text
+        assert text.rstrip().endswith(f"3 builds, {int(spilled)} shipped with problems")
