@@ -1,12 +1,14 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
 the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
-output, torchrun, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+output, gloo ranks (started as torchrun starts them, or under torchrun itself), the v1 checkpoint layouts, and the
+TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -165,10 +167,38 @@ def stop_held_trainer(args: list[str], step: int, signum: int) -> str:
     return output.text()
 
 
-def torchrun(args: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    """The trainer under torchrun with `nproc` gloo processes, output captured."""
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(ROOT / "train_gpt.py"), *args], env=ENV, capture_output=True, text=True, timeout=300)
+def ranks(args: list[str], nproc: int = 2, script: Path = ROOT / "train_gpt.py",
+          timeout: float = 300) -> subprocess.CompletedProcess:
+    """`script` (the trainer) on `nproc` gloo ranks started as torchrun starts its workers, without torchrun's own
+    interpreter: each rank a process with RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE and the address of a
+    store this process hosts, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE: no port is chosen and left
+    free for another process to take). For what ranks compute; what the launcher does (passing a signal on,
+    stopping the other ranks) is tested under torchrun (torchrun_in_background). A rank that fails stops the
+    others, as under torchrun. Returns the ranks' output (each rank's in turn) and the first failure's exit code."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    common = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(nproc),
+              "LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    with tempfile.TemporaryDirectory() as logs:
+        outputs = [(Path(logs) / f"{rank}.out", Path(logs) / f"{rank}.err") for rank in range(nproc)]
+        procs = []
+        for rank, (out, err) in enumerate(outputs):
+            with open(out, "w") as stdout, open(err, "w") as stderr:
+                procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=stdout, stderr=stderr,
+                                              env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        try:
+            wait_until(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs),
+                       f"{nproc} ranks of {script.name} to end", timeout)
+            failures = [p.returncode for p in procs if p.poll()]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        return subprocess.CompletedProcess(args, failures[0] if failures else 0,
+                                           "".join(out.read_text() for out, _ in outputs),
+                                           "".join(err.read_text() for _, err in outputs))
 
 
 def torchrun_in_background(args: list[str], nproc: int = 2, env: dict[str, str] = ENV) -> subprocess.Popen:

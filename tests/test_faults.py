@@ -19,7 +19,7 @@ from eval import compare, report
 from run.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
 from run.directory import RunDirectory, run_holds_checkpoint
 from run.log import read_log
-from tests.helpers import ENV, ROOT, VOCAB, PipedLines, held_env, tiny_args, torchrun_in_background
+from tests.helpers import ENV, ROOT, VOCAB, PipedLines, held_env, ranks, tiny_args, torchrun_in_background
 
 
 def run_in_background(args: list[str], env: dict[str, str] = ENV) -> subprocess.Popen:
@@ -131,13 +131,11 @@ def test_validation_loss_is_the_same_on_1_2_and_3_ranks(corpus, tmp_path):
     script.write_text(VALIDATE)
     one = validation_losses(str(corpus / "syn_val_*.bin"))
     for world in (2, 3):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={world}", str(script), str(corpus / "syn_val_*.bin")],
-                              env=ENV, capture_output=True, text=True, timeout=300)
+        proc = ranks([str(corpus / "syn_val_*.bin")], world, script)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+        spread = json.loads(proc.stdout.strip().splitlines()[-1])
         for objective, losses in one.items():
-            assert ranks[objective] == pytest.approx(losses, rel=1e-6, abs=0), (world, objective)
+            assert spread[objective] == pytest.approx(losses, rel=1e-6, abs=0), (world, objective)
     for losses in one.values():
         assert len({round(x, 4) for x in losses}) == 3  # three different budgets, three different numbers
 

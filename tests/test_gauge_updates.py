@@ -27,7 +27,7 @@ from gauge.updates import (
 from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
 from variants import ResearchConfig
-from tests.helpers import (ROOT, resume_in_new_directory, tiny_args, tiny_gpt, torchrun, train_losses,
+from tests.helpers import (ROOT, ranks, resume_in_new_directory, tiny_args, tiny_gpt, train_losses,
                            write_v1_checkpoint)
 
 F64 = torch.float64
@@ -488,7 +488,7 @@ def test_two_gloo_ranks_match_one_with_a_gauge(corpus, tmp_path, one_thread, opt
     Newton-Schulz differs by ~2e-5 between 1 and 2 ranks even without a gauge, so it cannot show such a match."""
     common = {"steps": 8, "val-every": 0, "optimizer": optimizer, "gauge": mode, "gauge-every": 2}
     train_gpt.main(tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2}))
-    result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
+    result = ranks(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
     assert result.returncode == 0, result.stderr[-3000:]
     single, double = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert sorted(single) == sorted(double) == list(range(1, 9))

@@ -1,5 +1,5 @@
 """ECD, SOAP, Muon and SGDM (from its random initial velocity) inside train_gpt: resume reproduces the trajectory,
-and ECD under torchrun (2 gloo ranks, no DDP: the optimizer reduces its own gradients) matches one process."""
+and ECD on 2 gloo ranks (no DDP: the optimizer reduces its own gradients) matches one process."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import train_gpt
-from tests.helpers import resume_in_new_directory, tiny_args, torchrun, train_losses
+from tests.helpers import ranks, resume_in_new_directory, tiny_args, train_losses
 
 FLAGS = {"ecd": {"lr": 0.5, "ecd-f0": 0.0}, "soap": {"lr": 3e-3}, "muon": {"lr": 3e-3, "muon-lr": 0.01},
          "sgdm": {"lr": 0.03, "initial-velocity-std": 0.1}}
@@ -36,7 +36,7 @@ def test_resume_reproduces_the_trajectory(corpus, tmp_path, optimizer):
 @pytest.mark.serial
 def test_ecd_two_gloo_ranks_match_one_process(corpus, tmp_path, one_thread):
     train_gpt.main(args(corpus, tmp_path, "one", "ecd", steps=4, **{"ecd-nu": 0.1}))
-    result = torchrun(args(corpus, tmp_path, "two", "ecd", steps=4, **{"ecd-nu": 0.1}))
+    result = ranks(args(corpus, tmp_path, "two", "ecd", steps=4, **{"ecd-nu": 0.1}))
     assert result.returncode == 0, result.stderr[-3000:]
     single, double = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
     assert sorted(single) == sorted(double) == [1, 2, 3, 4]

@@ -22,7 +22,7 @@ from eval import report, val_loss
 from run.checkpoint import CHECKPOINT_FORMAT, load_checkpoint, run_dir_of
 from run.log import RunLog, read_log
 from run.process import batch_layout, setup_process
-from tests.helpers import (ENV, VOCAB, resume_in_new_directory, stop_held_trainer, tiny_args, torchrun,
+from tests.helpers import (ENV, VOCAB, ranks, resume_in_new_directory, stop_held_trainer, tiny_args,
                            train_losses)
 
 
@@ -85,7 +85,7 @@ def test_two_gloo_processes_match_one_whatever_the_micro_batch_and_resume_bit_ex
     on 2 ranks in another directory, continues it bit for bit (losses, weights, optimizer moments)."""
     common = {"steps": 4, "val-every": 0, "checkpoint-every": 2, "keep-checkpoints": -1}
     train_gpt.main(tiny_args(corpus, tmp_path, "one", **common, **{"micro-batch": 2}))
-    result = torchrun(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
+    result = ranks(tiny_args(corpus, tmp_path, "two", **common, **{"micro-batch": 8}))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 ranks x 1 micro-steps x 4 sequences" in (tmp_path / "two" / "log.txt").read_text()
     assert "1 ranks x 4 micro-steps x 2 sequences" in (tmp_path / "one" / "log.txt").read_text()
@@ -100,7 +100,7 @@ def test_two_gloo_processes_match_one_whatever_the_micro_batch_and_resume_bit_ex
     resumed = tmp_path / "resumed" / "checkpoints"
     resumed.mkdir(parents=True)
     (resumed / "latest.pt").write_bytes((tmp_path / "two" / "checkpoints" / "step_000002.pt").read_bytes())
-    assert (result := torchrun(["--resume", str(resumed.parent)])).returncode == 0, result.stderr[-3000:]
+    assert (result := ranks(["--resume", str(resumed.parent)])).returncode == 0, result.stderr[-3000:]
     again = train_losses(resumed.parent)
     assert sorted(again) == [3, 4] and all(again[step] == double[step] for step in again)
     ends = [load_checkpoint(run / "checkpoints" / "latest.pt") for run in (tmp_path / "two", resumed.parent)]
@@ -114,7 +114,7 @@ def test_two_gloo_processes_match_one_whatever_the_micro_batch_and_resume_bit_ex
 def test_a_one_process_run_resumes_on_two_ranks_with_another_micro_batch(corpus, tmp_path, one_thread):
     train_gpt.main(tiny_args(corpus, tmp_path, "single", steps=6, **{"val-every": 0, "micro-batch": 2}))
     train_gpt.main(tiny_args(corpus, tmp_path, "moved", steps=3, **{"val-every": 0, "micro-batch": 2}))
-    result = torchrun(["--resume", str(tmp_path / "moved"), "--steps", "6", "--micro-batch", "8"])
+    result = ranks(["--resume", str(tmp_path / "moved"), "--steps", "6", "--micro-batch", "8"])
     assert result.returncode == 0, result.stderr[-3000:]
     single, moved = train_losses(tmp_path / "single"), train_losses(tmp_path / "moved")
     assert sorted(moved) == list(range(1, 7))
