@@ -167,14 +167,15 @@ def stop_held_trainer(args: list[str], step: int, signum: int) -> str:
     return output.text()
 
 
-def ranks(args: list[str], nproc: int = 2, script: Path = ROOT / "train_gpt.py",
-          timeout: float = 300) -> subprocess.CompletedProcess:
+def ranks(args: list[str], nproc: int = 2, script: Path = ROOT / "train_gpt.py", timeout: float = 300,
+          grace: float = 30) -> subprocess.CompletedProcess:
     """`script` (the trainer) on `nproc` gloo ranks started as torchrun starts its workers, without torchrun's own
     interpreter: each rank a process with RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE and the address of a
     store this process hosts, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE: no port is chosen and left
-    free for another process to take). For what ranks compute; what the launcher does (passing a signal on,
-    stopping the other ranks) is tested under torchrun (torchrun_in_background). A rank that fails stops the
-    others, as under torchrun. Returns the ranks' output (each rank's in turn) and the first failure's exit code."""
+    free for another process to take). For what ranks do; what the launcher itself does (passing a signal on) is
+    tested under torchrun (torchrun_in_background). Once a rank fails, the others have `grace` seconds to end on
+    their own, as under torchrun, and are then killed (so are all after `timeout` s). Returns the ranks' output
+    (each rank's in turn) and the exit code of the first rank that failed (0 when none did)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -187,15 +188,18 @@ def ranks(args: list[str], nproc: int = 2, script: Path = ROOT / "train_gpt.py",
             with open(out, "w") as stdout, open(err, "w") as stderr:
                 procs.append(subprocess.Popen([sys.executable, str(script), *args], stdout=stdout, stderr=stderr,
                                               env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+        deadline, failures = time.monotonic() + timeout, []
         try:
-            wait_until(lambda: all(p.poll() is not None for p in procs) or any(p.poll() for p in procs),
-                       f"{nproc} ranks of {script.name} to end", timeout)
-            failures = [p.returncode for p in procs if p.poll()]
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                if not failures and (failures := [p.returncode for p in procs if p.poll()]):
+                    deadline = min(deadline, time.monotonic() + grace)
+                time.sleep(0.02)
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
                 proc.wait()
+        failures = failures or [p.returncode for p in procs if p.returncode]
         return subprocess.CompletedProcess(args, failures[0] if failures else 0,
                                            "".join(out.read_text() for out, _ in outputs),
                                            "".join(err.read_text() for _, err in outputs))
