@@ -8,6 +8,11 @@ Markers (pyproject.toml lists them):
   with them, while the other workers take the rest a module at a time (so a module's fixtures are built once per
   run); each worker runs torch on its share of the cores. Without xdist the marker changes nothing. A whole module:
   `pytestmark = pytest.mark.serial`.
+- `@pytest.mark.slow` (usually a whole module): takes 10 s or more on 2 busy cores. Under xdist the modules
+  holding one go out before the others, so that the short modules come last and the workers end together.
+- `@pytest.mark.waits` (usually a whole module): spends most of its time waiting (sleeps, a subprocess's time
+  limit) rather than computing. Under xdist these modules go out first, beside the serial tests, whose processes
+  keep the cores busy meanwhile.
 
 Fixtures:
 - `corpus` (module scope): read-only shards of the synthetic language of tests.helpers.synthetic_tokens
@@ -45,7 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # an xdist worker: share the cores, not fight for them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
     if by_groups(config):
-        config.option.loadscopereorder = False  # the order below: the serial group, the longest unit, goes first
+        config.option.loadscopereorder = False  # the order of pytest_collection_modifyitems: long units first
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -56,10 +61,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     if by_groups(config):
-        for item in items:  # a module's tests together: its fixtures are built once
-            group = "serial" if "serial" in item.keywords else Path(item.location[0]).stem
+        groups = {item: "serial" if "serial" in item.keywords else Path(item.location[0]).stem for item in items}
+        for item, group in groups.items():  # a module's tests together: its fixtures are built once
             item.add_marker(pytest.mark.xdist_group(group))
-        items.sort(key=lambda item: "serial" not in item.keywords)  # stable: each file's order is kept
+        marked = {mark: {groups[item] for item in items if mark in item.keywords} for mark in ("waits", "slow")}
+        # the serial group, the longest unit, first, then the waiting and the slow modules; stable: each file's
+        # order is kept
+        items.sort(key=lambda item: (groups[item] != "serial", groups[item] not in marked["waits"],
+                                     groups[item] not in marked["slow"]))
 
 
 @pytest.fixture

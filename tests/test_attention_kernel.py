@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the interpreter run: ~15 s
+
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}  # ‖out − ref‖ / ‖ref‖ against float64
 
 

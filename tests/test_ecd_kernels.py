@@ -15,6 +15,8 @@ from torch import nn
 
 from tests.helpers import relative_difference
 
+pytestmark = pytest.mark.slow  # the interpreter run: ~15 s
+
 STEPS = 20
 
 

@@ -22,6 +22,8 @@ from run.checkpoint import save_checkpoint, training_checkpoint
 from tests.helpers import ROOT
 from variants import ResearchConfig
 
+pytestmark = pytest.mark.slow  # every evaluation on two 50304-token models: ~12 s
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -22,6 +22,8 @@ from run.checkpoint import load_checkpoint, save_checkpoint, training_checkpoint
 from tests.helpers import ROOT
 from variants import ResearchConfig
 
+pytestmark = pytest.mark.slow  # reports on tiny runs, one in a fresh interpreter: ~12 s
+
 # Flags that keep every evaluation a second or two on the tiny model.
 FAST_FLAGS = {"logic_puzzles": ["--per-category", "1"], "alignment": ["--modes", "raw"]}
 

@@ -22,6 +22,8 @@ from data.shards import GPT2_VOCAB  # noqa: E402
 from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint  # noqa: E402
 from tests.helpers import ROOT, repository_modules, tiny_gpt  # noqa: E402
 
+pytestmark = pytest.mark.slow  # exports loaded by transformers, one in a fresh interpreter: ~12 s
+
 TINY = dict(block_size=32, n_layer=2, n_head=2, n_embd=32)
 BIAS_CASES = {
     "bqbv-shared": dict(bias_mode="bqbv", mean_q=0.5, mean_v=0.3),

@@ -20,6 +20,7 @@ from bench import gpu_session, session_report
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.waits  # fake sessions that sleep, hang and are cut: ~25 s, ~4 s of it computing
 TESTS = ["tests/test_ecd_kernels.py::test_fp32[ragged]", "tests/test_a.py::test_slow_hang", "tests/test_a.py::test_ok",
          "tests/test_a.py::test_fails"]
 FAKE = r'''

@@ -25,6 +25,8 @@ from run.log import read_log
 from tests.helpers import ROOT
 from tests.test_grid import ENV, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
 
+pytestmark = pytest.mark.slow  # grids that train, are killed and wait for trainers: ~20 s
+
 
 def wait_for(condition, what: str, timeout: float = 300.0) -> None:
     deadline = time.time() + timeout

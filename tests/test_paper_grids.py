@@ -2,7 +2,7 @@
 takes every run, at the paper's scale and the CPU's; each grid's runs carry its table's configuration; the published
 numbers cover every run the grids train and every cell names a grid that trains it; the dry run prints every run
 and the expected wall time. A grid file run end to end at the CPU scale, into a scorecard that is not comparable
-everywhere: tests/test_grid.py (its 2 x 2 grid)."""
+everywhere: tests/test_grid.py."""
 from __future__ import annotations
 
 import json

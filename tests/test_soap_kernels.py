@@ -16,6 +16,8 @@ from torch import nn
 
 from tests.helpers import relative_difference
 
+pytestmark = pytest.mark.slow  # the interpreter run: ~10 s
+
 STEPS = 20
 
 

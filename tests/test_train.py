@@ -25,6 +25,8 @@ from run.process import batch_layout, setup_process
 from tests.helpers import (ENV, VOCAB, ranks, resume_in_new_directory, stop_held_trainer, tiny_args,
                            train_losses)
 
+pytestmark = pytest.mark.slow  # ~10 s of tiny runs besides its serial tests
+
 
 def test_loss_falls_and_run_directory_is_complete(corpus, tmp_path):
     summary = train_gpt.main(tiny_args(corpus, tmp_path, "falls", steps=40, **{"val-every": 20}))
