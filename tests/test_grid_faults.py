@@ -22,17 +22,10 @@ from grid import execute
 from grid.__main__ import main
 from grid.execute import Journal
 from run.log import read_log
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_until
 from tests.test_grid import ENV, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
 
 pytestmark = pytest.mark.slow  # grids that train, are killed and wait for trainers: ~20 s
-
-
-def wait_for(condition, what: str, timeout: float = 300.0) -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def states_in_order(directory: Path, run: str) -> list[str]:
@@ -46,12 +39,12 @@ def test_a_killed_grid_stops_its_trainers_with_a_checkpoint_and_the_same_command
     driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     directory, log = tmp_path / "gkill", tmp_path / "gkill" / "seed=1" / "log.jsonl"
-    wait_for(lambda: log.is_file() and '"train_loss"' in log.read_text(), "the first run's first step")
+    wait_until(lambda: log.is_file() and '"train_loss"' in log.read_text(), "the first run's first step")
     trainer = next(r["pid"] for r in Journal(directory).records() if r.get("state") == "running")
     driver.kill()  # SIGKILL: the grid process has no say
     driver.wait()
     try:
-        wait_for(lambda: not process_alive(trainer), "the trainer to stop after its grid died", timeout=120)
+        wait_until(lambda: not process_alive(trainer), "the trainer to stop after its grid died", timeout=120)
     finally:
         if process_alive(trainer):
             os.kill(trainer, signal.SIGKILL)
@@ -75,9 +68,9 @@ def test_a_run_its_trainer_still_holds_is_waited_for_in_its_slot_then_trained(tm
     driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: any(r.get("adopted") for r in Journal(directory).records()) or driver.poll() is not None,
+        wait_until(lambda: any(r.get("adopted") for r in Journal(directory).records()) or driver.poll() is not None,
                  "the grid to wait for the held run")
-        time.sleep(1.0)
+        time.sleep(1.0)  # a second in which a grid that did not wait would start seed=2 (no event marks a non-start)
         assert driver.poll() is None and started(directory) == ["seed=1"]  # seed=2 waits: the one slot is taken
     finally:
         trainer.close()  # the trainer ends without finishing: the grid trains the run itself
