@@ -178,7 +178,7 @@ class _Zygote:
     process: subprocess.Popen | None = None
 
     @classmethod
-    def start(cls, script: Path, args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> "ForkedRank":
+    def start(cls, script: Path, args: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> ForkedRank:
         if cls.process is None or cls.process.poll() is not None:
             cls.process = subprocess.Popen([sys.executable, str(ROOT / "tests" / "zygote.py")], cwd=ROOT, env=ENV,
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
