@@ -60,14 +60,15 @@ def wall_time_lines(runs: list[Run], states: dict[str, str], slots: list[Slot], 
     measured = [s for s in speeds.values() if s]
     fallback = statistics.median(measured) if measured else None
     rows = read_rows() if rows is None else rows
+    left = {r.name: remaining_tokens(r, states[r.name]) for r in runs}
     lines = []
     for kind in ("cuda", "cpu"):
-        todo = [r for r in runs if r.device == kind and remaining_tokens(r, states[r.name])]
+        todo = [r for r in runs if r.device == kind and left[r.name]]
         count = sum(s.kind == kind for s in slots)
         if not todo or not count:
             continue
         where = f"{len(todo)} runs on {count} {'GPU' if kind == 'cuda' else 'CPU worker'} slot{'s' * (count > 1)}"
-        tokens = [remaining_tokens(r, states[r.name]) for r in todo]
+        tokens = [left[r.name] for r in todo]
         if fallback is not None:
             seconds = busiest_slot([t / (speeds[r.name] or fallback) for r, t in zip(todo, tokens)], count)
             lines.append(f"expected wall time: {format_duration(seconds)} ({where}; from the tokens/s the grid's "

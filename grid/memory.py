@@ -48,8 +48,9 @@ def gib(n: float) -> str:
 
 
 def grid_memory(runs: list, gpus_per_run: int) -> dict[str, dict[str, int]]:
-    """`run_memory` of every CUDA run of a grid that the trainer accepts (grid.plan.Run), by run name."""
-    return {run.name: run_memory(train_gpt.parse_config(run.flags), gpus_per_run) for run in runs
+    """`run_memory` of every CUDA run of a grid that the trainer accepts (grid.plan.Run: its configuration as the
+    plan parsed it), by run name."""
+    return {run.name: run_memory(run.config, gpus_per_run) for run in runs
             if run.problem is None and run.device == "cuda"}
 
 
