@@ -1,7 +1,7 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
 the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
-output, gloo ranks (started as torchrun starts them, or under torchrun itself), the v1 checkpoint layouts, and the
-TRITON_INTERPRET=1 subprocess runner."""
+output, gloo ranks (forked with the environment torchrun gives its workers, or under torchrun itself), the v1
+checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import atexit
@@ -215,8 +215,7 @@ class ForkedRank:
             os.kill(self.pid, signal.SIGKILL)
 
     def wait(self) -> int:
-        while self.poll() is None:
-            time.sleep(0.02)
+        wait_until(lambda: self.poll() is not None, f"rank pid {self.pid} to end")
         return self.returncode
 
 
@@ -227,10 +226,10 @@ def ranks(args: list[str], nproc: int = 2, script: Path = ROOT / "train_gpt.py",
     store this process hosts, as torchrun's agent hosts it (TORCHELASTIC_USE_AGENT_STORE: no port is chosen and left
     free for another process to take). Each rank is `python script args` forked from a process that has already
     imported the trainer (tests/zygote.py), not a fresh interpreter: the imports are the same for every rank, and
-    paying them once per test process instead of once per rank saves the suite about a minute of CPU. For what ranks
-    do; what the launcher itself does (passing a signal on) is tested under torchrun (torchrun_in_background). Once a
-    rank fails, the others have `grace` seconds to end on their own, as under torchrun, and are then killed (so are
-    all after `timeout` s). Returns the ranks' output (each rank's in turn) and the exit code of the first rank that
+    they are paid once per test process instead of once per rank (about 2 s of CPU each). For what ranks do; what
+    the launcher itself does (passing a signal on) is tested under torchrun (torchrun_in_background). Once a rank
+    fails, the others have `grace` seconds to end on their own, as under torchrun, and are then killed (so are all
+    after `timeout` s). Returns the ranks' output (each rank's in turn) and the exit code of the first rank that
     failed (0 when none did)."""
     from torch.distributed import TCPStore
 
