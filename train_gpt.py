@@ -626,7 +626,7 @@ class Trainer:
             loss_sum += loss.detach()
         loss = loss_sum / len(batches)
         self.before_step = self.hooks.snapshot(self.model)  # the gradients are ready
-        self.optimizer.device_step(loss)
+        self.optimizer.device_step(loss if self.spec.needs_loss else None)
         return loss
 
     # -- validation and logs --------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
-"""What every optimizer of the registry implements beyond torch.optim.Optimizer (docs/optimizers.md#adding-an-
-optimizer), and what their implementations share: argument checks from the flags' metadata, Adam's bias
-corrections, seeds."""
+"""The contract between an optimizer and the trainer and tools (docs/optimizers.md#adding-an-optimizer), and what
+the optimizers' implementations share: argument checks from the flags' metadata, Adam's bias corrections, seeds."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,22 +13,53 @@ from cli import option, value_problem
 
 
 class OptimizerInterface:
-    """Mixed into every optimizer of the registry before its torch.optim.Optimizer base: what the gauge tools read
-    and move, tensors by parameter name in the parameters' coordinates (docs/optimizers.md#what-an-optimizer-
-    implements). step() clips the global gradient norm to grad_clip (0: off) and keeps the norm before in grad_norm.
-    The trainer runs a step in three parts, so that a CUDA graph can replay the middle one (run/capture.py,
-    docs/optimizers.md#steps-that-a-cuda-graph-replays): `stage_step` (host), `device_step` (device only),
-    `finish_step` (host); step() is the three in a row.
+    """Mixed into every optimizer of the registry before its torch.optim.Optimizer base: what the trainer and the
+    tools ask of an optimizer beyond torch's, each with a default, so that a new optimizer's author writes its
+    constructor and `step()` and nothing here (docs/optimizers.md#adding-an-optimizer). By concern:
+
+    - the trainer's step in three parts, `stage_step` (host), `device_step` (device only), `finish_step` (host): by
+      default `device_step` clips the gradient norm to `grad_clip` and calls `step()`, the others do nothing;
+    - opt-in, CUDA-graph capture (docs/optimizers.md#steps-that-a-cuda-graph-replays): refused, with the reason in
+      one line, until `capture_problem` returns None (with `prepare_capture` and `steady_step`);
+    - opt-in, the gauge tools (docs/optimizers.md#what-the-gauge-tools-read), tensors by parameter name in the
+      parameters' coordinates: `first_moment_of` (none by default), `has_velocity` with `saved_velocity` (none);
+    - opt-in, the grid's memory estimate: `first_step_state_bytes`, the state the first step creates (default 0).
+
+    Calls run one way: the trainer's parts call the update (`step()`; a sharded optimizer's `update`), never back.
     """
 
-    grad_clip: float = 0.0
-    grad_norm: Tensor | None = None
-    has_velocity: bool = False  # whether its state defines a direction of motion: then velocity() and
+    grad_clip: float = 0.0  # the trainer's --grad-clip (OptimizerSpec.build): the global gradient norm's bound, 0: off
+    grad_norm: Tensor | None = None  # the norm before clipping (a device tensor), once a step has clipped
+    has_velocity: bool = False  # whether the state defines a direction of motion: then velocity() and
     #                             saved_velocity() return it (--dynamics-every and eval.dynamics read it)
 
+    # -- the trainer's step ---------------------------------------------------------------------------------------
+
+    def stage_step(self) -> None:
+        """The host's part before a step, outside any graph: write the step's scalars that change from step to step
+        (learning rates, bias corrections) into the device buffers `device_step` reads. Default: nothing."""
+
+    def device_step(self, loss: Tensor | None = None) -> None:
+        """The step's device work, what a CUDA graph captures. Default: clip the global gradient norm to `grad_clip`
+        (keeping the norm before in `grad_norm`), then `step()`, or `step(loss)` when the trainer passes `loss`, the
+        global-batch loss as a device tensor: only to an optimizer whose spec says needs_loss."""
+        if self.grad_clip > 0:
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
+        self.step() if loss is None else self.step(loss)
+
+    def finish_step(self) -> None:
+        """The host's part after a step's device work is issued: counts and flags kept on the host. Default:
+        nothing."""
+
+    # -- CUDA-graph capture (opt-in) ------------------------------------------------------------------------------
+
     def capture_problem(self) -> str | None:
-        """Why `device_step` cannot be replayed from a CUDA graph as configured (one line); None when it can."""
-        return None
+        """Why `device_step` cannot be replayed from a CUDA graph as configured (one line); None when it can.
+        Default: a reason, since a graph fixes what a plain step reads on the host (a float learning rate, a step
+        count) at its values when captured; an optimizer opts in by overriding this."""
+        return (f"{type(self).__name__} does not declare its step replayable (an optimizer opts in through "
+                "capture_problem: docs/optimizers.md#steps-that-a-cuda-graph-replays)")
 
     def prepare_capture(self) -> None:
         """Before the first capture: what a graph needs beyond `stage_step` (device copies of the hyperparameters
@@ -40,22 +70,7 @@ class OptimizerInterface:
         replays it (False for a step that creates state or, as SOAP's basis refresh, runs other kernels)."""
         return True
 
-    def stage_step(self) -> None:
-        """The host's part before a step, outside any graph: write the step's scalars that change from step to step
-        (learning rates, bias corrections) into the device buffers `device_step` reads."""
-
-    def device_step(self, loss: Tensor | None = None) -> None:
-        """The step's device work, with no host read of a device value and no wait: what a CUDA graph captures.
-        `loss`: the global-batch loss as a device tensor (read by optimizers whose spec says needs_loss)."""
-        raise NotImplementedError
-
-    def finish_step(self) -> None:
-        """The host's part after a step's device work is issued: counts and flags kept on the host."""
-
-    def first_step_state_bytes(self) -> int:
-        """Bytes of state that the first step will allocate (torch's optimizers create theirs then, SOAP its
-        Kronecker factors), 0 once it has run: with the state held now, what a memory estimate counts."""
-        return 0
+    # -- the gauge tools (opt-in) ---------------------------------------------------------------------------------
 
     def first_moment_of(self, index: int) -> tuple[str, bool] | None:
         """(state key of parameter `index`'s first moment, whether the step moves along it), or None (SOAP's)."""
@@ -65,28 +80,15 @@ class OptimizerInterface:
         """The state that moves like the parameters' increments, by parameter name; steering_only: the part the step
         moves along (a momentum, not Adam's m). Read-only; sharded optimizers gather it (a collective)."""
         names, params = parameter_names(self.param_groups), [p for g in self.param_groups for p in g["params"]]
-        held = {names[i]: self.state.get(params[i], {}).get(key) for i, key in self.moment_keys(steering_only).items()}
+        held = {names[i]: self.state.get(params[i], {}).get(key) for i, key in moment_keys(self, steering_only).items()}
         return {name: value for name, value in held.items() if torch.is_tensor(value)}
 
     def set_first_moments(self, moments: Mapping[str, Tensor]) -> None:
         """Replace first moments by parameter name, with tensors shaped as `first_moments` returned them."""
         params = [p for g in self.param_groups for p in g["params"]]
         for name, value in moments.items():
-            index, key = self.moment_key(name)
+            index, key = moment_key(self, name)
             self.state[params[index]][key].copy_(value)
-
-    def moment_keys(self, steering_only: bool = False) -> dict[int, str]:
-        """{parameter index: state key} of the first moments that `first_moments` returns."""
-        count = sum(len(group["params"]) for group in self.param_groups)
-        moments = {i: moment for i in range(count) if (moment := self.first_moment_of(i))}
-        return {i: key for i, (key, steers) in moments.items() if steers or not steering_only}
-
-    def moment_key(self, name: str) -> tuple[int, str]:
-        """(index, state key) of parameter `name`'s first moment; ValueError where it has none."""
-        index, keys = parameter_names(self.param_groups).index(name), self.moment_keys()
-        if index not in keys:
-            raise ValueError(f"{type(self).__name__} keeps no first moment of {name} in the parameters' coordinates")
-        return index, keys[index]
 
     def velocity(self) -> dict[str, Tensor]:
         """The direction of motion by parameter name (any positive scale); for optimizers with has_velocity."""
@@ -97,6 +99,29 @@ class OptimizerInterface:
         """`velocity` of a state dict in torch's layout whose groups carry "names" (a checkpoint's); an optimizer
         that sets has_velocity implements it."""
         raise NotImplementedError(f"{cls.__name__} defines no velocity (has_velocity is False)")
+
+    # -- the grid's memory estimate (opt-in) ----------------------------------------------------------------------
+
+    def first_step_state_bytes(self) -> int:
+        """Bytes of state that the first step will allocate (torch's optimizers create theirs then, SOAP its
+        Kronecker factors), 0 once it has run: with the state held now, what a memory estimate counts. Default: 0,
+        right for an optimizer that creates its state in its constructor."""
+        return 0
+
+
+def moment_keys(optimizer: OptimizerInterface, steering_only: bool = False) -> dict[int, str]:
+    """{parameter index: state key} of the first moments that `first_moments` returns."""
+    count = sum(len(group["params"]) for group in optimizer.param_groups)
+    moments = {i: moment for i in range(count) if (moment := optimizer.first_moment_of(i))}
+    return {i: key for i, (key, steers) in moments.items() if steers or not steering_only}
+
+
+def moment_key(optimizer: OptimizerInterface, name: str) -> tuple[int, str]:
+    """(index, state key) of parameter `name`'s first moment; ValueError where it has none."""
+    index, keys = parameter_names(optimizer.param_groups).index(name), moment_keys(optimizer)
+    if index not in keys:
+        raise ValueError(f"{type(optimizer).__name__} keeps no first moment of {name} in the parameters' coordinates")
+    return index, keys[index]
 
 
 def parameter_names(param_groups: list[dict]) -> list[str]:

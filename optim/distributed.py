@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from optim.base import OptimizerInterface, parameter_names
+from optim.base import OptimizerInterface, moment_key, moment_keys, parameter_names
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -268,10 +268,11 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     """Base of the owner-computes optimizers: flat layout, gradient averaging that overlaps the backward pass,
     gradient-norm clipping, zero_grad on the buffers, consolidated state dicts, the decoupled step, first moments.
 
-    Subclasses implement `device_step`, which starts with `grads = self.reduced_gradients()` (this rank's averaged,
-    clipped chunk per region) and ends with `region.gather_params()`, and list the scalars it reads that change from
-    step to step in `host_scalars` (the base's: each group's decay 1 − ℓλ): `stage_step` copies them into one device
-    buffer, read through `staged(name, dtype)`, so that a replayed CUDA graph sees each step's values. `grad_clip` >
+    Subclasses implement `update`, the step's device work, which starts with `grads = self.reduced_gradients()` (this
+    rank's averaged, clipped chunk per region) and ends with `region.gather_params()`; `device_step` and `step` both
+    call it (step() between `stage_step` and `finish_step`). They list the scalars it reads that change from step to
+    step in `host_scalars` (the base's: each group's decay 1 − ℓλ): `stage_step` copies them into one device buffer,
+    read through `staged(name, dtype)`, so that a replayed CUDA graph sees each step's values. `grad_clip` >
     0 clips the global gradient norm to it (the norm of the averaged gradient, so it needs the reduction first:
     gradients are local until step()); `grad_norm` then holds the norm before clipping as a device tensor. `overlap_reduce` = False leaves every reduction to step().
 
@@ -354,15 +355,23 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, loss=None):
-        """One step: `stage_step`, `device_step`, `finish_step`. `loss`: the global-batch loss (a tensor or float) or
-        a closure returning it; returned."""
+        """One step: `stage_step`, `update`, `finish_step`. `loss`: the global-batch loss (a tensor or float) or a
+        closure returning it; returned."""
         if callable(loss):
             with torch.enable_grad():
                 loss = loss()
         self.stage_step()
-        self.device_step(loss)
+        self.update(loss)
         self.finish_step()
         return loss
+
+    def device_step(self, loss: Tensor | None = None) -> None:
+        """`update`, which clips the gradient after averaging it (`reduced_gradients`)."""
+        self.update(loss)
+
+    def update(self, loss: Tensor | None = None) -> None:
+        """The step's device work on this rank's chunks; subclasses implement it."""
+        raise NotImplementedError(f"{type(self).__name__} implements no update")
 
     def host_scalars(self) -> dict[str, float]:
         """The next step's scalars that change from step to step (or on resume), computed on the host in float64:
@@ -424,7 +433,7 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
         return out
 
     def first_moments(self, steering_only: bool = False) -> dict[str, Tensor]:
-        keys, out = self.moment_keys(steering_only), {}
+        keys, out = moment_keys(self, steering_only), {}
         for key in sorted(set(keys.values())):  # the same order on every rank: gathering is a collective
             held = self.gathered(key, {i for i, name in keys.items() if name == key})
             out.update({self.names[i]: value for i, value in held.items()})
@@ -433,7 +442,7 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     @torch.no_grad()
     def set_first_moments(self, moments: Mapping[str, Tensor]) -> None:
         for name, value in moments.items():
-            index, key = self.moment_key(name)
+            index, key = moment_key(self, name)
             region = self.region_of[index]
             region.scatter(self.flat_state[key][self.regions.index(region)], index, value)
 

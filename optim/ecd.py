@@ -200,7 +200,7 @@ class ECD(ShardedOptimizer):
             )
 
     @torch.no_grad()
-    def device_step(self, loss=None) -> None:
+    def update(self, loss=None) -> None:
         """One ECD step (docs/optimizers.md) from the staged h, κ; `loss` is this rank's mean loss (tensor or float)."""
         if loss is None:
             raise ValueError("ECD.step needs the training loss: call opt.step(loss) or opt.step(closure)")

@@ -142,7 +142,7 @@ class Muon(ShardedOptimizer):
         return values
 
     @torch.no_grad()
-    def device_step(self, loss=None) -> None:
+    def update(self, loss=None) -> None:
         for j, (region, g) in enumerate(zip(self.regions, self.reduced_gradients())):
             if region.tensor_owned:
                 self._muon(j, region, g, self.flat_state["momentum_buffer"][j])

@@ -85,11 +85,12 @@ def state_dtype(optim_state_dtype: str, params: Iterable[Tensor]) -> torch.dtype
 class OptimizerSpec:
     """How to build one registered optimizer: `build(model, cfg)` is the one build path.
 
-    optimizer: the class, an `optim.base.OptimizerInterface` (what the gauge tools read), whose constructor takes the
-    parameter groups and, as keyword arguments, the fields of its config (their names and defaults are the config's:
-    no third spelling) except decay_groups, which `groups` uses. groups(model, cfg): the parameter groups
-    (parameter_groups, or a split of them such as Muon's).
-    needs_loss: step() takes the global-batch loss as a device tensor (ECD).
+    optimizer: the class, a torch.optim.Optimizer with `optim.base.OptimizerInterface` mixed in (what the trainer and
+    the tools ask of it), whose constructor takes the parameter groups and, as keyword arguments, the fields of its
+    config (their names and defaults are the config's: no third spelling) except decay_groups, which `groups` uses.
+    groups(model, cfg): the parameter groups (parameter_groups, or a split of them such as Muon's).
+    needs_loss: step(loss) takes the global-batch loss as a device tensor (ECD); the trainer passes it to
+    device_step only then.
     reduces_gradients: under torchrun the optimizer averages gradients across ranks itself (owner-computes
     sharding, `optim.distributed.ShardedOptimizer`), so the trainer must not wrap the model in
     DistributedDataParallel, and the backward passes of accumulation micro-steps run under its no_sync().
@@ -106,7 +107,7 @@ class OptimizerSpec:
     def build(self, model: nn.Module, cfg: OptimizerConfig, grad_clip: float | None = None,
               overlap_reduce: bool | None = None) -> torch.optim.Optimizer:
         """The optimizer that owns every trainable parameter of `model` exactly once (checked).
-        grad_clip: clip the global gradient norm to this value inside step() (0: off); overlap_reduce: sharded
+        grad_clip: clip the global gradient norm to this value in device_step (0: off); overlap_reduce: sharded
         optimizers average gradients while the backward pass runs (the trainer's flags of the same names; None
         keeps the optimizer's own default)."""
         settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "decay_groups"}

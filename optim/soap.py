@@ -282,7 +282,7 @@ class SOAP(ShardedOptimizer):
         return self.calls > 0 and self.calls % self.precondition_frequency != 0
 
     @torch.no_grad()
-    def device_step(self, loss=None) -> None:
+    def update(self, loss=None) -> None:
         grads = self.reduced_gradients()
         if self.calls == 0:  # accumulate the factors and take eigenbases; no update (published behaviour)
             for batches, g, work in zip(self.batches, grads, self.work):

@@ -1,7 +1,7 @@
 """AdamW and SGD with Nesterov momentum from torch.optim, with the paper's defaults (docs/optimizers.md#adamw-and-sgdm).
 
-Each is a thin subclass whose constructor takes its config's fields (the registry's one build path) and clips the
-gradient norm inside step() like the sharded optimizers (`TorchOptimizer`).
+Each is a thin subclass whose constructor takes its config's fields (the registry's one build path); `TorchOptimizer`
+opts them in to CUDA-graph capture.
 """
 from __future__ import annotations
 
@@ -55,17 +55,11 @@ def _implementation(params: list, fused: bool) -> dict:
 
 
 class TorchOptimizer(OptimizerInterface):
-    """For torch.optim subclasses: step() clips the gradient norm, as the sharded optimizers do after averaging.
-    Captured in a CUDA graph (`prepare_capture`), the step runs torch's capturable path with each group's learning
-    rate read from a device tensor that `stage_step` fills; the groups keep floats for everything else."""
+    """For torch.optim subclasses, whose step() is torch's: they opt in to CUDA-graph capture. Captured, the step runs
+    torch's capturable path with each group's learning rate read from a device tensor that `stage_step` fills; the
+    groups keep floats for everything else."""
 
     graph_lrs: list[Tensor] | None = None  # after prepare_capture on CUDA: each group's learning rate on the device
-
-    def step(self, closure=None):
-        if self.grad_clip > 0:
-            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
-        return super().step(closure)
 
     def _on_cuda(self) -> bool:
         return self.param_groups[0]["params"][0].is_cuda
@@ -97,15 +91,16 @@ class TorchOptimizer(OptimizerInterface):
             lr.fill_(group["lr"])
 
     def device_step(self, loss: Tensor | None = None) -> None:
-        """step() with each group's learning rate read from its device tensor once capture is prepared."""
+        """The interface's (the gradient clipped, then torch's step), with each group's learning rate read from its
+        device tensor once capture is prepared."""
         if self.graph_lrs is None:
-            self.step()
+            super().device_step(loss)
             return
         floats = [group["lr"] for group in self.param_groups]
         for group, lr in zip(self.param_groups, self.graph_lrs):
             group["lr"] = lr
         try:
-            self.step()
+            super().device_step(loss)
         finally:
             for group, lr in zip(self.param_groups, floats):
                 group["lr"] = lr

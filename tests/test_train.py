@@ -315,7 +315,7 @@ def test_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
     cfg = train_gpt.parse_config(tiny_args(corpus, tmp_path, "settings2", **{"grad-clip": 0.25}))
     trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
     trainer.close()
-    assert trainer.optimizer.grad_clip == 0.25  # torch's AdamW clips inside step() too
+    assert trainer.optimizer.grad_clip == 0.25  # torch's AdamW: clipped by device_step before its step()
 
 
 def test_the_single_batch_estimate_takes_the_next_validation_batch_at_each_multiple_of_val_every():
