@@ -15,10 +15,11 @@ import typing
 _RANGE = re.compile(r"^\s*(?:(>=|>|<=|<)\s*(\S+)|([\[(])\s*([^,]+),\s*([^\])]+)([\])]))\s*$")
 
 
-def flag(default: object, help: str, choices: tuple[str, ...] | None = None, *, bounds: str | None = None,
+def flag(default: object, help: str, choices: typing.Collection[str] | None = None, *, bounds: str | None = None,
          affects_results: bool = True, fixed_on_resume: bool = False) -> typing.Any:
     """A dataclass field that is one command-line flag.
 
+    choices: the allowed strings, read at each parse (a registry's live `keys()` admits what is registered later).
     bounds: the allowed values of a number, as ">= 0", "> 0", "< 1", "[0, 1]", "(0, 1]" ... (NaN and infinity are never
     allowed). affects_results: False for flags that only say where, how often or how fast (logging, checkpoints,
     devices), which the presets' parity report ignores. fixed_on_resume: a resumed run must keep the checkpoint's

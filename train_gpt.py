@@ -101,7 +101,7 @@ class TrainConfig:
     """Optimizer choice, data, schedule, evaluation, checkpoints, logging and system settings of a run."""
 
     optimizer: str = cli.flag("adamw", "optimizer (listed below); its hyperparameters are the optimizer flags",
-                              choices=tuple(sorted(optim.OPTIMIZERS)), fixed_on_resume=True)
+                              choices=optim.OPTIMIZERS.keys(), fixed_on_resume=True)
     train_files: str = uncompared("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded "
                                       "corpus", fixed_on_resume=True)
     val_files: str = uncompared("", "glob of validation shards; empty: --train-files, else the default data's "

@@ -1,10 +1,11 @@
 """Optimizers and the registry the trainer builds them from.
 
-Adding an optimizer: write a module in `optim/` with a config dataclass (a subclass of `OptimizerConfig` whose
-fields, declared with `cli.flag`, are its hyperparameters with their defaults and ranges), the optimizer class (an
-`optim.base.OptimizerInterface`), whose constructor takes the parameter groups and those fields as keyword arguments,
-and an `OptimizerSpec`; list the spec in `OPTIMIZERS` below. `--optimizer NAME` then selects it, and its config's
-fields become the trainer's optimizer flags (README.md#adding-an-optimizer).
+Adding an optimizer (docs/optimizers.md#adding-an-optimizer): write a module in `optim/` with a config dataclass (a
+subclass of `OptimizerConfig` whose fields, declared with `cli.flag`, are its hyperparameters with their defaults and
+ranges), the optimizer class (a torch.optim.Optimizer with `optim.base.OptimizerInterface` mixed in first), whose
+constructor takes the parameter groups and those fields as keyword arguments and whose `step()` is the update, and an
+`OptimizerSpec`; list the spec in `OPTIMIZERS` below. `--optimizer NAME` then selects it, and its config's fields
+become the trainer's optimizer flags.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from optim.soap import SOAP_SPEC
 from optim.torch_optimizers import ADAMW_SPEC, SGDM_SPEC
 
 OPTIMIZERS: dict[str, OptimizerSpec] = {spec.name: spec
-                                        for spec in (ECD_SPEC, SOAP_SPEC, MUON_SPEC, ADAMW_SPEC, SGDM_SPEC)}
+                                        for spec in (ADAMW_SPEC, ECD_SPEC, MUON_SPEC, SGDM_SPEC, SOAP_SPEC)}
 
 __all__ = [
     "OPTIMIZERS",
