@@ -1,7 +1,7 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
 the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
-output, gloo ranks (forked with the environment torchrun gives its workers, or under torchrun itself), the v1
-checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+output, gloo ranks (forked with the environment torchrun gives its workers, or under torchrun itself), CUDA's graph
+API stood in for on the CPU, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import atexit
@@ -267,6 +267,46 @@ def torchrun_in_background(args: list[str], nproc: int = 2, env: dict[str, str] 
 # Research fields that the oldest v1 layout kept in the train section (it had no research section).
 V1_RESEARCH_IN_TRAIN = ("dynamics_every", "gauge", "gauge_correction", "gauge_every", "gauge_damping",
                         "gauge_group", "hyperball_lr", "gauge_diagnostic_every")
+
+
+class FakeCuda:
+    """torch.cuda's stream and graph API as StepGraph uses it, on the CPU: a capture runs the function (recording what
+    a graph would launch), a replay runs it again; `fail` makes the capture end with CUDA's error."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.events, self.capturing = fail, [], None
+
+    def install(self, monkeypatch) -> None:
+        class Graph:
+            def replay(graph):
+                self.events.append("replay")
+                graph.fn(*graph.args)
+
+        class Capture:
+            def __init__(capture, graph, capture_error_mode):
+                capture.graph = graph
+
+            def __enter__(capture):
+                self.events.append("capture")
+                self.capturing = capture.graph
+
+            def __exit__(capture, *exc):
+                self.capturing = None
+                if self.fail:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+        class Stream:
+            def __init__(stream, device=None):
+                pass
+
+            def wait_stream(stream, other):
+                pass
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
 
 
 def write_v1_checkpoint(source: Path, target: Path, oldest: bool = False) -> None:

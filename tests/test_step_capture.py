@@ -9,7 +9,6 @@ attention path with every optimizer captures and matches the default mode, and a
 the default mode."""
 from __future__ import annotations
 
-import contextlib
 import importlib
 import math
 
@@ -23,7 +22,7 @@ from optim import OPTIMIZERS
 from run import capture
 from run.log import RunLog
 from run.process import setup_process
-from tests.helpers import tiny_args, train_losses
+from tests.helpers import FakeCuda, tiny_args, train_losses
 
 OPTIMIZER_FLAGS = {"adamw": {}, "sgdm": {}, "ecd": {}, "muon": {}, "soap": {"soap-precondition-frequency": 3}}
 # A learning rate that changes every step, two micro-steps per step, sampled biases: every input a step has
@@ -165,46 +164,6 @@ def first_difference(a: list, b: list) -> tuple:
         if x != y:
             return k, x, y
     return len(a), len(b)
-
-
-class FakeCuda:
-    """torch.cuda's stream and graph API as StepGraph uses it, on the CPU: a capture runs the function (recording what
-    a graph would launch), a replay runs it again; `fail` makes the capture end with CUDA's error."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail, self.events, self.capturing = fail, [], None
-
-    def install(self, monkeypatch) -> None:
-        class Graph:
-            def replay(graph):
-                self.events.append("replay")
-                graph.fn(*graph.args)
-
-        class Capture:
-            def __init__(capture, graph, capture_error_mode):
-                capture.graph = graph
-
-            def __enter__(capture):
-                self.events.append("capture")
-                self.capturing = capture.graph
-
-            def __exit__(capture, *exc):
-                self.capturing = None
-                if self.fail:
-                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
-
-        class Stream:
-            def __init__(stream, device=None):
-                pass
-
-            def wait_stream(stream, other):
-                pass
-
-        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "graph", Capture)
-        monkeypatch.setattr(torch.cuda, "Stream", Stream)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
 
 
 class StepOptimizer:
