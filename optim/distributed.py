@@ -272,9 +272,10 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     rank's averaged, clipped chunk per region) and ends with `region.gather_params()`; `device_step` and `step` both
     call it (step() between `stage_step` and `finish_step`). They list the scalars it reads that change from step to
     step in `host_scalars` (the base's: each group's decay 1 − ℓλ): `stage_step` copies them into one device buffer,
-    read through `staged(name, dtype)`, so that a replayed CUDA graph sees each step's values. `grad_clip` >
-    0 clips the global gradient norm to it (the norm of the averaged gradient, so it needs the reduction first:
-    gradients are local until step()); `grad_norm` then holds the norm before clipping as a device tensor. `overlap_reduce` = False leaves every reduction to step().
+    read through `staged(name, dtype)`, so that a replayed CUDA graph sees each step's values. `grad_clip` > 0 clips
+    the global gradient norm to it (the norm of the averaged gradient, so it needs the reduction first: gradients are
+    local until the update); `grad_norm` then holds the norm before clipping as a device tensor. `overlap_reduce` =
+    False leaves every reduction to the update.
 
     `layout_key(index)` orders each rank's tensors in the tensor regions (`Region`): optimizers that batch
     same-shaped matrices (SOAP, Muon) key them by shape. `Region.runs` cuts a chunk into runs of equal key.
