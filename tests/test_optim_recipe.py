@@ -103,8 +103,8 @@ def test_the_recipes_constructor_gives_the_command_lines_error(recipe):
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_the_trainers_step_calls_the_update_and_the_update_never_calls_back(name):
-    """The trainer's device_step reaches the update (step(), or a sharded optimizer's update) once; step() reaches
-    neither device_step nor the trainer's other parts."""
+    """The trainer's device_step reaches the update (step(), or a sharded optimizer's update) once, and step() (what
+    every other caller runs) never reaches device_step."""
     spec, model = OPTIMIZERS[name], tiny_gpt()
     optimizer = spec.build(model, spec.config())
     calls = []
