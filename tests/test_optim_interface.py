@@ -1,6 +1,6 @@
-"""What every optimizer implements for the gauge tools (optim.base.OptimizerInterface; docs/optimizers.md#adding-an-
-optimizer): first moments, their steering subset, writing them back, the velocity live and from a state dict; and
-the constructors' argument checks, derived from the flags' metadata so that they cannot drift from the flags."""
+"""What every registered optimizer gives the gauge tools (optim.base.OptimizerInterface; docs/optimizers.md#what-the-
+gauge-tools-read): first moments, their steering subset, writing them back, the velocity live and from a state dict;
+and the constructors' argument checks, derived from the flags' metadata so that they cannot drift from the flags."""
 from __future__ import annotations
 
 import dataclasses
