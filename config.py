@@ -368,10 +368,11 @@ def read_checkpoint(path: str | os.PathLike, model: type, train: type, **load) -
                               "the run wrote it: restore the file or use another checkpoint",
                               reason=f"invalid model configuration: {problem}")
     optimizer = saved["train"].get("optimizer", train.optimizer)
-    optim = OPTIMIZERS[optimizer].config if optimizer in OPTIMIZERS else OptimizerConfig
-    sections = {"train": train, "research": ResearchConfig, "optim": optim}
+    known = isinstance(optimizer, str) and optimizer in OPTIMIZERS
+    sections = {"train": train, "research": ResearchConfig,
+                "optim": OPTIMIZERS[optimizer].config if known else OptimizerConfig}
     problems = {f"config.{name}": section_problem(saved[name], cls) for name, cls in sections.items()}
-    if optimizer not in OPTIMIZERS:
+    if not known:
         problems["config.train"] = f"--optimizer {optimizer!r} is none this version has ({', '.join(OPTIMIZERS)})"
     attention = saved["attention"]
     if attention is not None and attention.get("choice") not in (*attention_paths.IMPLEMENTATIONS, None):

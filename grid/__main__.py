@@ -137,8 +137,7 @@ def plan_grid(args: argparse.Namespace, shared: list[str]):
     check_flags(spec, known)
     if min(args.workers, args.gpus_per_run, args.runs_per_gpu) < 1:
         raise GridError("--workers, --gpus-per-run and --runs-per-gpu take a number of at least 1")
-    if args.gpu_memory is not None and (value_problem("gpu_memory", args.gpu_memory, "> 0")
-                                        or not args.gpu_memory * GIB < 2**63):
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < 2**33:  # NaN and infinity too (bytes in int64)
         raise GridError(f"--gpu-memory {args.gpu_memory}: a GPU's memory in GiB, e.g. 80")
     if args.print_slurm and args.runs_per_gpu > 1:
         raise GridError("--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with "

@@ -1,8 +1,8 @@
 """The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of each of its entries and its
 kind (model weights, or the training state a run resumes from): writing it atomically, reading and verifying it
-(every entry's checksum and shape; older formats through `upgrade`, so every reader sees today's), the trainer's
-restorable parts (`TrainingState`), the checkpoints of a run and the one --resume continues from, and --init-from's
-weights. Importing this module has no side effects."""
+(every entry's checksum and shape; older formats through `upgrade`, so every reader sees today's), the checkpoints of
+a run and the one --resume continues from. What a trainer saves and restores is run/training_state.py's. Importing
+this module has no side effects."""
 from __future__ import annotations
 
 import dataclasses
