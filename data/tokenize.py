@@ -230,9 +230,9 @@ def documents_to_shards(
         raise TokenizeError(f"val_fraction must be in (0, 1) (got {val_fraction})")
     if val_tokens is not None and val_tokens < 1:
         raise TokenizeError(f"val_tokens must be >= 1 (got {val_tokens}); the first shard is always validation")
-    for name, tokens in (("shard_tokens", shard_tokens), ("val_tokens", val_tokens or 0)):
+    for flag, tokens in (("--shard-tokens", shard_tokens), ("--val-tokens", val_tokens or 0)):
         if tokens > MAX_SHARD_TOKENS:
-            raise TokenizeError(f"{name} {tokens:,}: a shard holds at most {MAX_SHARD_TOKENS:,} tokens (its header "
+            raise TokenizeError(f"{flag} {tokens:,}: a shard holds at most {MAX_SHARD_TOKENS:,} tokens (its header "
                                 "counts them in an int32); give fewer")
     created = not out_dir.exists()
     lock, staging = claim_output(out_dir, prefix), None  # from here on, this process's outputs
