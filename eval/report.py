@@ -21,6 +21,7 @@ command exits with status 1.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -210,10 +211,16 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir, ckpt_path, _ = resolve_target(args.checkpoint)
     config = read_config(run_dir)  # before the evaluations: a damaged config.json fails at once
     eval_dir = output_dir(args, run_dir)
-    try:  # one report at a time per output directory, held until this process ends
+    try:  # one report at a time per output directory
         lock = hold_lock(eval_dir / REPORT_LOCK, f"eval.report pid {os.getpid()} on host {socket.gethostname()}")
     except LockHeldError as exc:
         raise SystemExit(f"error: {eval_dir} is in use by {exc.holder}: wait for it to finish, or stop it") from None
+    with lock:
+        return write_report(args, run_dir, ckpt_path, config, eval_dir)
+
+
+def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, config: dict, eval_dir: Path) -> dict:
+    """The report of main's parsed `args`: the evaluations to run (each in this process), then the page."""
     checkpoint = load_target_checkpoint(ckpt_path)
     step = checkpoint["step"]
     identity = checkpoint_identity(ckpt_path, step)
@@ -264,7 +271,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"report: [{i}/{len(todo)}] eval.{name} {'failed' if error else 'done'} in "
               f"{time.perf_counter() - start:.1f}s", flush=True)
     index = page.write()
-    lock.close()
     print(f"report: {run_dir / 'report.md'}")
     if page.failures:
         for name, error in page.failures.items():
