@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 
 from cli import ArgumentParser, add_flags, field_problem, option, value_problem
+from kernels import attention_paths
 from optim import OPTIMIZERS, OptimizerConfig
 from run.checkpoint import (
     TRAINING,
     CheckpointError,
     load_checkpoint,
     newer_checkpoints,
+    non_finite_weights,
     resolve_checkpoint_path,
     resolve_resume,
     run_dir_of,
@@ -217,7 +219,7 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     if known.resume:
         try:
             resume_from, notes = resolve_resume(known.resume)
-            checkpoint = read_checkpoint(resume_from, model, mmap=True)  # reads no tensor
+            checkpoint = read_checkpoint(resume_from, model, train, mmap=True)  # reads no tensor
             if checkpoint["kind"] != TRAINING:
                 raise CheckpointError(f"--resume {known.resume}: a checkpoint of kind {checkpoint['kind']} (model "
                                       f"weights, no training state); start a new run from them with --init-from "
@@ -288,10 +290,13 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
                 f"to at least {hp.seq_len}")
     if hp.init_from and not hp.resume:
         try:
-            read_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), type(model), mmap=True,
-                            verify=True)
+            source = read_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), type(model),
+                                     type(hp), mmap=True, verify=True)
         except CheckpointError as exc:
             return str(exc) if str(exc).startswith("--init-from") else f"--init-from {exc}"
+        if problem := non_finite_weights(source["model"]):
+            return (f"--init-from {hp.init_from}: {problem}: the run it comes from had diverged; start from a "
+                    "checkpoint of an earlier step")
     if problem := variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len):
         return problem
     if hp.profile_steps:
@@ -317,13 +322,12 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
     return None
 
 
-def model_problem(values: dict, cls: type) -> str | None:
-    """The first value of a model configuration (`values` by field of `cls`, e.g. a checkpoint's "model" section)
-    that no model can be built with: another type than its field's, outside the field's range or choices, or heads
-    that do not split the width; None when it can be built. The trainer's flags and every checkpoint reader
-    (read_checkpoint) check it here."""
+def section_problem(values: object, cls: type, built: bool = False) -> str | None:
+    """The first value of a configuration section (`values` by field of `cls`, e.g. a checkpoint's "train" section)
+    of another type than its field's; with `built` (a section a model is built from) also outside the field's range
+    or choices. Fields the section lacks, and keys that are no field, are left alone (older checkpoints)."""
     if not isinstance(values, dict):
-        return f"the model configuration is a {type(values).__name__}, not a section of fields"
+        return f"a {type(values).__name__}, not a section of fields"
     types = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name not in values:
@@ -331,26 +335,53 @@ def model_problem(values: dict, cls: type) -> str | None:
         value, kind, choices = values[f.name], types[f.name], f.metadata.get("choices")
         if type(value) is not kind and not (kind is float and type(value) is int):
             return f"{option(f.name)} must be {kind.__name__}, got {value!r}"
-        if choices and value not in choices:
+        if built and choices and value not in choices:
             return f"{option(f.name)} must be one of {', '.join(choices)}, got {value!r}"
-        if problem := value_problem(f.name, value, f.metadata.get("bounds")):
+        if built and (problem := value_problem(f.name, value, f.metadata.get("bounds"))):
             return problem
+    return None
+
+
+def model_problem(values: dict, cls: type) -> str | None:
+    """The first value of a model configuration (`values` by field of `cls`, e.g. a checkpoint's "model" section)
+    that no model can be built with: another type than its field's, outside the field's range or choices, or heads
+    that do not split the width; None when it can be built. The trainer's flags and every checkpoint reader
+    (read_checkpoint) check it here."""
+    if problem := section_problem(values, cls, built=True):
+        return f"the model configuration is {problem}" if not isinstance(values, dict) else problem
     model = config_from_dict(values, cls)
     if model.n_embd % model.n_head:
         return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
     return None
 
 
-def read_checkpoint(path: str | os.PathLike, model: type, **load) -> dict:
-    """run.checkpoint.load_checkpoint (keyword arguments `load`), then its model configuration checked against the
-    model's config class `model` (model_problem): the way every checkpoint reader opens a file (--resume,
-    --init-from, sample, eval, export), so a configuration no model can be built with is refused in one line naming
-    the file."""
+def read_checkpoint(path: str | os.PathLike, model: type, train: type, **load) -> dict:
+    """run.checkpoint.load_checkpoint (keyword arguments `load`), then its configuration checked against the
+    trainer's config classes `model` and `train`: the way every checkpoint reader opens a file (--resume,
+    --init-from, sample, eval, export), so a configuration no model can be built with, a section value of another
+    type than its flag's or an attention path this version does not have is refused in one line naming the file and
+    the entry."""
     checkpoint = load_checkpoint(path, **load)
-    if problem := model_problem(checkpoint["config"]["model"], model):
+    saved = checkpoint["config"]
+    if problem := model_problem(saved["model"], model):
         raise CheckpointError(f"{path}: its model configuration builds no model ({problem}); it was altered after "
                               "the run wrote it: restore the file or use another checkpoint",
                               reason=f"invalid model configuration: {problem}")
+    optimizer = saved["train"].get("optimizer", train.optimizer)
+    known = isinstance(optimizer, str) and optimizer in OPTIMIZERS
+    sections = {"train": train, "research": ResearchConfig,
+                "optim": OPTIMIZERS[optimizer].config if known else OptimizerConfig}
+    problems = {f"config.{name}": section_problem(saved[name], cls) for name, cls in sections.items()}
+    if not known:
+        problems["config.train"] = f"--optimizer {optimizer!r} is none this version has ({', '.join(OPTIMIZERS)})"
+    attention = saved["attention"]
+    if attention is not None and attention.get("choice") not in (*attention_paths.IMPLEMENTATIONS, None):
+        problems["config.attention"] = f"the attention path {attention.get('choice')!r} is none this version has"
+    for entry, problem in problems.items():
+        if problem:
+            raise CheckpointError(f"{path}: its {entry} entry is damaged ({problem}); it was not written so by "
+                                  "train_gpt.py: restore the file, or use another checkpoint",
+                                  reason=f"{entry} damaged: {problem}")
     return checkpoint
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -38,9 +39,10 @@ from cli import ArgumentParser, add_model_flag
 from config import read_checkpoint
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import ENDOFTEXT, gpt2_bpe_files
-from fileio import atomic_write
+from fileio import atomic_write, doing, exits_on_filesystem_errors, make_directory
 from optim import OPTIMIZERS
-from run.checkpoint import CheckpointError, resolve_checkpoint_path, save_checkpoint, weights_checkpoint
+from run.checkpoint import (CheckpointError, non_finite_weights, resolve_checkpoint_path, save_checkpoint,
+                            weights_checkpoint)
 from variants import ResearchConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -160,10 +162,11 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
                           "predict the next token, so GPT-2's causal classes and text-generation tools would run it "
                           "wrongly; evaluate the checkpoint itself (python -m eval.*)")
     config = exported_model_config(model.config)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    with doing("create a staging directory for", out_dir):
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=make_directory(out_dir.parent)))
     try:
-        save_file(hf_state_dict(model), str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        with doing("write", out_dir / WEIGHTS_FILE):
+            save_safetensors(hf_state_dict(model), staging / WEIGHTS_FILE)
         atomic_write(staging / CONFIG_FILE, (json.dumps(hf_config(config), indent=2) + "\n").encode())
         atomic_write(staging / GENERATION_FILE, (json.dumps(generation_config(config), indent=2) + "\n").encode())
         if config.activation == "prelu":
@@ -171,16 +174,29 @@ def export_model(model: train_gpt.GPT, out_dir: str | os.PathLike) -> list[str]:
         note = write_tokenizer(staging, config)
         mask = os.umask(0o022)  # os.umask reads the umask only by setting it
         os.umask(mask)
-        for path in staging.iterdir():
-            path.chmod(0o666 & ~mask)
-        staging.chmod(0o777 & ~mask)  # mkdtemp made it 0700
-        if out_dir.exists():
-            out_dir.rmdir()
-        staging.rename(out_dir)
+        with doing("write", out_dir):
+            for path in staging.iterdir():
+                path.chmod(0o666 & ~mask)
+            staging.chmod(0o777 & ~mask)  # mkdtemp made it 0700
+            if out_dir.exists():
+                out_dir.rmdir()
+            staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return [note] if note else []
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, whose error for the file it writes (a full disk, ...) is an OSError here: it reports
+    the system's error as text ("... (os error 28)")."""
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        code = re.search(r"\(os error (\d+)\)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 HF_SIZES = {"vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768}  # defaults
@@ -317,7 +333,7 @@ def load_as_checkpoint(file: Path) -> dict:
     configuration checked: a damaged or altered file is a CheckpointError, not a wrong number), or an exported model
     at step 0."""
     return checkpoint_of(load_exported(file.parent), str(file.parent)) if is_exported(file) else (
-        read_checkpoint(file, train_gpt.GPTConfig, mmap=True, verify=True))
+        read_checkpoint(file, train_gpt.GPTConfig, train_gpt.TrainConfig, mmap=True, verify=True))
 
 
 def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
@@ -331,6 +347,7 @@ def checkpoint_of(model: train_gpt.GPT, source: str) -> dict:
     return weights_checkpoint(model, saved, {"step": 0, "tokens": 0, "train_time_s": 0.0}, imported_from=source)
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="export", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -345,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "to-hf":
             model = load_model(args.checkpoint)
+            if problem := non_finite_weights(model.state_dict()):
+                raise ExportError(f"{args.checkpoint}: {problem}: the run had diverged; export a checkpoint of an "
+                                  "earlier step")
             notes = export_model(model, args.out)
             how = (f'GPT2LMHeadModel.from_pretrained("{args.out}")' if model.config.activation == "gelu" else
                    f'AutoModelForCausalLM.from_pretrained("{args.out}", trust_remote_code=True) (GPT-2 with a '
@@ -356,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.out.exists():
                 raise ExportError(f"--out {args.out} exists; choose a new file")
             model = load_exported(args.source)
+            if problem := non_finite_weights(model.state_dict()):
+                raise ExportError(f"{args.source}: {problem}; import a model whose weights are finite")
             save_checkpoint(args.out, checkpoint_of(model, args.source))
             print(f"wrote {args.out}: {model.get_num_params():,} parameters from {args.source}")
     except (ExportError, CheckpointError) as exc:

@@ -20,6 +20,7 @@ import kv_cache
 import train_gpt
 from cli import ArgumentParser, add_model_flag
 from data.shards import EOT_TOKEN, GPT2_VOCAB
+from fileio import exits_on_filesystem_errors
 from run.checkpoint import CheckpointError, non_finite_weights
 from run.process import resolve_device
 
@@ -141,6 +142,7 @@ def sample(args: argparse.Namespace) -> list[str]:
     return [encoding.decode(row[len(tokens):].tolist()) for row in out]
 
 
+@exits_on_filesystem_errors("location")
 def main(argv: list[str] | None = None) -> list[str]:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -6,11 +6,11 @@
 Reads top to bottom: flags → model (GPT-2 with per-batch sampled b_Q, b_V) → bias sampler → learning-rate schedule
 → evaluation → the trainer (build, restore, open the run, the step, validate, checkpoint, log, the loop, finish) →
 main. The machinery is imported as modules, so each call names where it lives: config (presets, parsing, checks);
-run.process, run.checkpoint (the training state saved and restored), run.directory, run.log (as runlog), run.stop,
-run.capture (the step replayed from a CUDA graph); timing (the training clock, the profiler window); variants (model
-variants), hooks (tools around the optimizer step); data, optim, kernels.attention_paths, kv_cache. Importing this
-module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer shape), arXiv
-2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
+run.process, run.checkpoint (the format), run.training_state (what is saved and restored), run.directory, run.log
+(as runlog), run.stop, run.capture (the step replayed from a CUDA graph); timing (the training clock, the profiler
+window); variants, hooks (tools around the optimizer step); data, optim, kernels.attention_paths, kv_cache, fileio.
+Importing this module has no side effects. References: nanoGPT (model layout and names), modded-nanogpt (trainer
+shape), arXiv 2601.22257 (the symmetry-breaking protocol), docs/ (every formula and default used here).
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import functools
 import math
 import os
 import signal
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 import cli
 import config
+import fileio
 import hooks
 import kv_cache
 import optim
@@ -39,7 +39,7 @@ import timing
 import variants
 from data import loader, lookup, shards
 from kernels import attention_paths
-from run import capture, checkpoint, directory, process, stop
+from run import capture, checkpoint, directory, process, stop, training_state
 from run import log as runlog
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -104,8 +104,8 @@ class TrainConfig:
                               choices=optim.OPTIMIZERS.keys(), fixed_on_resume=True)
     train_files: str = uncompared("", "glob of training shards; empty: FineWeb-Edu if downloaded, else the embedded "
                                       "corpus", fixed_on_resume=True)
-    val_files: str = uncompared("", "glob of validation shards; empty: --train-files, else the default data's "
-                                    "validation")
+    val_files: str = uncompared("", "glob of validation shards; empty: the <prefix>_val_*.bin beside --train-files "
+                                    "(else those), or the default data's validation")
     seq_len: int = cli.flag(512, "tokens per training sequence (<= block_size)", bounds="> 0", fixed_on_resume=True)
     batch_tokens: int = cli.flag(4096, "global batch per optimizer step in tokens (paper: 8 x 512, no accumulation)",
                                  bounds="> 0", fixed_on_resume=True)
@@ -263,8 +263,7 @@ class GPT(nn.Module):
     forward(idx, targets, biases): `biases` is what `BiasSampler.sample` returns — a tensor (n_layer, 2, d) or
     (n_layer, 2, H, d) holding b_Q, b_V per layer; None means evaluation, which uses the means (docs/model.md).
     Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Without targets,
-    only the last position's logits (generation's, sample.generate; nanoGPT's way) unless all_logits. Variants:
-    docs/variants.md."""
+    only the last position's logits (nanoGPT's way, for sample.generate) unless all_logits. docs/variants.md."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -333,7 +332,7 @@ def model_from_checkpoint(source: str | os.PathLike | dict) -> GPT:
     """The model of a checkpoint (a file is read with config.read_checkpoint, which checks its configuration) on
     the CPU in eval mode (evaluation uses the mean biases), on the attention path its run chose and recorded (the
     model's default, sdpa, where it recorded none)."""
-    ckpt = source if isinstance(source, dict) else config.read_checkpoint(source, GPTConfig)
+    ckpt = source if isinstance(source, dict) else config.read_checkpoint(source, GPTConfig, TrainConfig)
     model = GPT(config.config_from_dict(ckpt["config"]["model"], GPTConfig))
     model.load_state_dict(checkpoint.link_tied(ckpt)["model"])
     if (recorded := ckpt["config"]["attention"]) and recorded["choice"]:
@@ -463,8 +462,7 @@ def single_batch_start(step: int, hp: TrainConfig) -> int | None:
 class Trainer:
     """The run: built once from the config (data, its validation part checked before any step; model, optimizer,
     loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `state`
-    gathers what a checkpoint saves and --resume restores (run.checkpoint.TrainingState); `progress`, part of it, is
-    what changes."""
+    is what a checkpoint saves and --resume restores (run.training_state); `progress`, part of it, what changes."""
 
     def __init__(self, cfg: config.RunConfig, rt: process.Runtime, log: runlog.RunLog) -> None:
         hp = cfg.train
@@ -476,7 +474,7 @@ class Trainer:
         torch.manual_seed(hp.seed)
         self.model = GPT(cfg.model).to(rt.device)
         if hp.init_from and not hp.resume:
-            log.line(checkpoint.load_initial_weights(self.model, hp.init_from))
+            log.line(training_state.load_initial_weights(self.model, hp.init_from))
         self.spec = optim.OPTIMIZERS[hp.optimizer]
         self.optimizer = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
         self.peak_settings = [{k: v for k, v in group.items() if k != "params"}  # each group's as built (lr: the peak)
@@ -491,8 +489,8 @@ class Trainer:
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = variants.objective_for(cfg.model)
         self.hooks = hooks.TrainingHooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.state = checkpoint.TrainingState(self.model, self.optimizer, self.peak_settings, self.loader, self.hooks,
-                                              rt.device)
+        self.state = training_state.TrainingState(self.model, self.optimizer, self.peak_settings, self.loader,
+                                                  self.hooks, rt.device)
         self.run_dir: directory.RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
@@ -515,9 +513,9 @@ class Trainer:
         for note in self.cfg.notes:
             self.log.line(note)
         ckpt = checkpoint.load_checkpoint(path, map_location=self.rt.device)
-        for warning in lookup.check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device):
-            self.log.line(warning)
-        self.state.load_state_dict(ckpt)
+        for line in lookup.check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device) + \
+                self.state.load_state_dict(ckpt, path):  # warnings on the data; the thread count replayed
+            self.log.line(line)
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
             raise checkpoint.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume "
@@ -760,6 +758,7 @@ class Trainer:
             self.run_dir.release()
 
 
+@fileio.exits_on_filesystem_errors("--run-dir")  # while parsing; once a run is built, its own handler below
 def main(argv: list[str] | None = None, final: bool = True) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl).
     final=False ends without the final checkpoint and validation (bench.e2e)."""
@@ -773,13 +772,13 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
             trainer.restore()
         trainer.open_run()
         trainer.build_step_model()
-        with stop.StopRequest(rt.world) as stop_request:
+        with stop.StopRequest(rt.world) as stop_request:  # up to the final checkpoint: no signal costs it
             trainer.train(stop_request)
-        summary = trainer.finish(final)
+            summary = trainer.finish(final)
     except (directory.RunInUseError, checkpoint.CheckpointError, lookup.DataChangedError, shards.ShardError,
-            attention_paths.AttentionChoiceError) as exc:
-        log.error(exc)  # bad input, refused before the first step (or a shard read later): the traceback in log.txt,
-        print(f"error: {exc}", file=sys.stderr)  # the reason and the fix in one line here
+            attention_paths.AttentionChoiceError, OSError) as exc:  # bad input, refused before the first step (or a
+        log.error(exc)  # shard read later), or the filesystem: the traceback in log.txt, one line here
+        fileio.print_error(stop.error_line(exc, trainer and trainer.run_dir, bool(cfg.resume_from)))
         raise SystemExit(2) from None
     except BaseException as exc:
         if not isinstance(exc, stop.TrainingStopped):

@@ -42,7 +42,7 @@ from bench.gpu_session import commit
 from cli import ArgumentParser
 import kernels.attention as attn
 import kernels.attention_paths as paths
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 
 SDPA_BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -215,6 +215,7 @@ def parse_shape(text: str) -> tuple[int, int, int, int]:
     return B, H, T, d
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="bench.attention", description=__doc__)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=DEFAULT_SHAPES,

@@ -33,10 +33,12 @@ import train_gpt
 from cli import ArgumentParser
 from config import PRESETS
 from data.shards import write_shard
+from fileio import atomic_write, exits_on_filesystem_errors
 from run.log import read_log
 from run.process import world_size_from_env
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="bench.e2e", description=__doc__)
     parser.add_argument("--preset", default="gpt2-124m", choices=sorted(PRESETS), help="the model and batch to time")
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.preset:>12} {args.optimizer:>9} {result['device'][:24]:>24} {result['world_size']:>5} "
           f"{str(attention['choice']):>9} {tok_s:>12,.0f} {result['step_time_ms']:>9.1f} {mfu:>6}")
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2))
+        atomic_write(args.out, json.dumps(result, indent=2).encode())
     if warning:
         print(warning, file=sys.stderr)  # again under the numbers it qualifies
 

@@ -23,6 +23,7 @@ from cli import ArgumentParser
 import train_gpt
 from optim import OPTIMIZERS
 from gauge.updates import GaugeUpdates
+from fileio import exits_on_filesystem_errors
 
 
 def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, args, device) -> float:
@@ -43,6 +44,7 @@ def time_steps(model, optimizer, spec, grads, loss, gauge: GaugeUpdates | None, 
     return statistics.median(times[args.warmup:])
 
 
+@exits_on_filesystem_errors("location")
 def main() -> None:
     parser = ArgumentParser(module="bench.gauge", description=__doc__)
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),

@@ -45,7 +45,7 @@ from typing import Callable
 from bench.session_report import E2E_MODES, faster_mode, markdown
 from bench.throughput import concurrent_tokens_per_s
 from cli import ArgumentParser
-from fileio import atomic_write  # standard library only, as this driver must be
+from fileio import atomic_write, exits_on_filesystem_errors# standard library only, as this driver must be
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 570  # for `timeout 590`: the steps end by then and the report follows
@@ -337,6 +337,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=5)
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(module="bench.gpu_session", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "runs/gpu"),

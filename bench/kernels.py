@@ -46,6 +46,7 @@ import kernels.attention as attn
 from kernels import ATTENTION_HEAD_DIMS
 import kernels.ecd as ecd
 import kernels.soap as soap
+from fileio import atomic_write, exits_on_filesystem_errors
 
 TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 SHARED_LIMIT = {90: 232448, 80: 166912}  # bytes of shared memory one block may use (227 KiB, 163 KiB)
@@ -261,6 +262,7 @@ def show_row(row: dict) -> None:
         print_row(row)
 
 
+@exits_on_filesystem_errors("--json")
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(module="bench.kernels", description=__doc__)
     parser.add_argument("--targets", nargs="+", choices=sorted(TARGETS), default=sorted(TARGETS, reverse=True),
@@ -279,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = build_all(args.targets, args.subset, args.autotune_tiles, show_row)
     failed = sum(row["shipped"] and bool("error" in row or row["problems"]) for row in rows)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        atomic_write(args.json, json.dumps(rows, indent=1).encode())
     print(f"{len(rows)} builds, {failed} shipped with problems")
     return 1 if failed else 0
 

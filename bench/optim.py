@@ -59,6 +59,7 @@ import train_gpt
 from optim import OPTIMIZERS
 from optim.muon import MuonConfig, muon_groups
 from optim.soap import SOAPConfig
+from fileio import exits_on_filesystem_errors
 
 ELEMENTWISE = ("ecd", "sgdm", "adamw")  # the optimizers a memory floor is printed for
 PEERS = {"soap:published": "--published-soap", "muon:modded": "--modded-nanogpt"}
@@ -266,6 +267,7 @@ def add_step_flags(parser: ArgumentParser, steps: int = 5,
                         help="cuda if available, else cpu")
 
 
+@exits_on_filesystem_errors("location")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="bench.optim", description=__doc__)
     parser.add_argument("--optimizers", default="ecd,soap,muon,adamw,sgdm",

@@ -26,6 +26,7 @@ import sample
 import train_gpt
 from cli import ArgumentParser
 from data.shards import EOT_TOKEN, GPT2_VOCAB
+from fileio import exits_on_filesystem_errors
 
 
 def preset_model(name: str) -> train_gpt.GPT:
@@ -33,6 +34,7 @@ def preset_model(name: str) -> train_gpt.GPT:
     return train_gpt.GPT(config.config_from_dict(config.PRESETS[name], train_gpt.GPTConfig)).eval()
 
 
+@exits_on_filesystem_errors("location")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="bench.sample", description=__doc__.split("\n\n")[0],
                             epilog=__doc__.split("\n\n", 1)[1])

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from cli import ArgumentParser
+from fileio import atomic_write, exits_on_filesystem_errors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -73,12 +74,13 @@ def _nvidia_smi() -> str:
         return f"unknown ({type(exc).__name__})"
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(module="bench.session_env", description=__doc__)
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON")
     args = parser.parse_args(argv)
     result = check()
-    args.out.write_text(json.dumps(result))
+    atomic_write(args.out, json.dumps(result).encode())
     print(json.dumps(result))
     return 3 if "problem" in result else 0
 

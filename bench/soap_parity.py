@@ -26,6 +26,7 @@ from bench.optim import load_published_soap, published_soap_settings
 from cli import ArgumentParser
 from optim import OPTIMIZERS
 from optim.soap import SOAPConfig
+from fileio import exits_on_filesystem_errors
 
 
 def turned_null_space(published: type) -> type:
@@ -59,6 +60,7 @@ def train(model: train_gpt.GPT, optimizer: torch.optim.Optimizer, args) -> None:
         optimizer.step()
 
 
+@exits_on_filesystem_errors("location")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="bench.soap_parity", description=__doc__)
     parser.add_argument("--published-soap", metavar="FILE", required=True,

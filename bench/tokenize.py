@@ -20,6 +20,7 @@ from cli import ArgumentParser
 from data.embedded import read_text
 from data.tokenize import default_workers, documents_to_shards
 from data.tokenizer import gpt2_tokenizer
+from fileio import exits_on_filesystem_errors
 
 
 def corpus_documents(max_bytes: int) -> list[str]:
@@ -48,6 +49,7 @@ def best_time(fn, repeats: int) -> tuple[float, float]:
     return min(runs)
 
 
+@exits_on_filesystem_errors("location")
 def main() -> None:
     parser = ArgumentParser(module="bench.tokenize", description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=16.0, help="megabytes of text to tokenize")

@@ -4,15 +4,18 @@ repaired is counted, reported and kept in data.tokenize's manifest (docs/data.md
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import fnmatch
 import glob
 import json
 import os
+import typing
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from cli import progress_bar
+from fileio import FILESYSTEM_ERROR_EXIT, doing, print_error
 
 MAX_PROBLEMS_LISTED = 50
 DROPPED = {  # CorpusStats counters of input that yields no document, and what each counts
@@ -28,7 +31,17 @@ DROPPED = {  # CorpusStats counters of input that yields no document, and what e
 
 
 class TokenizeError(ValueError):
-    """Bad arguments or input for tokenization; the message names the file or flag and what to do."""
+    """Bad arguments or input for tokenization, or an output it could not write; the message names the file or flag
+    and what to do."""
+
+    def exit(self, *notes: str) -> typing.NoReturn:
+        """End the tool with this error on one line (`notes` after it): exit status 1, or 2 for an output it could not
+        write (a filesystem error: docs/runs.md#filesystem-errors)."""
+        text = "\n".join(filter(None, [f"error: {self}", *notes]))
+        if not isinstance(self.__cause__, OSError):
+            raise SystemExit(text)
+        print_error(text.removeprefix("error: "))
+        raise SystemExit(FILESYSTEM_ERROR_EXIT)
 
 
 @dataclasses.dataclass
@@ -76,15 +89,13 @@ class CorpusStats:
 
 
 def resolve_sources(patterns: Iterable[str], stats: CorpusStats | None = None) -> list[Path]:
-    """Files named by `patterns` (paths or globs; `**` recursive), each glob's matches sorted (folders left out),
-    order kept, and each file once: a path to a file already listed (the same path again, a symlink to it, or the
-    same file through a symlinked folder, which a `**` glob follows, in a loop too) is dropped and counted in
-    `stats` (duplicate_files). A file is read through the path that named it first, or through its resolved path
-    where that one passes more symlinks than the system follows (a loop's deepest paths)."""
+    """Files named by `patterns` (paths or globs; `**` recursive: expand_glob), each glob's matches sorted (folders
+    left out), order kept, and each file once: a path to a file already listed (the same path again, a symlink to
+    it, or the same file through a symlinked folder) is dropped and counted in `stats` (duplicate_files)."""
     paths: list[Path] = []
     seen: dict[tuple[int, int], Path] = {}  # (device, inode) -> the path that named the file first
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        matches = sorted(expand_glob(pattern)) if glob.has_magic(pattern) else [pattern]
         if not matches:
             raise TokenizeError(f"{pattern!r} matches no files")
         for match in matches:
@@ -97,10 +108,47 @@ def resolve_sources(patterns: Iterable[str], stats: CorpusStats | None = None) -
             info = real.stat()
             first = seen.setdefault((info.st_dev, info.st_ino), path)
             if first is path:
-                paths.append(path if os.path.exists(path) else real)
+                paths.append(path if os.path.exists(path) else real)  # a path through more links than followed
             elif stats is not None:
                 stats.note("duplicate_files", f"{path}: the same file as {first}; read once")
     return paths
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """What glob.glob(pattern, recursive=True) names, except that a `**` walks each folder once (by device and
+    inode, subfolders in name order), so that links back to a folder already walked (a loop, however many links
+    form it) end the walk instead of multiplying it: Python's glob follows them until the path is too long, which
+    with two links in a folder is 2^40 paths."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        return glob.glob(pattern)
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    root, wanted = Path(*parts[:fixed]) if fixed else Path("."), parts[fixed:]
+    found, walked = [], set()
+    for folder, folders, files in os.walk(root, followlinks=True):
+        folders.sort()
+        with contextlib.suppress(OSError):
+            info = os.stat(folder)
+            if (info.st_dev, info.st_ino) in walked:
+                folders[:] = []
+                continue
+            walked.add((info.st_dev, info.st_ino))
+        inside = Path(folder).relative_to(root).parts
+        found += [str(Path(folder, name)) for name in folders + files if _glob_matches(wanted, (*inside, name))]
+    return found
+
+
+def _glob_matches(pattern: tuple[str, ...], parts: tuple[str, ...]) -> bool:
+    """Whether path components `parts` match glob components `pattern` as glob does: `**` any number of folders,
+    and no wildcard matches a name that starts with a dot unless its component does."""
+    if not pattern:
+        return not parts
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return _glob_matches(rest, parts) or (bool(parts) and not parts[0].startswith(".")
+                                              and _glob_matches(pattern, parts[1:]))
+    return (bool(parts) and fnmatch.fnmatchcase(parts[0], head)
+            and (head.startswith(".") or not parts[0].startswith(".")) and _glob_matches(rest, parts[1:]))
 
 
 def _decode(data: bytes, where: str, utf8_errors: str, stats: CorpusStats) -> str | None:
@@ -188,23 +236,24 @@ def iter_documents(
     `stats`."""
     for path in paths:
         stats.files += 1
-        if path.stat().st_size == 0:
-            stats.note("empty_files", f"{path}: empty file")
-            continue
-        suffix = path.suffix.lower()
-        if suffix == ".jsonl":
-            docs = _read_jsonl(path, text_field, utf8_errors, stats)
-        elif suffix == ".parquet":
-            docs = _read_parquet(path, text_field, stats)
-        else:
-            docs = _read_text(path, utf8_errors, txt_split, stats)
-        for text in docs:
-            if not text.strip():
-                stats.note("empty_documents", f"{path}: empty document")
+        with doing("read", path):  # an OSError names the file it was reading
+            if path.stat().st_size == 0:
+                stats.note("empty_files", f"{path}: empty file")
                 continue
-            stats.documents += 1
-            stats.text_bytes += len(text.encode("utf-8", errors="surrogatepass"))
-            yield text
+            suffix = path.suffix.lower()
+            if suffix == ".jsonl":
+                docs = _read_jsonl(path, text_field, utf8_errors, stats)
+            elif suffix == ".parquet":
+                docs = _read_parquet(path, text_field, stats)
+            else:
+                docs = _read_text(path, utf8_errors, txt_split, stats)
+            for text in docs:
+                if not text.strip():
+                    stats.note("empty_documents", f"{path}: empty document")
+                    continue
+                stats.documents += 1
+                stats.text_bytes += len(text.encode("utf-8", errors="surrogatepass"))
+                yield text
 
 
 def fetch_hub_files(repo: str, pattern: str, max_files: int | None = None, *, revision: str | None = None,

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import sysconfig
 import tokenize
 from pathlib import Path
@@ -29,6 +28,7 @@ from cli import ArgumentParser
 from data.shards import ShardError, cache_root, read_shard_header, shard_globs
 from data.tokenize import TokenizeError, default_workers, documents_to_shards, parallel_map
 from data.tokenize import main as tokenize_main
+from fileio import exits_on_filesystem_errors
 
 PREFIX = "embedded"
 TEXT_FILE = Path(__file__).resolve().parent / "embedded_corpus" / "python-3.11-stdlib.jsonl.gz"
@@ -178,6 +178,7 @@ def prepare_embedded_corpus(cache_dir: Path | None = None, val_fraction: float =
     return shard_globs(out_dir, PREFIX)
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="data.embedded",
                             description="Build the embedded corpus (or shards from local text files).")
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         train_glob, val_glob = prepare_embedded_corpus(args.out, args.val_fraction, workers=args.workers)
     except TokenizeError as e:
-        sys.exit(f"error: {e}")
+        e.exit()
     print(f"train files: {train_glob}\nval files:   {val_glob}")
 
 

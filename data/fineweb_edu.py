@@ -17,6 +17,7 @@ from pathlib import Path
 from cli import ArgumentParser, progress_bar
 from data.shards import (DIGEST_CACHE, GPT2_VOCAB, REPO_ROOT, ShardError, cache_root, open_shard, read_shard_header,
                          remember_sha256, sha256_file, shard_globs)
+from fileio import exits_on_filesystem_errors
 
 DEFAULT_REPO = "kjj0/finewebedu10B-gpt2"
 DEFAULT_DEST = REPO_ROOT / "data" / "fineweb_edu"
@@ -132,6 +133,7 @@ def download_shards(
     return paths
 
 
+@exits_on_filesystem_errors("--dest")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="data.fineweb_edu",
                             description="Download pre-tokenized FineWeb-Edu 10B shards (docs/data.md).")

@@ -2,7 +2,9 @@
 (docs/data.md#what-a-run-records)."""
 from __future__ import annotations
 
+import glob
 import hashlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -15,13 +17,28 @@ class DataChangedError(RuntimeError):
     """--resume found other training shards than the checkpoint trained on."""
 
 
+def validation_beside(train_files: str) -> str | None:
+    """The validation shards that data.tokenize (and the FineWeb-Edu download) writes beside training shards: for a
+    glob whose file name reads `<prefix>_train_...`, `<prefix>_val_*.bin` in its folder when that matches files;
+    None otherwise."""
+    folder, name = os.path.split(train_files)
+    prefix, sep, _ = name.rpartition("_train_")
+    beside = os.path.join(folder, f"{prefix}_val_*.bin")
+    return beside if sep and glob.glob(beside) else None
+
+
 def resolve_data_files(train_files: str, val_files: str, is_master: bool = True) -> tuple[str, str, str | None]:
     """(training glob, validation glob, note): --train-files, else downloaded FineWeb-Edu, else the embedded corpus
-    (the note says so); validation on --val-files, else on the same source's validation shards (the training
-    shards themselves with --train-files). Under torchrun the master prepares the embedded corpus, the others
-    find it in the cache."""
+    (the note says so); validation on --val-files, else on the same source's validation shards: with
+    --train-files those beside them (validation_beside), else the training shards themselves (the note says so).
+    Under torchrun the master prepares the embedded corpus, the others find it in the cache."""
     if train_files:
-        return train_files, val_files or train_files, None
+        if val_files:
+            return train_files, val_files, None
+        if beside := validation_beside(train_files):
+            return train_files, beside, f"no --val-files: validating on {beside}, the shards beside --train-files"
+        return train_files, train_files, ("no --val-files and no <prefix>_val_*.bin beside --train-files: validating "
+                                          "on the training shards themselves; --val-files names validation shards")
     from data import fineweb_edu
 
     if fineweb_edu.fineweb_shards_present():
@@ -97,6 +114,11 @@ def data_changes(saved: dict | None, now: dict) -> tuple[str | None, list[str]]:
     are not comparable. Moved files with the same contents are fine."""
     if saved is None:
         return None, ["the checkpoint records no data (config.data is None): the data is not checked"]
+    if not all(isinstance(part := saved.get(split), dict) and type(part.get("tokens")) is int
+               and isinstance(part.get("files"), list) and all(isinstance(f, dict) and {"path", "tokens", "sha256"}
+                                                               <= f.keys() for f in part["files"]) for split in SPLITS):
+        return ("--resume: the checkpoint's config.data entry is damaged (not a record of the training and validation "
+                "shards); restore the file, or resume from another checkpoint"), []
     problem, warnings = None, []
     for split in SPLITS:
         old, new = saved[split]["files"], now[split]["files"]

@@ -21,6 +21,7 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+MAX_SHARD_TOKENS = 2**31 - 1  # the header's int32 token count
 EOT_TOKEN = 50256  # <|endoftext|>, the document separator
 GPT2_VOCAB = 50257
 DIGEST_CACHE = "shard_sha256.json"  # sha256_shards' cache, in cache_root()

@@ -20,7 +20,7 @@ import json
 import multiprocessing
 import os
 import shutil
-import sys
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -28,9 +28,10 @@ import numpy as np
 
 from cli import ArgumentParser, progress_bar
 from data.documents import CorpusStats, TokenizeError, fetch_hub_files, iter_documents, resolve_sources
-from data.shards import EOT_TOKEN, HEADER_BYTES, shard_globs, shard_name, write_shard
+from data.shards import EOT_TOKEN, HEADER_BYTES, MAX_SHARD_TOKENS, shard_globs, shard_name, write_shard
 from data.tokenizer import GPT2_RANKS_SHA256, ensure_gpt2_ranks, gpt2_tokenizer
-from fileio import atomic_write, process_alive, sha256_file
+from fileio import (LockHeldError, atomic_write, doing, exits_on_filesystem_errors, filesystem_error_line, hold_lock,
+                    make_directory, process_alive, sha256_file)
 
 DEFAULT_SHARD_TOKENS = 100_000_000
 BATCH_CHARS = 1 << 20  # text per worker task: large enough to amortise IPC, small enough to keep all cores busy
@@ -137,28 +138,37 @@ class _ShardWriter:
 @contextlib.contextmanager
 def named_write_errors(path: Path, size_flag: str | None = None, tokens: int = 0) -> Iterator[None]:
     """Turn an OSError while writing `path` (a full disk, the file-size limit of `ulimit -f`, no permission) into a
-    TokenizeError naming the file, the free space and what to do; a shard's `tokens` are set by data.tokenize's
-    `size_flag`."""
+    TokenizeError: the line of every tool's policy (fileio.filesystem_error_line) with the file it was to become,
+    for a file too large the shard size that data.tokenize's `size_flag` sets (this shard's `tokens`), and that
+    earlier outputs are untouched."""
     try:
-        yield
+        with doing("write", path):
+            yield
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        free = shutil.disk_usage(path.parent).free
-        fix = "free some space, or choose another --out"
-        if exc.errno == errno.EFBIG:
-            fix = "the file exceeds the file-size limit (`ulimit -f`) or the largest file of the filesystem: raise " \
-                  "the limit" + (f", or make smaller shards with data.tokenize's {size_flag} (this one: {tokens:,} "
-                                 f"tokens, {HEADER_BYTES + 2 * tokens:,} bytes)" if size_flag else "")
-        elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            fix = "choose an --out you may write to"
-        raise TokenizeError(f"could not write {path}: {reason} ({free / 2**20:,.0f} MiB free there); {fix}; "
-                            "earlier outputs in --out are untouched") from exc
+        exc.filename = str(path)  # the file it was to become, not its copy in the staging directory
+        line = filesystem_error_line(exc, "--out")
+        if exc.errno == errno.EFBIG and size_flag:
+            line += (f", or make smaller shards with data.tokenize's {size_flag} (this one: {tokens:,} tokens, "
+                     f"{HEADER_BYTES + 2 * tokens:,} bytes)")
+        raise TokenizeError(f"{line}; earlier outputs in --out are untouched") from exc
 
 
 def existing_outputs(out_dir: Path, prefix: str) -> list[Path]:
     """Shards and manifest of an earlier run with this prefix in `out_dir`."""
     names = [f"{prefix}_val_*.bin", f"{prefix}_train_*.bin", f"{prefix}_manifest.json"]
     return sorted(p for name in names for p in out_dir.glob(name))
+
+
+def claim_output(out_dir: Path, prefix: str):
+    """Lock the outputs of `prefix` in `out_dir` for this process (`<out>/.<prefix>.lock`, released when it ends,
+    however it ends): two data.tokenize writing one prefix into one directory would replace each other's shards
+    (docs/data.md#other-corpora). TokenizeError naming the live holder when another process has it."""
+    make_directory(out_dir)
+    try:
+        return hold_lock(out_dir / f".{prefix}.lock", f"data.tokenize pid {os.getpid()} on host {socket.gethostname()}")
+    except LockHeldError as exc:
+        raise TokenizeError(f"{out_dir}: another data.tokenize is writing '{prefix}' shards there ({exc.holder}); "
+                            "wait for it to finish, or choose another --out/--prefix") from None
 
 
 def _staging_dir(out_dir: Path, prefix: str) -> Path:
@@ -170,8 +180,7 @@ def _staging_dir(out_dir: Path, prefix: str) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
     staging = out_dir / f".{prefix}.{os.getpid()}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    return staging
+    return make_directory(staging)
 
 
 def _replace_outputs(staging: Path, out_dir: Path, prefix: str, records: list[dict], manifest: dict) -> None:
@@ -209,7 +218,8 @@ def documents_to_shards(
     The validation shard holds the first `val_tokens` tokens (default: see _ShardWriter), or `val_fraction` of all
     tokens (the whole stream in memory: small corpora only). `metadata()`, called after the last document, goes into
     the manifest. Earlier outputs with this prefix are an error unless `overwrite` (replaced once the new shards are
-    complete; a failed run leaves them untouched and removes what it wrote).
+    complete; a failed run leaves them untouched and removes what it wrote), and so is another process writing this
+    prefix into `out_dir` at the same time (claim_output).
     """
     out_dir = Path(out_dir)
     if shard_tokens < 1:
@@ -220,17 +230,22 @@ def documents_to_shards(
         raise TokenizeError(f"val_fraction must be in (0, 1) (got {val_fraction})")
     if val_tokens is not None and val_tokens < 1:
         raise TokenizeError(f"val_tokens must be >= 1 (got {val_tokens}); the first shard is always validation")
-    old = existing_outputs(out_dir, prefix)
-    if old and not overwrite:
-        raise TokenizeError(
-            f"{out_dir} already holds {len(old)} '{prefix}' shard/manifest files (e.g. {old[0].name}); "
-            "choose another --out/--prefix or pass --overwrite to replace them"
-        )
-    ensure_gpt2_ranks()  # fetch once here, not in every worker
-    workers = workers or default_workers()
+    for flag, tokens in (("--shard-tokens", shard_tokens), ("--val-tokens", val_tokens or 0)):
+        if tokens > MAX_SHARD_TOKENS:
+            raise TokenizeError(f"{flag} {tokens:,}: a shard holds at most {MAX_SHARD_TOKENS:,} tokens (its header "
+                                "counts them in an int32); give fewer")
     created = not out_dir.exists()
-    staging = _staging_dir(out_dir, prefix)
+    lock, staging = claim_output(out_dir, prefix), None  # from here on, this process's outputs
     try:
+        old = existing_outputs(out_dir, prefix)
+        if old and not overwrite:
+            raise TokenizeError(
+                f"{out_dir} already holds {len(old)} '{prefix}' shard/manifest files (e.g. {old[0].name}); "
+                "choose another --out/--prefix or pass --overwrite to replace them"
+            )
+        ensure_gpt2_ranks()  # fetch once here, not in every worker
+        workers = workers or default_workers()
+        staging = _staging_dir(out_dir, prefix)
         chunks = parallel_map(encode_batch, _batches(documents), workers)
         bar = progress_bar(unit="tok", unit_scale=True, desc=f"tokenizing {prefix}", disable=not progress)
         chunks = _counted(chunks, bar)
@@ -260,10 +275,12 @@ def documents_to_shards(
         }
         _replace_outputs(staging, out_dir, prefix, records, manifest)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created:
-            with contextlib.suppress(OSError):
-                out_dir.rmdir()  # only when nothing was written: a failed run into a new directory leaves none
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if created and [p.name for p in out_dir.iterdir()] == [Path(lock.name).name]:
+            Path(lock.name).unlink()  # a failed run into a new directory leaves none
+            out_dir.rmdir()
+        lock.close()
     return manifest
 
 
@@ -290,6 +307,7 @@ def _counted(chunks: Iterator[np.ndarray], bar) -> Iterator[np.ndarray]:
 # CLI
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="data.tokenize",
                             description="Tokenize text corpora into GPT-2 token shards (docs/data.md).")
@@ -341,8 +359,8 @@ def main(argv: list[str] | None = None) -> None:
             workers=args.workers, overwrite=args.overwrite, progress=True,
             metadata=lambda: {"sources": sources, "counts": dataclasses.asdict(stats)},
         )
-    except (TokenizeError, OSError) as e:  # an OSError of reading names its file
-        sys.exit("\n".join(filter(None, [f"error: {e}", stats.dropped()])))
+    except TokenizeError as e:
+        e.exit(stats.dropped())
     print(f"{manifest['tokens']:,} tokens from {stats.documents:,} documents in {len(manifest['shards'])} shards "
           f"-> {args.out}")
     print(f"read: {stats.summary()}")

@@ -22,7 +22,7 @@ from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
 from cli import ArgumentParser
 from data.shards import EOT_TOKEN, GPT2_VOCAB, cache_root
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 
 GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_RANKS_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
@@ -183,6 +183,7 @@ def gpt2_tokenizer() -> tiktoken.Encoding:
     )
 
 
+@exits_on_filesystem_errors("--cache-dir")
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(module="data.tokenizer",
                             description="Fetch and verify the GPT-2 BPE rank file; print its path.")

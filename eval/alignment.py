@@ -33,7 +33,7 @@ from data.tokenizer import gpt2_tokenizer
 from eval.common import (add_target_args, markdown_table, open_target, record_outputs, run_hyperparameters,
                          validation_files, write_json)
 from eval.figures import pyplot, save_figure
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 
 MODES = ("raw", "ln", "residual")
 CATEGORIES = ("sentence_starters", "interrogatives", "punctuation", "function_words", "unicode_noise")
@@ -329,6 +329,7 @@ def markdown_summary(results: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.alignment", description=__doc__)
     add_target_args(parser)

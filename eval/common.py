@@ -23,7 +23,7 @@ import train_gpt
 from cli import MODEL_HELP, add_model_flag
 from config import config_from_dict
 from data.lookup import resolve_data_files
-from fileio import atomic_write, sha256_file
+from fileio import atomic_write, make_directory, sha256_file
 from run.checkpoint import CheckpointError, non_finite_weights, run_dir_of
 from run.process import resolve_device
 
@@ -68,9 +68,7 @@ def load_target_checkpoint(file: Path) -> dict:
 
 
 def output_dir(args: argparse.Namespace, run_dir: Path) -> Path:
-    out = args.out if args.out is not None else run_dir / EVAL_DIRNAME
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return make_directory(args.out if args.out is not None else run_dir / EVAL_DIRNAME)
 
 
 @dataclasses.dataclass

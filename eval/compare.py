@@ -32,7 +32,7 @@ from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json
 from eval.figures import pyplot, save_figure
 from eval.curves import runs_loss_figure, validation_losses
 from eval.samples import Difference, Summary, data_description, data_identity, difference, per_seed, repeated_seeds
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors, make_directory
 from optim import OPTIMIZERS
 from run.checkpoint import run_dir_of
 from run.log import read_log
@@ -250,7 +250,7 @@ def compare_runs(run_dirs: list[Path], out: Path, suite: str | None = None, alig
     broken = [r for r in rows if r["bias_mode"] != "none" and r["delta_top5"] is not None
               and r["punct_enrichment"] is not None]
     correlation = pearson([r["punct_enrichment"] for r in broken], [r["delta_top5"] for r in broken])
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out)
     tables = {"best_val_loss": pivot(rows, "best_val_loss"), "top5": pivot(rows, "top5", 100.0)}
     result = {"runs": rows, "pivots": tables, "pearson_punct_enrichment_vs_delta_top5": correlation,
               "alignment_mode": alignment_mode}
@@ -312,6 +312,7 @@ def compare_runs(run_dirs: list[Path], out: Path, suite: str | None = None, alig
     return result
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.compare", description=__doc__)
     parser.add_argument("--run", "--checkpoint", dest="run", action="append", type=Path, default=[], metavar="PATH",

@@ -23,7 +23,7 @@ from eval.common import (add_target_args, checkpoint_identity, load_target_check
                          record_outputs, resolve_target, write_json)
 from eval.curves import MARKERS_BELOW
 from eval.figures import head_maps_figure, pyplot, save_figure, step_axis
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dict, weight_drift_ratio
 from optim import OPTIMIZERS
 
@@ -84,6 +84,7 @@ def training_figure(log: list[dict], checkpoints: list[dict], title: str):
     return fig
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.dynamics", description=__doc__)
     add_target_args(parser)

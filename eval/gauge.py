@@ -32,7 +32,7 @@ from cli import ArgumentParser
 import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 from eval.common import add_target_args, markdown_table, open_target, run_hyperparameters, validation_files, write_json
 from eval.figures import head_maps_figure, save_figure
 from optim import OPTIMIZERS
@@ -86,6 +86,7 @@ def report(result: dict, run_name: str) -> str:
     return "\n".join(lines)
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.gauge", description=__doc__)
     add_target_args(parser)

@@ -35,7 +35,7 @@ from data.tokenizer import gpt2_tokenizer
 from eval.common import (add_target_args, error_bars, markdown_table, mean_interval, open_target, record_outputs,
                          wilson_interval, write_json)
 from eval.figures import pyplot, save_figure
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 
 CATEGORIES = ("pattern_numeric", "pattern_alpha", "retrieval_near", "retrieval_far", "simple_inference", "copy")
 SUITES_DIR = Path(__file__).resolve().parent / "suites"
@@ -330,6 +330,7 @@ def markdown_summary(results: list[dict], title: str, step: int | None = None) -
     return "\n".join(lines + ["![logic puzzles](logic_puzzles.png)", ""])
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.logic_puzzles", description=__doc__)
     add_target_args(parser)

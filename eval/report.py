@@ -21,7 +21,10 @@ command exits with status 1.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import socket
 import sys
 import time
 import traceback
@@ -34,7 +37,7 @@ from eval.common import (add_target_args, annotate_output, checkpoint_identity, 
                          output_dir, read_config, read_manifest, resolve_target, stale_reason, write_json)
 from eval.curves import loss_figure, validation_losses
 from eval.figures import save_figure
-from fileio import atomic_write
+from fileio import LockHeldError, atomic_write, exits_on_filesystem_errors, hold_lock
 from run.log import read_log
 
 EVALUATIONS = {"val_loss": val_loss.main, "logic_puzzles": logic_puzzles.main, "alignment": alignment.main,
@@ -45,6 +48,7 @@ QUICK_BELOW_TOKENS = 20_000_000  # runs that trained fewer tokens get the quick 
 REPORT_FLAGS = {"logic_puzzles": ["--suite", "fixed", "--suite", "paper"]}
 QUICK_FLAGS = {"logic_puzzles": ["--per-category", "25"], "alignment": ["--residual-tokens", "32768"]}
 QUICK_WORDS = "25 generated logic prompts per category, 32,768 tokens of text for the residual alignment"
+REPORT_LOCK = ".report.lock"  # in the output directory: held by the eval.report writing there
 
 
 def training_summary(log: list[dict]) -> dict:
@@ -189,8 +193,10 @@ class Page:
         return index
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
-    """Write the report; exits with status 1 (after writing) when an evaluation failed, 130 when interrupted."""
+    """Write the report; exits with status 1 (after writing) when an evaluation failed, 130 when interrupted, 2 on a
+    filesystem error (docs/runs.md#filesystem-errors)."""
     parser = ArgumentParser(module="eval.report", description=__doc__)
     add_target_args(parser)
     parser.add_argument("--skip-missing", action="store_true",
@@ -205,6 +211,16 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir, ckpt_path, _ = resolve_target(args.checkpoint)
     config = read_config(run_dir)  # before the evaluations: a damaged config.json fails at once
     eval_dir = output_dir(args, run_dir)
+    try:  # one report at a time per output directory
+        lock = hold_lock(eval_dir / REPORT_LOCK, f"eval.report pid {os.getpid()} on host {socket.gethostname()}")
+    except LockHeldError as exc:
+        raise SystemExit(f"error: {eval_dir} is in use by {exc.holder}: wait for it to finish, or stop it") from None
+    with lock:
+        return write_report(args, run_dir, ckpt_path, config, eval_dir)
+
+
+def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, config: dict, eval_dir: Path) -> dict:
+    """The report of main's parsed `args`: the evaluations to run (each in this process), then the page."""
     checkpoint = load_target_checkpoint(ckpt_path)
     step = checkpoint["step"]
     identity = checkpoint_identity(ckpt_path, step)

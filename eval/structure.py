@@ -30,7 +30,7 @@ from eval.common import (add_target_args, load_target_checkpoint, markdown_table
                          write_json)
 from eval.figures import pyplot, save_figure, step_axis
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 
 CONVENTIONS = ("figures", "paper", "published")  # docs/structure.md#conventions; the first is the default
 GAMMA = 2.0  # threshold = mean + GAMMA · std of the norms
@@ -174,6 +174,7 @@ def report(results: list[dict], run_name: str, convention: str, gamma: float, st
     return "\n".join(lines)
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.structure", description=__doc__)
     add_target_args(parser)

@@ -21,7 +21,7 @@ from data.shards import ShardError
 from eval.common import add_target_args, open_target, record_outputs, run_hyperparameters, validation_files, write_json
 from eval.curves import loss_figure, loss_series
 from eval.figures import save_figure
-from fileio import atomic_write
+from fileio import atomic_write, exits_on_filesystem_errors
 from run.log import read_log
 
 
@@ -34,6 +34,7 @@ def validation_loss(model: train_gpt.GPT, files: str | list[str], num_tokens: in
             "seq_len": seq_len, "micro_batch": micro_batch}
 
 
+@exits_on_filesystem_errors("--out")
 def main(argv: list[str] | None = None) -> dict:
     parser = ArgumentParser(module="eval.val_loss", description=__doc__)
     add_target_args(parser)

@@ -16,7 +16,6 @@ checkpoint. At the end: eval.report for each finished run and DIR/compare.md (do
 from __future__ import annotations
 
 import argparse
-import errno
 import os
 import shlex
 import socket
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from cli import ArgumentParser, value_problem
 from data.lookup import resolve_data_files
+from fileio import filesystem_error_line, print_error
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
 from grid.estimate import wall_time_lines
 from grid.memory import GIB, fit_problem, grid_memory, memory_line
@@ -137,7 +137,7 @@ def plan_grid(args: argparse.Namespace, shared: list[str]):
     check_flags(spec, known)
     if min(args.workers, args.gpus_per_run, args.runs_per_gpu) < 1:
         raise GridError("--workers, --gpus-per-run and --runs-per-gpu take a number of at least 1")
-    if args.gpu_memory is not None and not args.gpu_memory > 0:
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < 2**33:  # NaN and infinity too (bytes in int64)
         raise GridError(f"--gpu-memory {args.gpu_memory}: a GPU's memory in GiB, e.g. 80")
     if args.print_slurm and args.runs_per_gpu > 1:
         raise GridError("--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with "
@@ -164,8 +164,8 @@ def check_history(spec, runs) -> None:
     if changed:
         name, differences = next(iter(changed.items()))
         raise GridError(f"{len(changed)} of the runs in {spec.directory} were trained with other flags than this "
-                        f"grid gives, e.g. {name}: {', '.join(differences)}; train these flags in a new directory "
-                        "(another --name), or give the flags the runs were trained with")
+                        f"grid gives, or record none, e.g. {name}: {', '.join(differences)}; train these flags in a "
+                        "new directory (another --name), or give the flags the runs were trained with")
 
 
 def finish_grid(args, spec, runs, scheduler: Scheduler, states: dict[str, str]) -> int:
@@ -207,6 +207,10 @@ def run_grid(argv: list[str]) -> int:
         raise GridError(problem)
     slots = make_slots(gpus, args.gpus_per_run, args.workers, len(os.sched_getaffinity(0)),
                        {r.device for r in runs if r.problem is None}, args.runs_per_gpu)
+    if args.runs_per_gpu > 1 and not any(slot.kind == "cuda" for slot in slots):
+        print(f"grid: --runs-per-gpu {args.runs_per_gpu} applies to runs on GPUs; these runs are on the CPU, where "
+              "--workers sets how many train at once", flush=True)
+        args.runs_per_gpu = 1
     journal = Journal(spec.directory)
     previous = journal.states()
     states = {r.name: initial_state(r, previous.get(r.name, {}), args.retry_failed) for r in runs}
@@ -231,7 +235,12 @@ def run_grid(argv: list[str]) -> int:
         print("grid: preparing the default data once for every run", flush=True)
         resolve_data_files("", "")
     scheduler = Scheduler(spec.directory, spec.name, runs, slots, journal, Display(plain_every=args.status_every))
-    code = scheduler.execute(todo) if todo else 0
+    try:
+        code = scheduler.execute(todo) if todo else 0
+    except OSError as exc:  # the grid's own files or its output, while runs train: say what became of them
+        raise GridError(f"{filesystem_error_line(exc, '--run-dir')}; the grid stopped" + (
+            f", and each of the {scheduler.launched} runs it had started stopped with a checkpoint where it could; "
+            "the same command continues them once fixed" if scheduler.launched else " before it started any run"))
     if code:
         print("grid: stopped by a signal; every run wrote a checkpoint where it could. The same command continues "
               "the grid.", file=sys.stderr)
@@ -265,6 +274,9 @@ def grid_status(argv: list[str]) -> int:
         state = states.get(p["name"], {})
         if now[p["name"]] in ("failed", "invalid"):
             print(f"{p['name']}: {now[p['name']]}: " + (state.get("error") or p.get("problem") or ""))
+        elif now[p["name"]] == "missing":
+            print(f"{p['name']}: missing: it finished, but its directory {p['path']} is gone; the grid command trains "
+                  "it again")
     return 0
 
 
@@ -294,18 +306,16 @@ def grid_report(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     commands = {"status": grid_status, "report": grid_report}
+    where = "place (copy the grid directory there)" if argv[:1] and argv[0] in commands else "--run-dir"
     try:
-        if argv and argv[0] in commands:
-            return commands[argv[0]](argv[1:])
-        return run_grid(argv)
+        code = commands[argv[0]](argv[1:]) if argv and argv[0] in commands else run_grid(argv)
+        sys.stdout.flush()  # here, not at exit: an output pipe closed early is said below
+        return code
     except GridError as exc:  # a grid that cannot run as given: one line naming what to change
-        print(f"error: {exc}", file=sys.stderr)
+        print_error(str(exc))
         return 2
-    except OSError as exc:  # the grid's own files: a read-only or full filesystem, no permission
-        code = errno.errorcode.get(exc.errno, "") if exc.errno else ""
-        print(f"error: {exc.filename or 'the grid directory'}: {exc.strerror or exc}{f' ({code})' * bool(code)}; "
-              "the grid stopped and every run it started stopped with a checkpoint where it could: fix that (free "
-              "space, or a --run-dir you may write to) and run the same command again", file=sys.stderr)
+    except OSError as exc:  # the grid's own files before any run started, or what `status` and `report` read
+        print_error(filesystem_error_line(exc, where))
         return 2
     except KeyboardInterrupt:  # before any run started (while planning), or in a report of its own
         print("\ngrid: interrupted; the same command continues", file=sys.stderr)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fileio import LockHeldError, hold_lock, lock_holder
+from fileio import LockHeldError, doing, hold_lock, lock_holder, make_directory
 from grid.plan import GridError, Run, train_command
 from grid.progress import Display, run_finished, run_row, summary_line, table
 from run.directory import run_holder, run_holds_checkpoint
@@ -33,7 +33,7 @@ TAIL_LINES = 12  # lines of a failed run's output in the report
 def claim(directory: Path):
     """Lock the grid directory for this process (released when it ends, however it ends); GridError naming the
     owner when another grid process holds it."""
-    directory.mkdir(parents=True, exist_ok=True)
+    make_directory(directory)
     try:
         return hold_lock(directory / LOCK, f"grid pid {os.getpid()} on host {socket.gethostname()}")
     except LockHeldError as exc:
@@ -56,7 +56,7 @@ class Journal:
     def append(self, record: dict) -> None:
         """Append `record` on a line of its own (after a line a crash cut short, on the next one)."""
         line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}) + "\n"
-        with open(self.path, "a+b") as f:
+        with doing("append to", self.path), open(self.path, "a+b") as f:
             end = f.seek(0, os.SEEK_END)
             if end:
                 f.seek(end - 1)
@@ -160,12 +160,14 @@ def initial_state(run: Run, previous: dict, retry_failed: bool) -> str:
 
 def current_state(run: dict, last: dict, grid_running: bool) -> str:
     """A planned run's state (`run`: its record in the plan; `last`: its last transition) as it stands now:
-    finished when its log says so, running while its trainer holds it, interrupted where the journal says running
-    but neither a trainer nor a grid process runs it (the grid process was killed, or could not write the end);
-    otherwise the journal's."""
+    finished when its log says so, missing when the journal says finished but the run's directory is gone, running
+    while its trainer holds it, interrupted where the journal says running but neither a trainer nor a grid process
+    runs it (the grid process was killed, or could not write the end); otherwise the journal's."""
     state = last.get("state", "invalid" if run.get("problem") else "queued")
     if run_finished(Path(run["path"]), run["steps"], run.get("stop_at_target", False)):
         return "finished"
+    if state == "finished" and not Path(run["path"]).is_dir():
+        return "missing"
     if run_holder(Path(run["path"])):
         return "running"
     return "interrupted" if state == "running" and not grid_running else state
@@ -229,8 +231,8 @@ class Active:
 
 class Scheduler:
     """Runs the queue of a grid: each free slot takes the next run of its kind; transitions go to the journal and
-    the display; the first SIGINT/SIGTERM is passed to every run (each checkpoints and exits), a second one again
-    (each stops at once)."""
+    the display; the first SIGINT/SIGTERM is passed to every run (each finishes its step, checkpoints and exits),
+    and a later one is not passed on again: the runs are already stopping (docs/runs.md#signals)."""
 
     def __init__(self, directory: Path, name: str, runs: list[Run], slots: list[Slot], journal: Journal,
                  display: Display) -> None:
@@ -240,6 +242,7 @@ class Scheduler:
         self.active: dict[int, Active] = {}
         self.signals: list[int] = []
         self.started = time.time()
+        self.launched = 0  # runs this process started or waited for
 
     def transition(self, run: Run, state: str, line: str | None = None, **fields) -> None:
         self.states[run.name] = {"state": state, **fields}
@@ -254,22 +257,25 @@ class Scheduler:
 
     def _on_signal(self, signum: int, frame) -> None:
         self.signals.append(signum)
+        if len(self.signals) > 1:  # os.write: safe in a handler, which may interrupt a print
+            os.write(2, f"grid: {signal.Signals(signum).name} again: each run still finishes its step and writes its "
+                        "checkpoint; the grid waits for them\n".encode())
+            return
         for active in list(self.active.values()):
-            try:
-                active.process.send_signal(signum if len(self.signals) == 1 else signal.SIGINT)
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                active.process.send_signal(signum)
 
     def start(self, run: Run, slot: Slot, resume: bool) -> Active:
         command = train_command(run, slot.processes if slot.kind == "cuda" else 1, resume)
         output = self.directory / "logs" / f"{run.name}.log"
-        output.parent.mkdir(parents=True, exist_ok=True)
+        make_directory(output.parent)
         with open(output, "ab") as f:
             f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {slot.label}: {' '.join(command)}\n".encode())
             f.flush()  # the child appends through its own copy of the descriptor: the header goes first
             process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                        preexec_fn=stop_with_grid(),
                                        env={**os.environ, **slot.env, "PYTHONUNBUFFERED": "1"})
+        self.launched += 1
         try:
             self.transition(run, "running", f"{'resumed' if resume else 'started'} on {slot.label} (pid "
                             f"{process.pid})", placement=slot.label, pid=process.pid, host=socket.gethostname(),
@@ -285,6 +291,7 @@ class Scheduler:
         with the others when it runs on this host)."""
         last = self.states.get(run.name, {})
         pid = last.get("pid") if last.get("host") == socket.gethostname() else None
+        self.launched += 1
         self.transition(run, "running", f"its trainer still runs ({run_holder(run.path)}; an earlier grid process "
                         f"started it): waiting for it on {slot.label}", placement=slot.label, pid=pid,
                         host=last.get("host"), adopted=True)

@@ -20,7 +20,8 @@ import config
 import train_gpt
 from cli import option
 from optim import OPTIMIZERS
-from run.directory import directory_name_problem
+from run.checkpoint import CheckpointError, load_checkpoint, run_checkpoints
+from run.directory import directory_name_problem, run_holder
 from run.process import batch_layout
 
 TRAIN_SCRIPT = Path(train_gpt.__file__).resolve()
@@ -290,18 +291,34 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
 
 
 def recorded_changes(run: Run) -> list[str]:
-    """How the configuration the run's trainer recorded (its config.json) differs from what the grid asks now:
-    `--flag OLD (now NEW)` for every flag but those the grid sets itself (RESERVED); empty when they agree or
-    nothing is recorded yet (a trainer that holds the run writes config.json just after taking it)."""
+    """How the configuration the run's trainer recorded (its config.json, or where that is gone the configuration
+    its latest checkpoint holds) differs from what the grid asks now: `--flag OLD (now NEW)` for every flag but those
+    the grid sets itself (RESERVED); empty when they agree or while a trainer that holds the run has not yet written
+    config.json (it does just after taking it). A run that trained but records its flags nowhere is a difference
+    too: it cannot count as this grid's run."""
     try:
         recorded = json.loads((run.path / "config.json").read_text())
-        changed = config.changed_settings(run.config, recorded)
     except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        recorded = checkpoint_config(run.path)
+        if recorded is None:
+            return [] if run_holder(run.path) else ["neither a config.json nor a checkpoint records the flags it was "
+                                                    "trained with (restore its config.json, or move the run away)"]
+    except (OSError, ValueError) as exc:
         return [f"its config.json cannot be read ({exc})"]
+    try:
+        changed = config.changed_settings(run.config, recorded)
+    except (KeyError, TypeError, AttributeError) as exc:
+        return [f"its recorded configuration is damaged ({type(exc).__name__}: {exc})"]
     return [f"{option(flag)} {old} (now {new})" for key, (old, new) in changed.items()
             if (flag := key.partition(".")[2]).replace("_", "-") not in RESERVED]
+
+
+def checkpoint_config(run_dir: Path) -> dict | None:
+    """The configuration the newest readable checkpoint of a run holds (None: it has none)."""
+    for path in reversed(run_checkpoints(run_dir)):
+        with contextlib.suppress(CheckpointError):
+            return load_checkpoint(path, mmap=True)["config"]
+    return None
 
 
 def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:

@@ -10,14 +10,15 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from run.log import format_duration
+from run.log import format_duration, record_problem
 
 TAIL_BYTES = 16384  # enough for the last few records of any log.jsonl
 HEADER = ("run", "state", "step", "loss", "tok/s", "ETA", "device")
 
 
 def tail_records(path: Path, size: int = TAIL_BYTES) -> list[dict]:
-    """The complete JSON records in the last `size` bytes of a JSON-lines file (a long log is not read whole)."""
+    """The complete records in the last `size` bytes of a run's log.jsonl (a long log is not read whole); a line
+    that is no record (run.log.record_problem: damaged, or cut) is passed over."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -32,9 +33,11 @@ def tail_records(path: Path, size: int = TAIL_BYTES) -> list[dict]:
     records = []
     for line in lines:
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except ValueError:
             continue
+        if record_problem(record) is None:
+            records.append(record)
     return records
 
 

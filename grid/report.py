@@ -12,20 +12,20 @@ import time
 from pathlib import Path
 
 from eval import compare, scorecard
-from fileio import atomic_write
-from grid.execute import Slot, output_tail
+from fileio import atomic_write, make_directory
+from grid.execute import Slot, output_tail, stop_with_grid
 from grid.plan import TRAIN_SCRIPT
 from run.log import format_duration
 
 
 def _start(run: Path, slot: Slot, directory: Path, budget: list[str]) -> tuple[subprocess.Popen, Path]:
     output = directory / "logs" / f"{run.name}.report.log"
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_directory(output.parent)
     env = {**os.environ, **slot.env, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(TRAIN_SCRIPT.parent), os.environ.get("PYTHONPATH")]))}
-    with open(output, "ab") as f:
+    with open(output, "ab") as f:  # the report ends with the grid process, however that ends (stop_with_grid)
         process = subprocess.Popen([sys.executable, "-m", "eval.report", "--run", str(run), *budget], stdout=f,
-                                   stderr=subprocess.STDOUT, env=env)
+                                   stderr=subprocess.STDOUT, env=env, preexec_fn=stop_with_grid())
     print(f"grid: report {run.name} on {slot.label} (output {output})", flush=True)
     return process, output
 

@@ -1,8 +1,8 @@
-"""The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of its tensors and its kind
-(model weights, or the training state a run resumes from): writing it atomically, reading and verifying it (older
-formats through `upgrade`, so every reader sees today's), the trainer's restorable parts (`TrainingState`), the
-checkpoints of a run and the one --resume continues from, and --init-from's weights. Importing this module has no
-side effects."""
+"""The checkpoint format (docs/runs.md#checkpoints), a torch.save'd dict with a sha256 of each of its entries and its
+kind (model weights, or the training state a run resumes from): writing it atomically, reading and verifying it
+(every entry's checksum and shape; older formats through `upgrade`, so every reader sees today's), the checkpoints of
+a run and the one --resume continues from. What a trainer saves and restores is run/training_state.py's. Importing
+this module has no side effects."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,18 +10,17 @@ import hashlib
 import json
 import os
 import re
-import shutil
+import typing
 import zipfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from cli import option
-from fileio import atomic_writer
+from fileio import atomic_writer, doing
 
-CHECKPOINT_FORMAT = "symgpt-checkpoint-v3"
-V1_FORMAT, V2_FORMAT = "symgpt-checkpoint-v1", "symgpt-checkpoint-v2"  # read through upgrade
+CHECKPOINT_FORMAT = "symgpt-checkpoint-v4"
+V1_FORMAT, V2_FORMAT, V3_FORMAT = (f"symgpt-checkpoint-v{n}" for n in (1, 2, 3))  # read through upgrade
 CONFIG_ENTRIES = ("model", "train", "research", "optim", "data", "preset", "attention")  # a checkpoint's config
 WEIGHTS, TRAINING = "weights", "training"  # a checkpoint's kind: model weights only, or a run to resume
 ENTRIES = ("step", "config", "model", "tied", "metrics", "kind")  # in every checkpoint
@@ -35,6 +34,11 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.reason = reason or message
+
+
+class CheckpointUnreadable(CheckpointError):
+    """A checkpoint file the operating system does not let this process read (no permission, an I/O error): not a
+    damaged file, so nothing falls back from it to an older one."""
 
 
 def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
@@ -54,38 +58,89 @@ def resolve_checkpoint_path(path: str | os.PathLike, flag: str = "--resume") -> 
     return path
 
 
+SCALARS = (type(None), bool, int, float, str)  # besides tensors, dicts, lists and tuples: what a checkpoint holds
+
+
+def _digest(node: object, digest: hashlib._Hash, where: str, tensors_only: bool) -> None:
+    """Feed `node` to `digest`, dicts in key order and lists in order: each tensor with its place, dtype, shape and
+    bytes, and unless tensors_only every container and scalar with its place, type and value too. A value of another
+    type is a TypeError (a checkpoint holds none: a checksum over a repr could not be recomputed)."""
+    if not tensors_only and not torch.is_tensor(node):
+        shape = len(node) if isinstance(node, (dict, list, tuple)) else repr(node)
+        if not isinstance(node, (dict, list, tuple, *SCALARS)):
+            raise TypeError(f"{where}: a {type(node).__name__}, which a checkpoint does not hold")
+        digest.update(f"{where}:{type(node).__name__}:{shape};".encode())
+    if isinstance(node, dict):
+        for key in sorted(node, key=str):
+            _digest(node[key], digest, f"{where}/{key}" if tensors_only else f"{where}/{key!r}", tensors_only)
+    elif isinstance(node, (list, tuple)):
+        for i, item in enumerate(node):
+            _digest(item, digest, f"{where}/{i}", tensors_only)
+    elif torch.is_tensor(node):
+        flat = node.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{where}:{flat.dtype}:{tuple(node.shape)};".encode())
+        digest.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")  # the buffer, not a copy
+
+
+def _without_tied_names(model: object, tied: object) -> object:
+    """A checkpoint's "model" without the names a tied weight is filled in under on load (link_tied): they do not
+    count in a checksum, so a loaded checkpoint saved again keeps it."""
+    if not (isinstance(model, dict) and isinstance(tied, dict)):
+        return model
+    return {name: tensor for name, tensor in model.items() if name not in tied}
+
+
 def tensor_checksum(checkpoint: dict) -> str:
-    """sha256 over every tensor of a checkpoint (dicts in key order, lists in order; each tensor's place, dtype,
-    shape and bytes), so a flipped bit anywhere in weights or optimizer state changes it. The names a tied weight is
-    filled in under on load (see link_tied) do not count, so a loaded checkpoint saved again keeps its checksum."""
+    """v3's checksum, one sha256 over every tensor of a checkpoint (not its other values), verified when a v3 file
+    is upgraded."""
     digest = hashlib.sha256()
-    aliases = {f"/model/{alias}" for alias in checkpoint["tied"]}
-
-    def walk(node: object, where: str) -> None:
-        if where in aliases:
-            return
-        if isinstance(node, dict):
-            for key in sorted(node, key=str):
-                walk(node[key], f"{where}/{key}")
-        elif isinstance(node, (list, tuple)):
-            for i, item in enumerate(node):
-                walk(item, f"{where}/{i}")
-        elif torch.is_tensor(node):
-            flat = node.detach().to("cpu").contiguous().reshape(-1)
-            digest.update(f"{where}:{flat.dtype}:{tuple(node.shape)};".encode())
-            digest.update(flat.view(torch.uint8).numpy() if flat.numel() else b"")  # the buffer, not a copy
-
-    walk({k: v for k, v in checkpoint.items() if k != "checksum"}, "")
+    entries = {k: v for k, v in checkpoint.items() if k != "checksum"}
+    if "model" in entries:
+        entries["model"] = _without_tied_names(entries["model"], entries.get("tied"))
+    _digest(entries, digest, "", tensors_only=True)
     return digest.hexdigest()
+
+
+def entry_checksums(checkpoint: dict, strict: bool = True) -> dict[str, str]:
+    """{entry: sha256} over everything a reader or a resume reads: each entry of the checkpoint but the checksum
+    itself, each section of its config on its own (config.model, config.attention, ...), every value with its place
+    and type and every tensor's bytes, so a mismatch names the entry that changed (docs/runs.md#checkpoints). A value
+    of a type no checkpoint holds is a TypeError when strict (writing), a mismatch otherwise (reading)."""
+    entries = {}
+    for key, value in checkpoint.items():
+        if key == "config" and isinstance(value, dict):
+            entries.update({f"config.{section}": part for section, part in value.items()})
+        elif key != "checksum":
+            entries[key] = value
+    if "model" in entries:
+        entries["model"] = _without_tied_names(entries["model"], entries.get("tied"))
+    sums = {}
+    for name, value in entries.items():
+        digest = hashlib.sha256()
+        try:
+            _digest(value, digest, "", tensors_only=False)
+        except TypeError:
+            if strict:
+                raise
+            digest.update(b"a value of a type no checkpoint holds")  # never what a writer stored
+        sums[name] = digest.hexdigest()
+    return sums
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu", mmap: bool = False,
                     verify: bool = False) -> dict:
     """Load and check a checkpoint written by `save_checkpoint` (mmap: tensors are read only when touched; verify:
-    recompute the tensors' sha256 and compare it with the stored one). A tied weight stored once (see
+    recompute the checksum of every entry and compare it with the stored one): an entry missing, not matching its
+    checksum or of another shape than the format's is a CheckpointError naming it. A tied weight stored once (see
     checkpoint_model_state) is filled in under each of its names."""
     try:
-        if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut one has no central directory
+        with open(path, "rb") as f:  # a file that cannot be opened is not a damaged one
+            complete = zipfile.is_zipfile(f)  # torch.save writes a zip archive; a cut one has no central directory
+    except OSError as exc:
+        raise CheckpointUnreadable(f"{path}: cannot read it ({exc.strerror}): make the file readable, or give "
+                                   "another checkpoint", reason=f"cannot be read: {exc.strerror}") from exc
+    try:
+        if not complete:
             raise ValueError("not a complete torch.save archive: empty, truncated or another kind of file")
         ckpt = torch.load(path, map_location=map_location, weights_only=False, mmap=mmap)
     except Exception as exc:  # torch reports a foreign or truncated file through several types, none naming it
@@ -94,12 +149,12 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                               "(<run>/checkpoints/latest.pt or step_XXXXXX.pt) or its run directory",
                               reason=f"unreadable: {reason}") from exc
     form = ckpt.get("format") if isinstance(ckpt, dict) else None
-    if form in (V1_FORMAT, V2_FORMAT):
+    if form in (V1_FORMAT, V2_FORMAT, V3_FORMAT):
         ckpt = upgrade(ckpt, Path(path), verify)
     elif form != CHECKPOINT_FORMAT:
         newer = isinstance(form, str) and form.startswith("symgpt-checkpoint-")
         raise CheckpointError(f"{path}: " + (f"format {form}, which this version does not read (it reads "
-                                             f"{CHECKPOINT_FORMAT}, v2 and v1): update the code" if newer else
+                                             f"{CHECKPOINT_FORMAT}, v3, v2 and v1): update the code" if newer else
                                              f"not a {CHECKPOINT_FORMAT} checkpoint"),
                               reason=f"format {form}" if newer else f"not {CHECKPOINT_FORMAT}")
     config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
@@ -109,19 +164,70 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     if missing:
         raise CheckpointError(f"{path}: a {form} checkpoint without {', '.join(missing)}; it was not written by "
                               "train_gpt.py, or not whole", reason=f"incomplete: no {', '.join(missing)}")
+    if verify and form == CHECKPOINT_FORMAT:
+        verify_checksum(ckpt, Path(path))
     if ckpt["kind"] not in (WEIGHTS, TRAINING):
         raise CheckpointError(f"{path}: a checkpoint of kind {ckpt['kind']!r}, which this version does not know "
                               f"({WEIGHTS} or {TRAINING}): update the code", reason=f"kind {ckpt['kind']!r}")
-    if verify and form == CHECKPOINT_FORMAT:
-        verify_checksum(ckpt, Path(path))
+    if damage := entry_problem(ckpt):
+        entry, problem = damage
+        raise CheckpointError(f"{path}: its {entry} entry is damaged ({problem}); it was not written so by "
+                              "train_gpt.py: restore the file, or use another checkpoint",
+                              reason=f"{entry} damaged: {problem}")
     return link_tied(ckpt)
 
 
 def verify_checksum(ckpt: dict, path: Path) -> None:
-    """CheckpointError unless the tensors of `ckpt`, as read from `path`, match the checksum written with them."""
-    if tensor_checksum(ckpt) != ckpt.get("checksum"):
-        raise CheckpointError(f"{path}: its tensors do not match the checksum written with them (the file was "
-                              "damaged after it was written)", reason="its tensors do not match its checksum")
+    """CheckpointError naming the entries of `ckpt`, as read from `path`, that do not match the checksum written with
+    them (entry_checksums; an entry added or dropped since counts too)."""
+    stored = ckpt.get("checksum")
+    if not (isinstance(stored, dict) and all(isinstance(v, str) for v in stored.values())):
+        raise CheckpointError(f"{path}: its checksum entry is damaged (not a sha256 per entry); the file was damaged "
+                              "after it was written: restore it, or use another checkpoint",
+                              reason="its checksum entry is damaged")
+    computed = entry_checksums(ckpt, strict=False)
+    bad = [name for name in sorted(computed.keys() | stored.keys()) if computed.get(name) != stored.get(name)]
+    if bad:
+        names = f"{', '.join(bad)} " + ("entries do not match their checksums" if len(bad) > 1 else
+                                        "entry does not match its checksum")
+        raise CheckpointError(f"{path}: its {names} (the file was damaged after it was written): restore it, or use "
+                              "another checkpoint", reason=f"its {names}")
+
+
+def _fits(value: object, hint: object) -> bool:
+    """Whether `value` is of the type `hint` (a class, or a union of classes and None; an int fits a float)."""
+    options = typing.get_args(hint) or (hint,)
+    return any(value is None if kind is type(None) else
+               type(value) is kind or (kind is float and type(value) is int) for kind in options)
+
+
+def entry_problem(ckpt: dict) -> tuple[str, str] | None:
+    """(entry, what is wrong) for the first entry of a complete checkpoint whose shape is not the format's (a step
+    that is no count, a tied name pointing nowhere, a metric of another type, a training entry that is no table...);
+    None when every entry has its shape. The values of the config sections are the configuration's to check
+    (config.read_checkpoint)."""
+    if not (type(ckpt["step"]) is int and ckpt["step"] >= 0):
+        return "step", f"{ckpt['step']!r} is not a step count"
+    model, tied, metrics = ckpt["model"], ckpt["tied"], ckpt["metrics"]
+    if not (isinstance(model, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in model.items())):
+        return "model", "not a table of named tensors"
+    if not (isinstance(tied, dict) and all(isinstance(k, str) and v in model for k, v in tied.items())):
+        return "tied", "not a table of names of the model's tensors"
+    if not isinstance(metrics, dict):
+        return "metrics", f"a {type(metrics).__name__}, not a table"
+    hints = typing.get_type_hints(Progress)
+    for name, value in metrics.items():
+        if name in hints and not _fits(value, hints[name]):
+            return "metrics", f"{name} is {value!r}"
+    for section, value in ckpt["config"].items():
+        shape = str if section == "preset" else dict
+        if section in CONFIG_ENTRIES and not (isinstance(value, shape) or (value is None and section in
+                                                                            ("data", "preset", "attention"))):
+            return f"config.{section}", f"a {type(value).__name__}, not a {shape.__name__}"
+    for entry in TRAINING_ENTRIES if ckpt["kind"] == TRAINING else ():
+        if not isinstance(ckpt[entry], dict):  # what each holds, --resume checks as it puts it back
+            return entry, f"a {type(ckpt[entry]).__name__}, not a table"
+    return None
 
 
 def step_of(path: Path) -> int:
@@ -170,7 +276,8 @@ def save_run_checkpoint(run_dir: Path, checkpoint: dict, keep: int) -> None:
 def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
     """The checkpoint `--resume SOURCE` continues from, verified, and notes on what was passed over. A file is
     used as given; a run directory uses checkpoints/latest.pt, or when that is missing or damaged the newest intact
-    step_XXXXXX.pt (--keep-checkpoints K). Raises CheckpointError when nothing intact is found."""
+    step_XXXXXX.pt (--keep-checkpoints K). Raises CheckpointError when nothing intact is found, and
+    CheckpointUnreadable at once for a file this process may not read (which is not damage)."""
     source = Path(source)
     latest = source / "checkpoints" / "latest.pt"
     steps = [p for p in reversed(run_checkpoints(source)) if p != latest] if source.is_dir() else []
@@ -179,7 +286,7 @@ def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
         try:
             load_checkpoint(path, mmap=True, verify=True)
         except CheckpointError as exc:
-            if not source.is_dir():
+            if not source.is_dir() or isinstance(exc, CheckpointUnreadable):
                 raise
             raise CheckpointError(f"--resume {source}: {path} is damaged ({exc.reason}) and the run kept no "
                                   "step_XXXXXX.pt to fall back on (--keep-checkpoints K); start a new run") from exc
@@ -188,6 +295,8 @@ def resolve_resume(source: str | os.PathLike) -> tuple[Path, list[str]]:
     for path in [latest] * latest.is_file() + steps:
         try:
             load_checkpoint(path, mmap=True, verify=True)
+        except CheckpointUnreadable:  # intact, maybe: never passed over for an older one
+            raise
         except CheckpointError as exc:
             passed.append(f"{path} ({exc.reason})")
             continue
@@ -273,94 +382,20 @@ class Progress:
         return True
 
 
-@dataclasses.dataclass
-class TrainingState:
-    """The trainer's restorable parts, gathered once (torchtitan's Stateful shape): `state_dict()` is what a
-    checkpoint of kind training holds besides its config (training_checkpoint), `load_state_dict(checkpoint)` puts
-    it back. The optimizer keeps this run's hyperparameters (`settings`: each parameter group's as built from the
-    flags, which on --resume may differ from the saved ones), so flags given on --resume take effect."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    settings: list[dict]
-    loader: object  # data.loader.DistributedTokenLoader
-    hooks: object  # hooks.TrainingHooks
-    device: torch.device
-    progress: Progress = dataclasses.field(default_factory=Progress)
-
-    def state_dict(self) -> dict:
-        """The model's tensors (not copies: the checkpoint copies them), the optimizer's state (a collective for the
-        sharded optimizers: call it on every rank), the loader's position, the torch RNG, the hooks' state and the
-        progress ("metrics")."""
-        return {"model": self.model.state_dict(keep_vars=True), "optimizer": self.optimizer.state_dict(),
-                "loader": self.loader.state_dict(), "rng": {"torch": torch.get_rng_state()},
-                "hooks": self.hooks.state_dict(), "metrics": dataclasses.asdict(self.progress)}
-
-    def load_state_dict(self, checkpoint: dict) -> None:
-        """Put back what state_dict returned, from a checkpoint of kind training loaded onto `device`."""
-        if checkpoint["kind"] != TRAINING:
-            raise CheckpointError(f"a checkpoint of kind {checkpoint['kind']} holds no training state to resume from")
-        self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        for group, values in zip(self.optimizer.param_groups, self.settings, strict=True):
-            group.update(values)
-        self.loader.load_state_dict(checkpoint["loader"])
-        self.hooks.load_state_dict(checkpoint["hooks"], self.device)
-        torch.set_rng_state(checkpoint["rng"]["torch"])
-        fields = {f.name for f in dataclasses.fields(Progress)}
-        self.progress = Progress(**{k: v for k, v in checkpoint["metrics"].items() if k in fields})
-
-
 def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:
-    """Write to each of `paths` atomically with the tensors' checksum (computed once): a failure leaves the previous
-    checkpoint intact and no temporary file; the error names the file and the free space."""
-    checkpoint["checksum"] = tensor_checksum(checkpoint)
+    """Write to each of `paths` atomically with the checksum (computed once): a failure leaves the previous
+    checkpoint intact and no temporary file, and raises the OSError of the file (named, with the operation: the
+    policy of docs/runs.md#filesystem-errors says it in one line), never torch's wrapper of it."""
+    checkpoint["checksum"] = entry_checksums(checkpoint)
     for path in map(Path, paths if isinstance(paths, list) else [paths]):
         try:
             with atomic_writer(path) as f:
                 torch.save(checkpoint, f)
-        except (OSError, RuntimeError) as exc:
-            free = shutil.disk_usage(path.parent).free if path.parent.is_dir() else 0
-            os_error = exc if isinstance(exc, OSError) else exc.__context__  # torch wraps the file's own error
-            reason = os_error.strerror if isinstance(os_error, OSError) and os_error.strerror else str(exc).strip()
-            raise OSError(f"could not write checkpoint {path}: {reason} ({free / 2**20:,.0f} MiB free there); the "
-                          "previous checkpoint, if any, is intact") from exc
-
-
-def load_initial_weights(model: nn.Module, source: str | os.PathLike) -> str:
-    """Copy the model weights of a checkpoint (file or run directory) into `model` for --init-from; returns a line
-    saying what was adapted: a larger vocabulary keeps its initialisation in the extra rows, positions beyond
-    block_size are dropped, and parameters of another bias mode (learned b_q, b_v) are skipped or keep theirs."""
-    path = resolve_checkpoint_path(source, flag="--init-from")
-    ckpt = load_checkpoint(path, mmap=True)
-    saved, cfg = ckpt["config"]["model"], model.config
-    for name in ("n_layer", "n_head", "n_embd", "activation"):
-        if saved.get(name, getattr(cfg, name)) != getattr(cfg, name):
-            raise CheckpointError(f"--init-from {path}: its model has {option(name)} {saved[name]}, this run "
-                                  f"{getattr(cfg, name)}; set {option(name)} {saved[name]}")
-    if saved["block_size"] < cfg.block_size:
-        raise CheckpointError(f"--init-from {path}: its model has --block-size {saved['block_size']}, this run "
-                              f"{cfg.block_size}; set --block-size {saved['block_size']} or less")
-    notes = [f"initial weights from {path}"]
-    if saved["vocab_size"] != cfg.vocab_size:
-        notes.append(f"vocabulary {saved['vocab_size']} -> {cfg.vocab_size}"
-                     + (" (the extra rows keep their initialisation)" if cfg.vocab_size > saved["vocab_size"] else ""))
-    if saved["block_size"] != cfg.block_size:
-        notes.append(f"positions {saved['block_size']} -> {cfg.block_size}")
-    if saved.get("bias_mode", cfg.bias_mode) != cfg.bias_mode:
-        notes.append(f"bias mode {saved['bias_mode']} -> {cfg.bias_mode}")
-    state = model.state_dict()  # shares storage with the parameters
-    skipped = []
-    with torch.no_grad():
-        for name, tensor in ckpt["model"].items():
-            if name not in state or tensor.shape[1:] != state[name].shape[1:]:
-                skipped.append(name)
-                continue
-            rows = min(tensor.size(0), state[name].size(0))
-            state[name][:rows].copy_(tensor[:rows])
-    if skipped:
-        notes.append(f"not used: {', '.join(skipped)}")
-    return " | ".join(notes)
+        except RuntimeError as exc:  # torch wraps the error of the file it writes
+            if not isinstance(exc.__context__, OSError):
+                raise
+            with doing("write the checkpoint", path):
+                raise exc.__context__ from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,14 +410,18 @@ DECAY_GROUPS_OF_SWITCHES = {(False, False): "matrices", (True, False): "matrices
 
 
 def upgrade(ckpt: dict, path: Path, verify: bool) -> dict:
-    """A v1 or v2 checkpoint read from `path` in today's layout, so that no reader knows the older formats (each
+    """A v1, v2 or v3 checkpoint read from `path` in today's layout, so that no reader knows the older formats (each
     change, none of which a resumed run computes with: docs/runs.md#reading-older-checkpoints); verify: its checksum
-    first, over the layout it was written in, where it has one. An entry the file lacks stays missing, for
-    load_checkpoint to name."""
+    first, v3's and v2's over the tensors in the layout they were written in, where it has one. An entry the file
+    lacks stays missing, for load_checkpoint to name."""
     ckpt.setdefault("tied", {})  # the oldest v1 files stored both names of the tied embedding
-    if verify and "checksum" in ckpt:
-        verify_checksum(ckpt, path)
+    if verify and "checksum" in ckpt and tensor_checksum(ckpt) != ckpt["checksum"]:
+        raise CheckpointError(f"{path}: its tensors do not match the checksum written with them (the file was "
+                              "damaged after it was written)", reason="its tensors do not match its checksum")
     ckpt.pop("checksum", None)  # it covers the old layout; save_checkpoint writes a new one
+    if ckpt["format"] == V3_FORMAT:  # v3 -> v4: a checksum per entry, over every value (written when saved again)
+        ckpt["format"] = CHECKPOINT_FORMAT
+        return ckpt
     if ckpt["format"] == V1_FORMAT:  # v1 -> v2
         config = ckpt.get("config", {})
         train = dict(config.get("train", {}))

@@ -15,7 +15,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import shutil
 import socket
 import sys
 import sysconfig
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fileio import LockHeldError, atomic_write, dead_temporaries, hold_lock, lock_holder
+from fileio import LockHeldError, atomic_write, dead_temporaries, doing, hold_lock, lock_holder, make_directory
 from run.log import RunLog, open_trackers
 from run.process import Runtime
 
@@ -38,11 +37,17 @@ class RunInUseError(RuntimeError):
     """Another live trainer owns the run directory."""
 
 
+NAME_MAX = 255  # bytes in one file name: the limit of Linux's filesystems (ext4, xfs, tmpfs, NFS, Lustre)
+
+
 def directory_name_problem(flag: str, name: str) -> str | None:
-    """Why `name`, given as `flag`, cannot name one directory inside its parent (empty, a path separator, or '.' or
-    '..', which would write elsewhere); None when it can."""
+    """Why `name`, given as `flag`, cannot name one directory inside its parent (empty, a path separator, '.' or
+    '..', which would write elsewhere, or longer than a file name may be); None when it can."""
     if name in ("", ".", "..") or "/" in name or (os.altsep and os.altsep in name):
         return f"{flag} {name!r}: one directory name, without '/' and not '.' or '..' (the parent is --run-dir)"
+    if len(name.encode()) > NAME_MAX:
+        return (f"{flag} {name[:40]}...: {len(name.encode())} bytes, and a file name holds at most {NAME_MAX}; choose "
+                "a shorter one")
     return None
 
 
@@ -84,11 +89,12 @@ class RunDirectory:
         if continue_in is not None or name:
             return cls(continue_in or Path(parent) / name), None
         stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{kind}"
-        Path(parent).mkdir(parents=True, exist_ok=True)
+        make_directory(parent)
         for n in range(1, 10_000):
             path = Path(parent) / (stem if n == 1 else f"{stem}-{n}")
             try:
-                path.mkdir()
+                with doing("create the directory", path):
+                    path.mkdir()
             except FileExistsError:
                 continue
             note = None if n == 1 else f"run directory {Path(parent) / stem} exists: using {path.name} instead"
@@ -100,7 +106,7 @@ class RunDirectory:
         files that writers which no longer run left beside the trainer's files (fileio.dead_temporaries of the
         directory and checkpoints/), and for a new run in a directory an earlier run left without a checkpoint, move
         that run's files aside. Returns what was done, for the log."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path)
         if new_run and (problem := existing_run_problem(self.path)):  # another run's, or not a run's at all
             raise RunInUseError(problem)
         try:
@@ -121,9 +127,10 @@ class RunDirectory:
             stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
             while (aside := self.path / (f"failed-{stamp}" + f"-{n}" * (n > 1))).exists():  # two in one second
                 n += 1
-            aside.mkdir()
-            for item in leftovers:
-                item.rename(aside / item.name)
+            with doing("move aside the files of an earlier attempt into", aside):
+                aside.mkdir()
+                for item in leftovers:
+                    item.rename(aside / item.name)
             notes.append(f"{self.path} held an earlier run that wrote no checkpoint: its files are kept in "
                          f"{aside.name}/ and this run starts in the directory")
         return notes
@@ -134,11 +141,10 @@ class RunDirectory:
             self._lock = None
 
     def copy_code(self) -> None:
-        """<run>/code: the trainer and its modules as they run (trainer_sources; a resumed run refreshes it)."""
+        """<run>/code: the trainer and its modules as they run (trainer_sources; a resumed run refreshes it), each
+        written atomically."""
         for source in trainer_sources():
-            target = self.path / "code" / source.relative_to(REPO_ROOT)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(source, target)
+            atomic_write(self.path / "code" / source.relative_to(REPO_ROOT), source.read_bytes())
 
 
 def imported_names(path: Path) -> frozenset[str]:

@@ -3,6 +3,7 @@ trackers (Weights & Biases, TensorBoard) fed the same records, and the lines a r
 has no side effects (wandb and tensorboard are imported only when a run asks for them)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -13,26 +14,48 @@ import traceback
 import warnings
 from pathlib import Path
 
+from fileio import DamagedFile, doing
+
+
+NUMBERS = ("step", "tokens", "train_loss", "val_loss", "val_step", "lr", "grad_norm", "step_ms", "tokens_per_s",
+           "mfu", "train_time_s", "elapsed_s")  # what the readers of log.jsonl compute with
+
+
+def record_problem(record: object) -> str | None:
+    """Why a parsed log.jsonl line is no record its readers can use (not a JSON object, or a number of NUMBERS
+    that is none); None when it is one."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not a record"
+    bad = next((key for key in NUMBERS if record.get(key) is not None
+                and (isinstance(record[key], bool) or not isinstance(record[key], (int, float)))), None)
+    return f"a record whose {bad} is {record[bad]!r}, not a number" if bad else None
+
 
 def read_log(run_dir: str | os.PathLike) -> list[dict]:
     """A run's log.jsonl records (empty if there is none). A torn last line (what a crash or a full disk leaves) is
-    skipped with a warning naming the file; a damaged line elsewhere is an error naming the file and line."""
+    skipped with a warning naming the file; a damaged line elsewhere (not JSON, not a record, a number that is none)
+    is a DamagedFile error naming the file and line."""
     path = Path(run_dir) / "log.jsonl"
     if not path.is_file():
         return []
-    lines = path.read_text(errors="replace").splitlines()
+    with doing("read", path):
+        lines = path.read_text(errors="replace").splitlines()
     records = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError as exc:
             if number == len(lines):
                 warnings.warn(f"{path}: skipping its last line {number}, which is incomplete (the run was cut off "
                               "while writing it)", stacklevel=2)
                 break
-            raise ValueError(f"{path}: line {number} is not a JSON record ({exc.msg}); the log is damaged") from exc
+            raise DamagedFile(f"{path}: line {number} is not a JSON record ({exc.msg}); the log is damaged: restore "
+                              "it, or remove the line") from exc
+        if problem := record_problem(record):
+            raise DamagedFile(f"{path}: line {number} is {problem}; the log is damaged: restore it, or remove the line")
+        records.append(record)
     return records
 
 
@@ -134,14 +157,17 @@ class RunLog:
         self.pending: list[str] = []
 
     def attach(self, run_dir: Path, code: str) -> None:
-        self.text = open(run_dir / "log.txt", "a")
-        torn = cut_torn_line(run_dir / "log.jsonl")
-        self.records = open(run_dir / "log.jsonl", "a")
-        if self.text.tell() == 0:  # a resumed run's log holds the code already; its own is in code/
-            self.text.write(code + "\n")
-        self.text.write("=" * 100 + "\n")
-        self.text.writelines(line + "\n" for line in self.pending)
-        self.text.flush()
+        with doing("append to", run_dir / "log.txt"):
+            self.text = open(run_dir / "log.txt", "a")
+        with doing("append to", run_dir / "log.jsonl"):
+            torn = cut_torn_line(run_dir / "log.jsonl")
+            self.records = open(run_dir / "log.jsonl", "a")
+        with doing("append to", self.text.name):
+            if self.text.tell() == 0:  # a resumed run's log holds the code already; its own is in code/
+                self.text.write(code + "\n")
+            self.text.write("=" * 100 + "\n")
+            self.text.writelines(line + "\n" for line in self.pending)
+            self.text.flush()
         if torn:
             self.line(f"{run_dir / 'log.jsonl'}: removed its incomplete last line, a record the previous run was "
                       f"cut off while writing: {torn}")
@@ -153,22 +179,25 @@ class RunLog:
         if self.text is None:
             self.pending.append(text)
         else:
-            self.text.write(text + "\n")
-            self.text.flush()
+            with doing("append to", self.text.name):
+                self.text.write(text + "\n")
+                self.text.flush()
 
     def record(self, record: dict) -> None:
         if self.records is not None:
-            self.records.write(json.dumps(record) + "\n")
-            self.records.flush()
+            with doing("append to", self.records.name):
+                self.records.write(json.dumps(record) + "\n")
+                self.records.flush()
         for tracker in self.trackers:
             tracker.record(record)
 
     def error(self, exc: BaseException) -> None:
-        """Write an error that ends the run to log.txt (it is printed by Python as it propagates); the tracker's
-        runs end as failed."""
+        """Write an error that ends the run to log.txt, where the filesystem still takes it (it is printed by Python
+        as it propagates, or in one line); the tracker's runs end as failed."""
         if self.text is not None:
-            self.text.write("".join(traceback.format_exception(exc)))
-            self.text.flush()
+            with contextlib.suppress(OSError):  # a full disk, say: the error is the one being reported
+                self.text.write("".join(traceback.format_exception(exc)))
+                self.text.flush()
         for tracker in self.trackers:
             tracker.close(exit_code=1)
         self.trackers = []
@@ -176,7 +205,8 @@ class RunLog:
     def close(self) -> None:
         for handle in (self.text, self.records):
             if handle is not None:
-                handle.close()
+                with contextlib.suppress(OSError):  # what a full disk kept from them was reported as it failed
+                    handle.close()
         for tracker in self.trackers:
             tracker.close()
         self.text = self.records = None

@@ -1,10 +1,11 @@
 """How a run stops: a stop request (SIGINT/SIGTERM) every rank agrees on, the finiteness check of the state a
-checkpoint would save, and what a run that met a non-finite number says it leaves and what to do. Importing this
-module has no side effects."""
+checkpoint would save, what a run that met a non-finite number says it leaves and what to do, and the line a run
+refused on its input or stopped by the filesystem ends with. Importing this module has no side effects."""
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import threading
 from pathlib import Path
@@ -12,7 +13,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fileio import filesystem_error_line
 from run.checkpoint import run_checkpoints, run_dir_of, step_of
+from run.directory import RunDirectory, run_holds_checkpoint
 
 
 # Flags changed on --resume in the direction the non-finite stop advises: lower, longer, clipped (or clipped harder).
@@ -73,7 +76,9 @@ class StopRequest:
     per step on every rank: on one process it returns the signal at once; under torchrun each call starts an
     all-reduce of this rank's signal on a CPU (gloo) group and returns the result of the previous call's, so every
     rank stops at the same step, one step after the signal, without a GPU sync (torchrun kills its workers 30 s
-    after forwarding a signal). A second SIGINT interrupts at once."""
+    after forwarding a signal). Every later signal, of either kind, is the same request again: nothing interrupts
+    the step and its checkpoint (a grid that dies sends SIGTERM, the grid that adopts the run may send SIGINT, a
+    user presses Ctrl-C twice: docs/runs.md#signals); a later one says so on stderr."""
 
     def __init__(self, world: int) -> None:
         self.signum, self.world = 0, world
@@ -89,8 +94,11 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame) -> None:
-        self.signum = signum
-        signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+        if self.signum:  # os.write: safe in a handler, which may interrupt a print
+            os.write(2, f"{signal.Signals(signum).name} again: the run still stops at the end of this step, with "
+                        "its checkpoint (SIGKILL stops it at once, losing the steps since its last checkpoint)\n"
+                        .encode())
+        self.signum = self.signum or signum
 
     def agreed(self) -> int:
         """The signal every rank has agreed to stop on, 0 for none (a collective under torchrun)."""
@@ -110,3 +118,20 @@ class StopRequest:
                 self._pending.wait()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def error_line(exc: Exception, run: RunDirectory | None, resuming: bool) -> str:
+    """The line a run ends with when it refuses its input (the refusal as it is) or meets a filesystem error (the
+    policy of every tool, fileio.filesystem_error_line, then what the run leaves: `run` is its directory once it
+    has one)."""
+    if not isinstance(exc, OSError):
+        return str(exc)
+    line = filesystem_error_line(exc, "--run-dir/--run-name (a resumed run goes on in the directory they name)"
+                                 if resuming else "--run-dir")
+    if not run:
+        return line
+    run_dir = run.path
+    if run_holds_checkpoint(run_dir):
+        return (f"{line}; the run stopped: its checkpoints in {run_dir / 'checkpoints'} are intact (latest.pt the "
+                f"newest); once fixed, continue with --resume {run_dir}")
+    return f"{line}; the run stopped before it wrote a checkpoint"

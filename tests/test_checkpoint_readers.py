@@ -37,12 +37,16 @@ def weights(tmp_path_factory) -> Path:
     return path
 
 
-def altered(source: Path, target: Path, change) -> Path:
-    """`source` with `change(checkpoint)` applied, written to `target` as it was (the checksum covers tensors only:
-    a changed configuration keeps it intact)."""
+def altered(source: Path, target: Path, change, checksummed: bool = True) -> Path:
+    """`source` with `change(checkpoint)` applied, written to `target` with a checksum over the change (what a
+    writer of such a file would leave: the checksum then says nothing, the reader's own checks must), or as it was
+    (an older format, whose checksum covers tensors only)."""
     ckpt = torch.load(source, weights_only=False)
     change(ckpt)
-    torch.save(ckpt, target)
+    if checksummed:
+        save_checkpoint(target, ckpt)
+    else:
+        torch.save(ckpt, target)
     return target
 
 
@@ -65,12 +69,13 @@ def test_resuming_a_weights_checkpoint_is_refused_naming_its_kind(weights, capsy
 def test_a_v1_file_lacking_an_entry_is_refused_in_one_line_naming_it(trained, tmp_path, capsys):
     """v1 goes through the one upgrade, then the same check as today's files: no KeyError from --resume or sample."""
     write_v1_checkpoint(trained, tmp_path / "v1.pt")
-    no_step = altered(tmp_path / "v1.pt", tmp_path / "v1_nostep.pt", lambda ckpt: ckpt.pop("step"))
+    no_step = altered(tmp_path / "v1.pt", tmp_path / "v1_nostep.pt", lambda ckpt: ckpt.pop("step"), False)
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(no_step)])
     err = capsys.readouterr().err
     assert f"{no_step}: a symgpt-checkpoint-v1 checkpoint without step;" in err and len(err.splitlines()) == 1
-    no_model = altered(tmp_path / "v1.pt", tmp_path / "v1_nomodel.pt", lambda ckpt: ckpt["config"].pop("model"))
+    no_model = altered(tmp_path / "v1.pt", tmp_path / "v1_nomodel.pt", lambda ckpt: ckpt["config"].pop("model"),
+                       False)
     with pytest.raises(SystemExit, match=r"v1_nomodel.pt: a symgpt-checkpoint-v1 checkpoint without config.model;"):
         sample.main(["--checkpoint", str(no_model), "--max-new-tokens", "1"])
 
@@ -118,6 +123,66 @@ def test_weights_holding_nan_warn_in_sample_and_fail_the_evaluation(weights, cor
         assert f"warning: {path}: the weights hold NaN or infinite values ({name}" in err
         with pytest.raises(SystemExit, match=rf"{path.name}: the weights hold NaN or infinite values \({name}"):
             val_loss.main(val_loss_args(path, corpus))
+
+
+def test_weights_holding_nan_are_not_exported_nor_started_from(weights, corpus, tmp_path, capsys):
+    """A diverged run's weights (a file from elsewhere, checksummed): export to-hf and --init-from refuse them in one
+    line naming the tensor, instead of writing a NaN model or blaming the learning rate of the run they start."""
+    ckpt = load_checkpoint(weights)
+    ckpt["model"]["transformer.h.0.mlp.c_fc.weight"][0, 0] = float("nan")
+    path = tmp_path / "nan.pt"
+    save_checkpoint(path, ckpt)
+    with pytest.raises(SystemExit, match=r"the weights hold NaN or infinite values \(transformer.h.0.mlp.c_fc.weight\)"
+                                         ": the run had diverged; export a checkpoint of an earlier step"):
+        export.main(["to-hf", "--checkpoint", str(path), "--out", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(SystemExit):
+        train_gpt.parse_config(tiny_args(corpus, tmp_path, "from_nan", **{"init-from": str(path),
+                                                                          "vocab-size": 50304}))
+    err = capsys.readouterr().err
+    assert f"--init-from {path}: the weights hold NaN or infinite values" in err and "--lr" not in err, err
+
+
+# Damage to entries that are not tensors, in the two ways it comes: written after the checksum (a copy, a bit
+# flipped: the checksum names the entry) and written with a checksum over it (a file not from train_gpt.py: the
+# entry's shape or value is refused, named). Each: (entry named, the change).
+AFTER_THE_CHECKSUM = {
+    "loader": lambda ckpt: ckpt["loader"].update(batch=ckpt["loader"]["batch"] + 7),
+    "config.attention": lambda ckpt: ckpt["config"]["attention"].update(choice="flex"),
+    "step": lambda ckpt: ckpt.update(step=ckpt["step"] + 1),
+    "metrics": lambda ckpt: ckpt["metrics"].update(val_loss=1.0),
+}
+WITH_A_CHECKSUM = {
+    "step": lambda ckpt: ckpt.update(step="x"),
+    "tied": lambda ckpt: ckpt.update(tied={"lm_head.weight": "nowhere"}),
+    "metrics": lambda ckpt: ckpt["metrics"].update(tokens="x"),
+    "config.optim": lambda ckpt: ckpt["config"]["optim"].update(lr="x"),
+    "config.attention": lambda ckpt: ckpt["config"]["attention"].update(choice="sdpb"),
+    "hooks": lambda ckpt: ckpt.update(hooks=[1]),
+}
+
+
+def every_reader(path: Path, corpus: Path, tmp_path: Path) -> dict:
+    init_from = tiny_args(corpus, tmp_path, "init", **{"init-from": str(path)})
+    return {"--resume": lambda: train_gpt.parse_config(["--resume", str(path)]),
+            "--init-from": lambda: train_gpt.parse_config(init_from),
+            "sample": lambda: sample.main(["--checkpoint", str(path), "--max-new-tokens", "1"]),
+            "eval.val_loss": lambda: val_loss.main(val_loss_args(path, corpus)),
+            "export to-hf": lambda: export.main(["to-hf", "--checkpoint", str(path), "--out", str(tmp_path / "hf")])}
+
+
+@pytest.mark.parametrize("entry, change, checksummed",
+                         [(entry, change, False) for entry, change in AFTER_THE_CHECKSUM.items()]
+                         + [(entry, change, True) for entry, change in WITH_A_CHECKSUM.items()])
+def test_every_reader_refuses_a_damaged_entry_in_one_line_naming_it(trained, corpus, tmp_path, capsys, entry, change,
+                                                                    checksummed):
+    path = altered(trained, tmp_path / "damaged.pt", change, checksummed)
+    for reader, read in every_reader(path, corpus, tmp_path).items():
+        with pytest.raises(SystemExit) as refused:
+            read()
+        message = str(refused.value.code) if isinstance(refused.value.code, str) else capsys.readouterr().err
+        assert message.count("\n") <= 1 and f"{path}: its {entry} entry " in message, f"{reader}: {message}"
+    assert not (tmp_path / "hf").exists()
 
 
 def test_one_attention_default_a_models_and_autos_where_no_row_is():

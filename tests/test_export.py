@@ -19,7 +19,8 @@ import export  # noqa: E402
 import sample  # noqa: E402
 import train_gpt  # noqa: E402
 from data.shards import GPT2_VOCAB  # noqa: E402
-from run.checkpoint import CheckpointError, load_initial_weights, save_checkpoint  # noqa: E402
+from run.checkpoint import CheckpointError, save_checkpoint  # noqa: E402
+from run.training_state import load_initial_weights  # noqa: E402
 from tests.helpers import ROOT, repository_modules, tiny_gpt  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports loaded by transformers, one in a fresh interpreter: ~12 s

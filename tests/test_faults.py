@@ -19,6 +19,7 @@ from eval import compare, report
 from run.checkpoint import CheckpointError, load_checkpoint, resolve_resume, save_checkpoint
 from run.directory import RunDirectory, run_holds_checkpoint
 from run.log import read_log
+from tests.filesystems import bound_by_mode_bits
 from tests.helpers import ENV, ROOT, VOCAB, PipedLines, held_env, ranks, tiny_args, torchrun_in_background
 
 
@@ -243,6 +244,21 @@ def test_a_torn_log_line_is_skipped_by_readers_and_removed_by_the_next_writer(co
         read_log(tmp_path / "torn")  # a damaged line inside the log is an error, not skipped
 
 
+@pytest.mark.parametrize("line, problem", [("[1, 2]", "a JSON list, not a record"),
+                                           ('{"step": 2, "train_loss": "abc"}',
+                                            "a record whose train_loss is 'abc', not a number")])
+def test_a_damaged_log_line_is_one_line_in_compare(corpus, tmp_path, capsys, line, problem):
+    train_gpt.main(tiny_args(corpus, tmp_path, "run", steps=2, **{"val-every": 0}))
+    path = tmp_path / "run" / "log.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], line, *lines[1:]]) + "\n")
+    with pytest.raises(SystemExit) as refused:
+        compare.main([str(tmp_path / "run"), "--out", str(tmp_path / "cmp")])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: {path}: line 2 is {problem}; the log is damaged: "
+                                                        "restore it, or remove the line")
+
+
 # ----- checksummed checkpoints -----
 
 def damage_a_tensor(path: Path) -> None:
@@ -258,7 +274,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus
     checkpoints = tmp_path / "rot" / "checkpoints"
     damage_a_tensor(checkpoints / "latest.pt")
     damage_a_tensor(checkpoints / "step_000004.pt")
-    with pytest.raises(CheckpointError, match="do not match the checksum"):
+    with pytest.raises(CheckpointError, match="its model entry does not match its checksum"):
         load_checkpoint(checkpoints / "latest.pt", verify=True)
     summary = train_gpt.main(["--resume", str(tmp_path / "rot"), "--steps", "5"])
     assert summary["step"] == 5
@@ -268,7 +284,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_step(corpus
     damage_a_tensor(checkpoints / "step_000002.pt")
     with pytest.raises(SystemExit):
         train_gpt.main(["--resume", str(checkpoints / "step_000002.pt")])  # a file named explicitly: no fallback
-    assert "do not match the checksum" in capsys.readouterr().err
+    assert "its model entry does not match its checksum" in capsys.readouterr().err
 
 
 def test_a_cut_or_missing_latest_checkpoint_falls_back_and_nothing_intact_is_an_error(corpus, tmp_path, capsys):
@@ -288,8 +304,8 @@ def test_a_cut_or_missing_latest_checkpoint_falls_back_and_nothing_intact_is_an_
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run)])
     assert (f"--resume {run}: no intact checkpoint: {latest} (missing); {newest} (unreadable: not a complete "
-            f"torch.save archive: empty, truncated or another kind of file); {oldest} (its tensors do not match its "
-            "checksum); start a new run") in capsys.readouterr().err
+            f"torch.save archive: empty, truncated or another kind of file); {oldest} (its model entry does not match "
+            "its checksum); start a new run") in capsys.readouterr().err
 
 
 def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_and_init_from(corpus, tmp_path,
@@ -299,11 +315,28 @@ def test_a_damaged_checkpoint_with_nothing_to_fall_back_on_is_refused_by_resume_
     damage_a_tensor(latest)
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(run)])
-    assert (f"--resume {run}: {latest} is damaged (its tensors do not match its checksum) and the run kept no "
+    assert (f"--resume {run}: {latest} is damaged (its model entry does not match its checksum) and the run kept no "
             "step_XXXXXX.pt to fall back on (--keep-checkpoints K); start a new run") in capsys.readouterr().err
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--init-from", str(run), "--device", "cpu"])
-    assert f"--init-from {latest}: its tensors do not match the checksum" in capsys.readouterr().err
+    assert f"--init-from {latest}: its model entry does not match its checksum" in capsys.readouterr().err
+
+
+def test_a_checkpoint_it_may_not_read_is_said_so_and_never_passed_over(corpus, tmp_path, capsys):
+    """No permission to read latest.pt is not damage: --resume says to make it readable, neither that the file is
+    truncated nor to start a new run, and does not fall back to an older step file it would then overwrite."""
+    train_gpt.main(tiny_args(corpus, tmp_path, "locked", steps=2, **{"val-every": 0, "checkpoint-every": 1,
+                                                                     "keep-checkpoints": -1}))
+    latest = tmp_path / "locked" / "checkpoints" / "latest.pt"
+    latest.chmod(0)
+    try:
+        with bound_by_mode_bits(), pytest.raises(SystemExit):
+            train_gpt.parse_config(["--resume", str(tmp_path / "locked")])
+    finally:
+        latest.chmod(0o644)
+    err = capsys.readouterr().err
+    assert f"{latest}: cannot read it (Permission denied): make the file readable" in err, err
+    assert "truncated" not in err and "start a new run" not in err and "step_000001.pt" not in err
 
 
 # ----- a non-finite checkpoint is refused -----

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from grid import execute
 from grid.__main__ import main
 from grid.execute import Journal
 from run.log import read_log
-from tests.helpers import ROOT, wait_until
+from tests.helpers import ROOT, train_tiny_run, wait_until
 from tests.test_grid import ENV, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
 
 pytestmark = pytest.mark.slow  # grids that train, are killed and wait for trainers: ~20 s
@@ -82,8 +83,10 @@ def test_a_run_its_trainer_still_holds_is_waited_for_in_its_slot_then_trained(tm
 
 
 def test_status_says_how_each_run_stands_now(tmp_path, capsys):
+    """Each run as it stands: by its log, its trainer's lock and the journal; a run that finished but whose
+    directory is gone is missing, not finished; lines of a log that are no record (damage) are passed over."""
     directory = tmp_path / "g"
-    runs = {name: directory / name for name in ("done", "held", "orphaned", "failed-then-done")}
+    runs = {name: directory / name for name in ("done", "held", "orphaned", "failed-then-done", "deleted", "damaged")}
     journal = Journal(directory)
     directory.mkdir()
     journal.append({"event": "start", "runs": [{"name": name, "path": str(path), "steps": 3, "batch_tokens": 32}
@@ -91,16 +94,26 @@ def test_status_says_how_each_run_stands_now(tmp_path, capsys):
     for name in runs:
         runs[name].mkdir()
         journal.append({"run": name, "state": "failed" if name == "failed-then-done" else "running"})
-    for name in ("done", "failed-then-done"):
+    for name in ("done", "failed-then-done", "deleted", "damaged"):
         (runs[name] / "log.jsonl").write_text(json.dumps({"step": 3, "train_loss": 5.0}) + "\n"
                                               + json.dumps({"step": 3, "summary": True}) + "\n")
+    journal.append({"run": "deleted", "state": "finished"})
+    shutil.rmtree(runs["deleted"])
+    with open(runs["damaged"] / "log.jsonl", "a") as log:  # lines that are no record, after its summary
+        log.write('[1, 2]\n{"step": 4, "train_loss": "abc", "tokens_per_s": "fast"}\n')
     lock = hold_lock(runs["held"] / ".lock", "pid 1 on host test")
     try:
         assert main(["status", str(directory)]) == 0
     finally:
         lock.close()
-    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()[2:6]}
-    assert rows == {"done": "finished", "held": "running", "orphaned": "interrupted", "failed-then-done": "finished"}
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:4] for line in out.splitlines()[2:8]}
+    assert {name: row[0] for name, row in rows.items()} == {
+        "done": "finished", "held": "running", "orphaned": "interrupted", "failed-then-done": "finished",
+        "deleted": "missing", "damaged": "finished"}
+    assert rows["damaged"][1:] == ["3/3", "5.0000"]  # its last record that is one
+    assert f"deleted: missing: it finished, but its directory {runs['deleted']} is gone; the grid command trains it " \
+           "again" in out
 
 
 def test_runs_trained_with_other_flags_are_not_counted_as_this_grids(tmp_path, tiny_flags, capsys):
@@ -114,6 +127,15 @@ def test_runs_trained_with_other_flags_are_not_counted_as_this_grids(tmp_path, t
         assert "1 of the runs in" in err and "seed=1: --warmup-steps 0 (now 1), --lr 0.0001 (now 0.05)" in err
     assert started(tmp_path / "g") == ["seed=1"]
     assert main(args) == 0 and "0 to start, 0 to resume, 1 finished" in capsys.readouterr().out
+    run = tmp_path / "g" / "seed=1"
+    (run / "config.json").unlink()  # the flags its checkpoint records still tell
+    assert main([*args[:6], "--dry-run", *args[6:], "--lr", "0.05"]) == 2
+    assert "seed=1: --lr 0.0001 (now 0.05)" in capsys.readouterr().err
+    assert main([*args[:6], "--dry-run", *args[6:]]) == 0 and "[finished] seed=1" in capsys.readouterr().out
+    shutil.rmtree(run / "checkpoints")  # finished, and nothing records its flags: not this grid's run
+    assert main([*args[:6], "--dry-run", *args[6:]]) == 2
+    assert ("seed=1: neither a config.json nor a checkpoint records the flags it was trained with"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("axes, message", [
@@ -195,7 +217,8 @@ def test_a_read_only_run_dir_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
     assert main(["--name", "g", "--run-dir", str(tmp_path / "ro"), "--axis", "seed=1", "--", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {tmp_path / 'ro' / 'g'}: Read-only file system (EROFS);") and err.count("\n") == 1
+    assert err == (f"error: could not create the directory {tmp_path / 'ro' / 'g'}: Read-only file system (EROFS); "
+                   "the filesystem is mounted read-only: choose another --run-dir, on a writable filesystem\n")
 
 
 def test_a_full_disk_under_the_journal_is_one_line_and_status_does_not_say_running(tmp_path, tiny_flags,
@@ -213,6 +236,8 @@ def test_a_full_disk_under_the_journal_is_one_line_and_status_does_not_say_runni
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"error: {tmp_path / 'g' / 'grid.jsonl'}: No space left on device (ENOSPC);" in err, err
+    assert err.rstrip().endswith("the grid stopped, and each of the 1 runs it had started stopped with a checkpoint "
+                                 "where it could; the same command continues them once fixed"), err
     assert states_in_order(tmp_path / "g", "seed=1") == ["running"]  # what the journal could keep
     monkeypatch.setattr(execute.Journal, "append", append)
     assert main(["status", str(tmp_path / "g")]) == 0
@@ -232,3 +257,107 @@ def test_the_slurm_script_quotes_a_grid_name_with_a_space(tmp_path, capsys):
              if line.startswith("#SBATCH --")}
     assert shlex.split(lines["#SBATCH --job-name"]) == ["grid-my grid"]  # sbatch reads quotes as the shell does
     assert shlex.split(lines["#SBATCH --output"]) == [f"{tmp_path}/50%%/my grid/logs/slurm-%A_%a.log"]
+
+
+def test_a_gpu_memory_that_is_no_size_is_one_line(tmp_path, capsys):
+    argv = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--dry-run", "--gpu-memory"]
+    for value in ("inf", "nan", "-1"):
+        assert main([*argv, value, "--", "--device", "cpu"]) == 2
+        assert capsys.readouterr().err == f"error: --gpu-memory {float(value)}: a GPU's memory in GiB, e.g. 80\n"
+
+
+def test_runs_per_gpu_on_cpu_runs_is_said_to_apply_to_gpus_and_not_recorded(tmp_path, tiny_flags, capsys):
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--runs-per-gpu", "2", "--no-report",
+            "--", *tiny_flags, "--steps", "1"]
+    assert main(args) == 0
+    assert "grid: --runs-per-gpu 2 applies to runs on GPUs; these runs are on the CPU" in capsys.readouterr().out
+    assert Journal(tmp_path / "g").plan()["runs_per_gpu"] == 1
+    assert main(["status", str(tmp_path / "g")]) == 0
+    assert "share each GPU" not in capsys.readouterr().out
+
+
+class Signalled:
+    """A run's process as the scheduler sees it, recording the signals it is sent."""
+
+    def __init__(self) -> None:
+        self.pid, self.sent = 1, []
+
+    def send_signal(self, signum: int) -> None:
+        self.sent.append(signum)
+
+
+def test_the_grid_passes_each_run_one_signal_and_a_second_one_only_says_it_waits(tmp_path, capfd):
+    """Every signal a run gets lets it finish its step and write its checkpoint: the grid passes on the first and
+    not the later ones (which the runs, already stopping, do not need)."""
+    scheduler = execute.Scheduler(tmp_path, "g", [], [], Journal(tmp_path), execute.Display(live=False))
+    runs = [Signalled(), Signalled()]
+    scheduler.active = {i: execute.Active(None, None, run, tmp_path, 0.0) for i, run in enumerate(runs)}
+    for signum in (signal.SIGINT, signal.SIGINT, signal.SIGTERM):
+        scheduler._on_signal(signum, None)
+    assert [run.sent for run in runs] == [[signal.SIGINT], [signal.SIGINT]]
+    assert scheduler.signals == [signal.SIGINT, signal.SIGINT, signal.SIGTERM]
+    assert "grid: SIGTERM again: each run still finishes its step and writes its checkpoint" in capfd.readouterr().err
+
+
+def test_a_report_ends_with_the_grid_process_that_started_it(tmp_path):
+    """SIGKILL of the grid during its reports: each eval.report it started ends too (a parent-death signal), so
+    the next grid's report never runs beside a left one. The report here is a stand-in that waits."""
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from pathlib import Path\n"
+        "from grid import report\n"
+        "from grid.execute import Slot\n"
+        "popen = subprocess.Popen\n"
+        "subprocess.Popen = lambda args, **kw: popen([sys.executable, '-c', 'import time; time.sleep(600)'], **kw)\n"
+        f"process, _ = report._start(Path({str(tmp_path / 'run')!r}), Slot('cpu', 'CPU worker 1', {{}}), "
+        f"Path({str(tmp_path)!r}), [])\n"
+        "print('pid', process.pid, flush=True)\n"
+        "time.sleep(600)\n")], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+    report_pid = int(next(line for line in driver.stdout if line.startswith("pid ")).split()[1])
+    try:
+        assert process_alive(report_pid)
+        driver.kill()  # SIGKILL: the grid process has no say
+        driver.wait()
+        wait_until(lambda: not process_alive(report_pid) or zombie(report_pid), "the report to end with its grid")
+    finally:
+        if process_alive(report_pid) and not zombie(report_pid):
+            os.kill(report_pid, signal.SIGKILL)
+
+
+def zombie(pid: int) -> bool:
+    """Whether `pid` has ended but is not reaped yet (its parent is gone: init reaps it soon)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def test_a_second_report_on_one_run_is_refused_naming_the_first(tmp_path):
+    from eval import report as eval_report
+
+    run = train_tiny_run(tmp_path)
+    (run / "eval").mkdir(parents=True)
+    first = hold_lock(run / "eval" / eval_report.REPORT_LOCK, "eval.report pid 7 on host test")
+    try:
+        with pytest.raises(SystemExit, match=f"error: {run / 'eval'} is in use by eval.report pid 7 on host test: "
+                                             "wait for it to finish, or stop it"):
+            eval_report.main(["--run", str(run), "--out", str(run / "eval"), "--skip-missing"])
+    finally:
+        first.close()
+
+
+def test_grid_status_into_a_closed_pipe_is_one_true_line(tmp_path):
+    """`python -m grid status DIR | head` where head has gone: the line says the output pipe closed, not that the
+    grid directory failed."""
+    directory = tmp_path / "g"
+    Journal(directory).path.parent.mkdir()
+    Journal(directory).append({"event": "start", "runs": [{"name": f"seed={i}", "path": str(directory / f"s{i}"),
+                                                          "steps": 3, "batch_tokens": 32} for i in range(3)]})
+    read, write = os.pipe()
+    os.close(read)  # the reader has ended before the first line
+    result = subprocess.run([sys.executable, "-m", "grid", "status", str(directory)], cwd=ROOT, env=ENV,
+                            stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
+    os.close(write)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == ("error: could not write to the output: the pipe it goes to was closed (a reader such as "
+                             "`| head` ended before the tool did); let the output go to a terminal or a file\n")

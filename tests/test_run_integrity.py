@@ -106,7 +106,7 @@ def test_eval_export_and_sample_refuse_a_damaged_checkpoint(corpus, tmp_path):
     raw = torch.load(latest, weights_only=False)
     raw["model"]["transformer.h.0.attn.c_attn.weight"].view(torch.int32)[0, 0] ^= 1 << 30  # an exponent bit
     torch.save(raw, latest)
-    damaged = f"{latest}: its tensors do not match the checksum written with them"
+    damaged = f"{latest}: its model entry does not match its checksum"
     for command in (lambda: val_loss.main(["--run", str(run)]), lambda: dynamics.main(["--run", str(run)]),
                     lambda: export.main(["to-hf", "--checkpoint", str(run), "--out", str(tmp_path / "hf")]),
                     lambda: sample.main(["--checkpoint", str(run), "--max-new-tokens", "2"])):

@@ -24,7 +24,7 @@ from run.checkpoint import (
     WEIGHTS,
     CheckpointError,
     Progress,
-    TrainingState,
+    entry_checksums,
     load_checkpoint,
     save_checkpoint,
     tensor_checksum,
@@ -33,11 +33,14 @@ from run.checkpoint import (
     weights_checkpoint,
 )
 from run.log import format_duration, read_log, record_numbers
+from run.training_state import TrainingState
 from run.process import batch_layout
 from run.stop import StopRequest
 from tests.helpers import ENV, ROOT, VOCAB, resume_in_new_directory, tiny_args, train_losses, write_v1_checkpoint
 
-# ----- the checkpoint format: today's written, v1 and v2 read through one upgrade -----
+# ----- the checkpoint format: today's written, v1, v2 and v3 read through one upgrade -----
+
+BARE_CONFIG = {**{key: {} for key in CONFIG_ENTRIES}, "preset": None}  # every entry, each of its shape, no values
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -121,7 +124,7 @@ def test_a_newer_or_incomplete_format_or_an_unknown_kind_is_refused_naming_what_
                                               "config.data, config.preset, config.attention"):
         load_checkpoint(tmp_path / "cut.pt")
     whole = {"format": CHECKPOINT_FORMAT, "step": 1, "model": {}, "tied": {}, "metrics": {},
-             "config": {key: {} for key in CONFIG_ENTRIES}}
+             "config": dict(BARE_CONFIG)}
     torch.save({**whole, "kind": TRAINING, "optimizer": {}}, tmp_path / "training.pt")
     with pytest.raises(CheckpointError, match="without loader, rng, hooks"):  # what resuming would need
         load_checkpoint(tmp_path / "training.pt")
@@ -137,12 +140,14 @@ def test_a_v2_checkpoint_reads_with_its_kind_made_explicit(tmp_path):
     """v2 left the kind to the presence of an optimizer state and recorded no attention path; its checksum, over
     the same tensors, still verifies."""
     model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
-    config = {key: {} for key in CONFIG_ENTRIES if key != "attention"}
-    for kind, extra in ((WEIGHTS, {}), (TRAINING, {"optimizer": {}, "loader": {}, "rng": {}, "hooks": {}})):
+    config = {key: value for key, value in BARE_CONFIG.items() if key != "attention"}
+    training = {"optimizer": {}, "loader": {}, "rng": {"torch": torch.get_rng_state()}, "hooks": {}}
+    for kind, extra in ((WEIGHTS, {}), (TRAINING, training)):
         ckpt = weights_checkpoint(model, {**config, "attention": None}, {"step": 2}, **extra)
         del ckpt["kind"], ckpt["config"]["attention"]
         ckpt["format"] = "symgpt-checkpoint-v2"
-        save_checkpoint(tmp_path / f"{kind}.pt", ckpt)
+        ckpt["checksum"] = tensor_checksum(ckpt)
+        torch.save(ckpt, tmp_path / f"{kind}.pt")
         loaded = load_checkpoint(tmp_path / f"{kind}.pt", verify=True)
         assert loaded["format"] == CHECKPOINT_FORMAT and loaded["kind"] == kind
         assert loaded["config"]["attention"] is None and loaded["step"] == 2
@@ -200,11 +205,11 @@ def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings
     saved.loader.state, saved.hooks.state = {"position": 7}, {"gauge": {"mode": "correct"}}
     saved.progress = Progress(step=3, tokens=96, train_time_s=1.5, val_loss=4.0, val_step=2)
     rng = torch.get_rng_state()
-    config = {key: {} for key in CONFIG_ENTRIES}
+    config = dict(BARE_CONFIG)
     save_checkpoint(tmp_path / "a.pt", training_checkpoint(config, saved.state_dict()))
     torch.rand(5)  # the RNG moves on; restoring puts it back
     fresh = build(1, 5e-4)
-    fresh.load_state_dict(load_checkpoint(tmp_path / "a.pt"))
+    assert fresh.load_state_dict(load_checkpoint(tmp_path / "a.pt"), tmp_path / "a.pt") == []  # as many threads
     assert fresh.progress == saved.progress and fresh.loader.state == {"position": 7}
     assert fresh.hooks.state == {"gauge": {"mode": "correct"}}
     assert all(torch.equal(a, b) for a, b in zip(fresh.model.state_dict().values(), saved.model.state_dict().values()))
@@ -213,7 +218,7 @@ def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings
     assert fresh.optimizer.param_groups[0]["lr"] == 5e-4 and torch.equal(torch.get_rng_state(), rng)
     save_checkpoint(tmp_path / "w.pt", weights_checkpoint(saved.model, config, {"step": 3}))
     with pytest.raises(CheckpointError, match="of kind weights holds no training state"):
-        fresh.load_state_dict(load_checkpoint(tmp_path / "w.pt"))
+        fresh.load_state_dict(load_checkpoint(tmp_path / "w.pt"), tmp_path / "w.pt")
 
 
 def test_a_target_is_reached_once_at_the_first_validation_at_or_below_it():
@@ -225,33 +230,59 @@ def test_a_target_is_reached_once_at_the_first_validation_at_or_below_it():
     assert not progress.reaches(3.5) and progress.reached_target["step"] == 10  # the first time only
 
 
-def test_the_checksum_covers_every_tensor_once_and_survives_a_load_and_save(tmp_path):
+def test_the_checksum_covers_every_entry_names_the_one_that_changed_and_survives_a_load_and_save(tmp_path):
+    """Each entry has its own sha256 (each config section too): a tensor of the optimizer state, the loader's
+    position and the attention path recorded in the config are each named when they change after the file was
+    written; the tied names filled in on load do not count."""
     model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
     opt.step()
-    state = {"model": model.state_dict(keep_vars=True), "optimizer": opt.state_dict(), "loader": {}, "rng": {},
-             "hooks": {}, "metrics": {"step": 1, "tokens": 4}}
-    save_checkpoint(tmp_path / "a.pt", training_checkpoint({key: {} for key in CONFIG_ENTRIES}, state))
+    state = {"model": model.state_dict(keep_vars=True), "optimizer": opt.state_dict(), "loader": {"batch": 3},
+             "rng": {"torch": torch.get_rng_state(), "threads": 1}, "hooks": {}, "metrics": {"step": 1, "tokens": 4}}
+    config = {**BARE_CONFIG, "attention": {"choice": "sdpa"}}
+    save_checkpoint(tmp_path / "a.pt", training_checkpoint(config, state))
     raw = torch.load(tmp_path / "a.pt", weights_only=False)
     assert raw["tied"] == {"lm_head.weight": "transformer.wte.weight"} and "lm_head.weight" not in raw["model"]
-    assert tensor_checksum(raw) == raw["checksum"]
+    assert entry_checksums(raw) == raw["checksum"] and {"loader", "config.attention", "model"} <= set(raw["checksum"])
     loaded = load_checkpoint(tmp_path / "a.pt", verify=True)
     assert loaded["model"]["lm_head.weight"] is loaded["model"]["transformer.wte.weight"]  # filled in on load
-    save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same tensors, the same checksum
+    save_checkpoint(tmp_path / "b.pt", loaded)  # saved again: the same entries, the same checksums
     assert torch.load(tmp_path / "b.pt", weights_only=False)["checksum"] == raw["checksum"]
-    raw["optimizer"]["state"][0]["exp_avg"].view(-1)[0] += 1e-3  # optimizer state counts too
-    assert tensor_checksum(raw) != raw["checksum"]
-    torch.save(raw, tmp_path / "c.pt")
-    with pytest.raises(CheckpointError, match="do not match the checksum"):
-        load_checkpoint(tmp_path / "c.pt", verify=True)
-    raw["format"] = "symgpt-checkpoint-v1"  # a v1 file is verified before it is upgraded
-    torch.save(raw, tmp_path / "d.pt")
-    with pytest.raises(CheckpointError, match="do not match the checksum"):
-        load_checkpoint(tmp_path / "d.pt", verify=True)
-    del raw["checksum"]  # v1 files from before checksums: nothing to verify
-    torch.save(raw, tmp_path / "e.pt")
-    assert load_checkpoint(tmp_path / "e.pt", verify=True)["step"] == 1
+    changes = {"optimizer": lambda c: c["optimizer"]["state"][0]["exp_avg"].view(-1)[0].add_(1e-3),
+               "loader": lambda c: c["loader"].update(batch=4),
+               "config.attention": lambda c: c["config"]["attention"].update(choice="sdpb")}
+    for entry, change in changes.items():
+        damaged = torch.load(tmp_path / "a.pt", weights_only=False)
+        change(damaged)
+        torch.save(damaged, tmp_path / "c.pt")
+        with pytest.raises(CheckpointError, match=f"c.pt: its {entry} entry does not match its checksum"):
+            load_checkpoint(tmp_path / "c.pt", verify=True)
+
+
+def test_a_v3_file_is_verified_by_its_tensor_checksum_and_read_as_today_s(tmp_path):
+    """v3's checksum covered the tensors only: a changed tensor is refused, a changed config is not (v3 could not
+    tell), and the file reads in today's format; v1 files from before checksums have nothing to verify."""
+    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    v3 = weights_checkpoint(model, dict(BARE_CONFIG), {"step": 1})
+    v3["format"] = "symgpt-checkpoint-v3"
+    v3["checksum"] = tensor_checksum(v3)
+    torch.save(v3, tmp_path / "v3.pt")
+    assert load_checkpoint(tmp_path / "v3.pt", verify=True)["format"] == CHECKPOINT_FORMAT
+    v3["config"]["preset"] = "smoke"
+    torch.save(v3, tmp_path / "v3_config.pt")
+    assert load_checkpoint(tmp_path / "v3_config.pt", verify=True)["config"]["preset"] == "smoke"
+    v3["model"]["transformer.ln_f.weight"][0] += 1
+    torch.save(v3, tmp_path / "v3_tensor.pt")
+    with pytest.raises(CheckpointError, match="its tensors do not match the checksum"):
+        load_checkpoint(tmp_path / "v3_tensor.pt", verify=True)
+    v3["format"] = "symgpt-checkpoint-v1"  # a v1 file is verified before it is upgraded
+    torch.save(v3, tmp_path / "v1.pt")
+    with pytest.raises(CheckpointError, match="its tensors do not match the checksum"):
+        load_checkpoint(tmp_path / "v1.pt", verify=True)
+    del v3["checksum"]  # v1 files from before checksums: nothing to verify
+    torch.save(v3, tmp_path / "v1_old.pt")
+    assert load_checkpoint(tmp_path / "v1_old.pt", verify=True)["step"] == 1
 
 
 # ----- where a process trains; how it stops; what it reports -----

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import subprocess
@@ -240,11 +241,16 @@ def test_hub_dataset_files(tmp_path):
         hub.close()
 
 
+def outputs(out: Path) -> dict[str, bytes]:
+    """The files in `out` (but the lock files, which name their last holder) and their bytes."""
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.suffix != ".lock"}
+
+
 def good_run(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
     """Shards and manifest of a successful run in tmp_path/out (prefix "ow"), and their bytes."""
     out = tmp_path / "out"
     documents_to_shards(make_docs(7, 30), out, "ow", shard_tokens=400, val_tokens=200, workers=1)
-    return out, {p.name: p.read_bytes() for p in out.iterdir()}
+    return out, outputs(out)
 
 
 def test_a_failed_overwrite_keeps_the_earlier_outputs_and_says_why_documents_were_dropped(tmp_path):
@@ -255,7 +261,7 @@ def test_a_failed_overwrite_keeps_the_earlier_outputs_and_says_why_documents_wer
     with pytest.raises(SystemExit) as excinfo:
         tok.main([str(records), "--out", str(out), "--prefix", "ow", "--overwrite", "--workers", "1"])
     message = str(excinfo.value.code)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing lost, nothing left over
+    assert outputs(out) == before  # nothing lost, nothing left over
     assert "no documents to tokenize" in message and "--val-tokens" not in message  # no impossible advice
     assert "skipped: 20 records without a string text field (see --text-field)" in message
     assert f"{records}:1: no string field 'text' (fields: id, content; see --text-field)" in message
@@ -307,12 +313,12 @@ def test_a_file_size_limit_names_the_file_and_the_flag_and_keeps_the_earlier_out
                            "--prefix", "ow", "--overwrite", "--val-tokens", "200", "--shard-tokens", "20000",
                            "--workers", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           preexec_fn=limit_file_size)
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: could not write {out / 'ow_train_000001.bin'}: File too large"), proc.stderr
     assert "ulimit -f" in error and "--shard-tokens (this one: 20,000 tokens" in error
     assert "Traceback" not in proc.stderr
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert outputs(out) == before
 
 
 def test_the_staging_directory_of_a_killed_run_is_removed(tmp_path):
@@ -321,7 +327,7 @@ def test_the_staging_directory_of_a_killed_run_is_removed(tmp_path):
     stale.mkdir()
     (stale / "t_train_000001.bin").write_bytes(b"x" * 4096)  # what SIGKILL in the middle of a run leaves
     documents_to_shards(make_docs(9, 20), tmp_path, "t", shard_tokens=400, val_tokens=200, workers=1)
-    assert not stale.exists() and not list(tmp_path.glob(".t.*"))
+    assert not stale.exists() and not list(tmp_path.glob(".t.*.tmp"))
 
 
 @pytest.mark.parametrize("prefix", ["a/b", "..", ""])
@@ -336,8 +342,9 @@ def test_a_prefix_that_is_not_a_file_name_is_refused_before_anything_is_written(
 
 
 def test_each_file_is_read_once_whatever_paths_lead_to_it(tmp_path, capsys):
-    """A `**` glob that follows a symlink to a parent folder (a loop), a symlink to a file and a second pattern name
-    the same two files many times: each is tokenized once, and the other paths are counted and reported."""
+    """A `**` glob through a symlink to a parent folder (a loop), a symlink to a file and a second pattern name the
+    same two files again: each is tokenized once, the loop is walked once, and the other paths are counted and
+    reported."""
     corpus = tmp_path / "corpus"
     (corpus / "sub").mkdir(parents=True)
     (corpus / "a.txt").write_text("the first document")
@@ -352,8 +359,51 @@ def test_each_file_is_read_once_whatever_paths_lead_to_it(tmp_path, capsys):
     shards = [out / "p_val_000000.bin", *sorted(out.glob("p_train_*.bin"))]
     stream = np.concatenate([np.fromfile(p, dtype="<u2", offset=1024) for p in shards])  # after the 256-int32 header
     assert np.array_equal(stream, expected_stream(["the first document", "the second document"]))
-    assert counts["duplicate_files"] > 2  # the link, the second pattern and the loop's paths (as deep as it goes)
+    assert counts["duplicate_files"] == 2  # the link and the second pattern
     assert f"duplicate_files={counts['duplicate_files']}" in capsys.readouterr().out
+
+
+def test_a_glob_through_a_folder_linked_to_itself_twice_ends(tmp_path):
+    """Two links in a folder to the folder itself: Python's `**` glob would follow them 2^40 times; the walk reads
+    each folder once. In a process of its own, bounded: a hang fails the test instead of holding the suite."""
+    (tmp_path / "loop" / "sub").mkdir(parents=True)
+    (tmp_path / "loop" / "a.txt").write_text("one")
+    (tmp_path / "loop" / "sub" / "b.txt").write_text("two")
+    for name in ("self1", "self2"):
+        (tmp_path / "loop" / name).symlink_to(".")
+    script = ("from data.documents import resolve_sources\n"
+              f"print([str(p) for p in resolve_sources([{str(tmp_path / 'loop' / '**' / '*.txt')!r}])])")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str([str(tmp_path / "loop" / "a.txt"), str(tmp_path / "loop" / "sub" / "b.txt")])
+
+
+def test_two_runs_into_one_out_and_prefix_at_once_the_second_is_refused(tmp_path):
+    """The first to claim the prefix in --out writes it; another, started meanwhile, is refused naming it (never
+    both exit 0 with the later one's shards silently in place of the other's)."""
+    (tmp_path / "doc.txt").write_text(" ".join(f"word{i}" for i in range(200)))
+    out = tmp_path / "out"
+    first = tok.claim_output(out, "p")
+    try:
+        with pytest.raises(SystemExit, match=f"error: {out}: another data.tokenize is writing 'p' shards there "
+                                             f"\\(data.tokenize pid {os.getpid()} on host .*\\); wait for it to "
+                                             "finish, or choose another --out/--prefix"):
+            tok.main([str(tmp_path / "doc.txt"), "--out", str(out), "--prefix", "p", "--val-tokens", "20",
+                      "--workers", "1"])
+        assert not list(out.glob("p_*"))
+    finally:
+        first.close()
+    tok.main([str(tmp_path / "doc.txt"), "--out", str(out), "--prefix", "p", "--val-tokens", "20", "--workers", "1"])
+    assert (out / "p_manifest.json").is_file()
+
+
+@pytest.mark.parametrize("flag", ["--shard-tokens", "--val-tokens"])
+def test_more_tokens_than_a_shard_holds_is_one_line(tmp_path, flag):
+    (tmp_path / "doc.txt").write_text("some text")
+    with pytest.raises(SystemExit, match=f"error: {flag} 100,000,000,000,000: a shard holds at most 2,147,483,647 "
+                                         "tokens"):
+        tok.main([str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"), flag, str(10**14), "--workers", "1"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_byte_order_mark_is_not_text(tmp_path):

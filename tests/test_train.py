@@ -22,8 +22,8 @@ from eval import report, val_loss
 from run.checkpoint import CHECKPOINT_FORMAT, load_checkpoint, run_dir_of
 from run.log import RunLog, read_log
 from run.process import batch_layout, setup_process
-from tests.helpers import (ENV, VOCAB, ranks, resume_in_new_directory, stop_held_trainer, tiny_args,
-                           train_losses)
+from tests.helpers import (ENV, ROOT, VOCAB, PipedLines, held_env, ranks, resume_in_new_directory, stop_held_trainer,
+                           tiny_args, train_losses)
 
 pytestmark = pytest.mark.slow  # ~10 s of tiny runs besides its serial tests
 
@@ -252,6 +252,63 @@ def test_sigterm_writes_a_checkpoint_that_resumes_exactly(corpus, tmp_path, one_
     assert all(resumed[step] == straight[step] for step in resumed)
 
 
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGINT), (signal.SIGINT, signal.SIGINT)])
+def test_a_second_signal_still_lets_the_step_finish_and_the_checkpoint_be_written(corpus, tmp_path, first, second):
+    """A grid that dies sends its trainer SIGTERM, and the grid that adopts the run may pass on a Ctrl-C; a user may
+    press Ctrl-C twice: the second signal, taken while the run is stopping, neither interrupts the step nor costs
+    the checkpoint (with --checkpoint-every 0 there is no other)."""
+    args = tiny_args(corpus, tmp_path, "twice", steps=100000, **{"val-every": 0, "checkpoint-every": 0})
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_gpt.py"), *args],
+                            env={**held_env(1), "SYMGPT_TEST_HOLD_SIGNALS": "2"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    output = PipedLines(proc)
+    output.wait_for("held after step 1")
+    proc.send_signal(first)
+    output.wait_for("signal 1 taken")  # the first is the run's stop request before the second comes
+    proc.send_signal(second)
+    assert proc.wait(timeout=300) == 128 + first, output.text()
+    text = output.text()
+    assert f"{second.name} again: the run still stops at the end of this step, with its checkpoint" in text, text
+    assert f"{first.name} at step 1: checkpoint written" in text, text
+    assert load_checkpoint(tmp_path / "twice" / "checkpoints" / "latest.pt", verify=True)["step"] == 1
+
+
+def test_a_resumed_run_computes_with_the_threads_it_started_with(corpus, tmp_path, one_thread):
+    """The thread count can change a CPU run's sums (a grid sets it from --workers): the checkpoint records it and
+    --resume replays it, saying so, whatever the resuming process was given."""
+    run = tmp_path / "threads"
+    train_gpt.main(tiny_args(corpus, tmp_path, "threads", steps=2, **{"val-every": 0}))
+    assert load_checkpoint(run / "checkpoints" / "latest.pt")["rng"]["threads"] == 1
+    torch.set_num_threads(2)  # what a grid with fewer --workers gives the resumed run
+    assert train_gpt.main(["--resume", str(run), "--steps", "3"])["step"] == 3
+    assert torch.get_num_threads() == 1
+    assert ("threads: 1, as the run computed with before (this process was given 2)" in
+            (run / "log.txt").read_text())
+
+
+def test_train_files_alone_validate_on_the_validation_shards_beside_them(corpus, tmp_path):
+    """data.tokenize writes <prefix>_val_*.bin beside <prefix>_train_*.bin: a run given --train-files only validates
+    on those, and says so; where there are none, on the training shards, saying that too."""
+    train_gpt.main(tiny_args(corpus, tmp_path, "beside", steps=1, **{"val-every": 0, "val-files": ""}))
+    record = json.loads((tmp_path / "beside" / "config.json").read_text())["data"]
+    assert record["val"]["pattern"] == str(corpus / "syn_val_*.bin") and record["val"]["tokens"] == 8192
+    assert f"no --val-files: validating on {corpus / 'syn_val_*.bin'}" in (tmp_path / "beside" / "log.txt").read_text()
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "syn_train_000001.bin").write_bytes((corpus / "syn_train_000001.bin").read_bytes())
+    train_gpt.main(tiny_args(corpus, tmp_path, "alone_run", steps=1, **{"val-every": 0, "val-files": "",
+                                                                        "train-files": str(alone / "syn_*.bin")}))
+    assert "validating on the training shards themselves" in (tmp_path / "alone_run" / "log.txt").read_text()
+
+
+def test_a_run_name_longer_than_a_file_name_is_one_line(corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit) as refused:
+        train_gpt.parse_config(tiny_args(corpus, tmp_path, "n" * 300))
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1, err
+    assert "--run-name nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn...: 300 bytes, and a file name holds at most 255" in err
+
+
 def test_resume_of_a_missing_or_foreign_file_names_the_path(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_gpt.parse_config(["--resume", str(tmp_path)])
@@ -270,18 +327,20 @@ def test_a_failed_checkpoint_write_names_the_file_and_leaves_nothing_behind(tmp_
     """A file-size limit makes the write fail as a full disk does (EFBIG instead of ENOSPC)."""
     script = (
         "import resource, signal, sys, torch\n"
+        "from fileio import filesystem_error_line\n"
         "from run.checkpoint import save_checkpoint\n"
         "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
         "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
         "try:\n"
         f"    save_checkpoint(r'{tmp_path}/checkpoints/latest.pt', {{'tied': {{}}, 'w': torch.zeros(1 << 16)}})\n"
         "except OSError as exc:\n"
-        "    print(exc)\n"
+        "    print(filesystem_error_line(exc, '--run-dir'))\n"
         "    sys.exit(3)\n")
     result = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr
-    assert f"could not write checkpoint {tmp_path}/checkpoints/latest.pt" in result.stdout
-    assert "MiB free there" in result.stdout and "enforce fail" not in result.stdout
+    assert result.stdout.startswith(f"could not write the checkpoint {tmp_path}/checkpoints/latest.pt: File too "
+                                    "large (EFBIG); the file exceeds the file-size limit (`ulimit -f`)")
+    assert "enforce fail" not in result.stdout
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
