@@ -148,7 +148,8 @@ def print_plan(spec, runs, states, slots, gpus_per_run: int, runs_per_gpu: int, 
 
 
 def plan_grid(args: argparse.Namespace, shared: list[str]):
-    """(spec, runs, visible GPUs), every flag checked; GridError for a grid that cannot run as given."""
+    """(spec, train_gpt.py's flags, visible GPUs), every flag checked, and `args.slurm` (the Slurm script's options,
+    None without --print-slurm or --submit); GridError for a grid that cannot run as given."""
     spec = scaled(build_spec(args.name, args.run_dir, args.axis, shared, args.grid), args.scale, len(shared))
     known = train_flags()
     check_flags(spec, known)
@@ -160,9 +161,11 @@ def plan_grid(args: argparse.Namespace, shared: list[str]):
     if args.print_slurm + args.submit + args.dry_run > 1:
         raise GridError("--dry-run, --print-slurm and --submit: give one")
     if slurm and args.runs_per_gpu > 1:
-        raise GridError(f"--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with {slurm}")
+        raise GridError(f"--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with "
+                        f"{slurm}")
     defaults = run_parser()
-    given = [name for name, value in vars(args).items() if name.startswith("slurm_") and value != defaults.get_default(name)]
+    given = [name for name, value in vars(args).items()
+             if name.startswith("slurm_") and value != defaults.get_default(name)]
     if given and not slurm:
         raise GridError(f"{option(given[0])}: a flag of the Slurm script; give it with --print-slurm or --submit")
     args.slurm = SlurmOptions.from_args(args) if slurm else None  # each value checked

@@ -14,9 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from cli import option
 from fileio import LockHeldError, atomic_write, hold_lock, lock_holder
 from grid.execute import Journal, Scheduler, Slot, initial_state
 from grid.plan import TRAIN_SCRIPT, GridError, GridSpec, Run
@@ -43,26 +44,26 @@ def sbatch_quote(value: str) -> str:
 
 @dataclass
 class SlurmOptions:
-    """The grid's Slurm flags: each task's time limit, partition, account and QoS, other #SBATCH options, and how
-    long before the time limit Slurm warns a task (which then stops its run with a checkpoint and requeues)."""
+    """The grid's Slurm flags (--slurm-FIELD): each task's time limit, partition, account and QoS (each the
+    `#SBATCH` option its metadata names), other #SBATCH options, and how long before the time limit Slurm warns a
+    task (which then stops its run with a checkpoint and requeues itself)."""
 
-    time: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    options: list[str] = field(default_factory=list)
+    time: str | None = field(default=None, metadata={"sbatch": "--time"})
+    partition: str | None = field(default=None, metadata={"sbatch": "--partition"})
+    account: str | None = field(default=None, metadata={"sbatch": "--account"})
+    qos: str | None = field(default=None, metadata={"sbatch": "--qos"})
+    option: list[str] = field(default_factory=list)
     stop_before: int = 300
 
     @classmethod
     def from_args(cls, args) -> SlurmOptions:
         """The options of the grid's parsed flags; GridError naming the flag whose value would break the script."""
-        options = cls(args.slurm_time, args.slurm_partition, args.slurm_account, args.slurm_qos,
-                      list(args.slurm_option), args.slurm_stop_before)
-        named = {"--slurm-time": options.time, "--slurm-partition": options.partition,
-                 "--slurm-account": options.account, "--slurm-qos": options.qos}
-        for flag, value in [*named.items(), *(("--slurm-option", v) for v in options.options)]:
-            if value is not None and (problem := option_problem(flag, value)):
-                raise GridError(problem)
+        options = cls(**{f.name: getattr(args, f"slurm_{f.name}") for f in fields(cls)})
+        for f in fields(cls):
+            given = getattr(options, f.name)
+            for value in given if isinstance(given, list) else [given] if isinstance(given, str) else []:
+                if problem := option_problem(option(f"slurm_{f.name}"), value):
+                    raise GridError(problem)
         if options.time is not None and not TIME.fullmatch(options.time):
             raise GridError(f"--slurm-time {options.time}: give a time limit as sbatch reads it: MINUTES, "
                             "HOURS:MINUTES:SECONDS or DAYS-HOURS[:MINUTES[:SECONDS]], e.g. 24:00:00")
@@ -73,9 +74,9 @@ class SlurmOptions:
 
     def lines(self) -> list[str]:
         """The #SBATCH lines of these options (the warning signal's is the array's own)."""
-        named = {"time": self.time, "partition": self.partition, "account": self.account, "qos": self.qos}
-        return [f"#SBATCH --{key}={value}" for key, value in named.items() if value is not None] \
-            + [f"#SBATCH {option}" for option in self.options]
+        return [f"#SBATCH {f.metadata['sbatch']}={getattr(self, f.name)}" for f in fields(self)
+                if "sbatch" in f.metadata and getattr(self, f.name) is not None] \
+            + [f"#SBATCH {line}" for line in self.option]
 
 
 def option_problem(flag: str, value: str) -> str | None:
@@ -267,12 +268,12 @@ def requeue(run: Run, progressed: bool) -> None:
     """Put this task back in Slurm's queue (scontrol requeue) when this attempt wrote a checkpoint: it starts
     again, resuming from it, once Slurm lets it (Slurm holds a requeued job for about two minutes). A task whose
     run wrote none would start where it did and meet the same time limit again: it is not requeued."""
-    job = os.environ.get("SLURM_JOB_ID")
+    job, scontrol = os.environ.get("SLURM_JOB_ID"), shutil.which("scontrol")
     if not progressed:
         why = "it wrote no checkpoint before the warning: give the tasks more time (--slurm-time)"
-    elif job is None:
-        why = "not a Slurm job"
-    elif (done := subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)).returncode:
+    elif job is None or scontrol is None:
+        why = "not a Slurm job" if job is None else "no scontrol on PATH"
+    elif (done := subprocess.run([scontrol, "requeue", job], capture_output=True, text=True)).returncode:
         why = f"scontrol requeue {job}: {(done.stderr or done.stdout).strip()}"
     else:
         print(f"grid: {run.name}: stopped before the time limit with a checkpoint; requeued as job {job}, which "

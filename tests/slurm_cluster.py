@@ -85,11 +85,11 @@ class Cluster:
     daemons: list[subprocess.Popen]
     watchdog: subprocess.Popen
 
-    def run(self, *command: str, env: dict[str, str] | None = None, check: bool = True,
-            timeout: float = 600) -> subprocess.CompletedProcess:
-        done = subprocess.run(command, env={**self.env, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
-        assert not check or done.returncode == 0, f"{' '.join(command)}: exit {done.returncode}\n{done.stdout}{done.stderr}"
+    def run(self, *command: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        """A Slurm command on this cluster (its output captured); fails the test when it fails, unless not `check`."""
+        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=timeout)
+        assert not check or done.returncode == 0, \
+            f"{' '.join(command)}: exit {done.returncode}\n{done.stdout}{done.stderr}"
         return done
 
     def sbatch(self, script: Path, *options: str, arguments: tuple[str, ...] = (), env: dict[str, str] | None = None,
@@ -208,10 +208,12 @@ def end_marked(root: Path, grace: float = 10) -> None:
             time.sleep(0.2)
 
 
-def cancel_jobs(root: Path, env: dict[str, str], timeout: float = 60) -> None:
-    """Cancel every job of the cluster in `root` and wait (at most `timeout` s) until none is left running."""
+def cancel_jobs(env: dict[str, str], timeout: float = 60) -> None:
+    """Cancel every job of the cluster whose commands run in `env` and wait (at most `timeout` s) until none is
+    left."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        subprocess.run(["scancel", "--user", pwd.getpwuid(os.geteuid()).pw_name], env=env, capture_output=True, timeout=30)
+        subprocess.run(["scancel", "--user", pwd.getpwuid(os.geteuid()).pw_name], env=env, capture_output=True,
+                       timeout=30)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             queue = subprocess.run(["squeue", "--noheader", "--format=%i"], env=env, capture_output=True, text=True,
@@ -223,7 +225,7 @@ def cancel_jobs(root: Path, env: dict[str, str], timeout: float = 60) -> None:
 
 def stop_cluster(cluster: Cluster) -> None:
     """Cancel the jobs, end every process of the cluster, and let the watchdog go."""
-    cancel_jobs(cluster.root, cluster.env)
+    cancel_jobs(cluster.env)
     for daemon in reversed(cluster.daemons):
         daemon.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -242,7 +244,7 @@ def watch(root: Path) -> None:
     sys.stdin.buffer.read()
     env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
     if marked(root):
-        cancel_jobs(root, env, timeout=30)
+        cancel_jobs(env, timeout=30)
         end_marked(root)
 
 

@@ -1,7 +1,7 @@
 """The grid's Slurm path and one run over several nodes, against a real one-node Slurm cluster (tests/slurm_cluster.py;
 skipped with the reason where Slurm, munge or root is missing; `.ci/run` installs them):
-- a shipped grid at the CPU scale, submitted with --submit (the script --print-slurm prints), trains every run, and
-  the report job that waits for the array writes compare.md and scorecard.md;
+- a shipped grid at the CPU scale (one of its runs), submitted with --submit (the script --print-slurm prints),
+  trains its run, and the report job that waits for the array writes compare.md and scorecard.md;
 - a printed grid script submitted with sbatch: a task stopped by its real time limit's warning writes a checkpoint
   and requeues itself, a task stopped by scancel writes one and stays stopped, the script submitted again skips the
   finished and the failed runs and resumes the stopped one with the losses of an uninterrupted run, and
@@ -49,22 +49,22 @@ def flags(corpus: Path, *left_out: str, **overrides) -> list[str]:
             if not word.startswith(tuple(f"--{name}=" for name in ("run-dir", "run-name", *left_out)))]
 
 
-def test_a_shipped_grid_submitted_to_slurm_trains_every_run_and_its_report_job_writes_the_pages(slurm_cluster,
-                                                                                                  tmp_path):
-    grid = [*GRID, "--grid", "grids/table1-sgdm-at-rest.toml", "--scale", "cpu", "--run-dir", str(tmp_path)]
+def test_a_shipped_grid_submitted_to_slurm_trains_and_its_report_job_writes_the_pages(slurm_cluster, tmp_path):
+    grid = [*GRID, "--grid", "grids/table1-sgdm-at-rest.toml", "--scale", "cpu", "--axis", "seed=42", "--run-dir",
+            str(tmp_path)]  # one of its two runs: the path is the same, the test half as long
     printed = run(slurm_cluster, *grid, "--print-slurm").stdout
     directory = tmp_path / "table1-sgdm-at-rest-cpu"
     # before any sbatch: the plan the tasks read, and the directory Slurm opens each task's output in
-    assert (directory / "logs").is_dir() and len(Journal(directory).plan()["runs"]) == 2
+    assert (directory / "logs").is_dir() and len(Journal(directory).plan()["runs"]) == 1
     submitted = run(slurm_cluster, *grid, "--submit").stdout
     array, report = re.search(r"array job (\d+) .* as job (\d+)", submitted).groups()
     assert (directory / "grid.sbatch").read_text() == printed
-    assert slurm_cluster.wait(array) == {"0": "COMPLETED", "1": "COMPLETED"}, slurm_cluster.log()
+    assert slurm_cluster.wait(array) == {"0": "COMPLETED"}, slurm_cluster.log()
     assert slurm_cluster.wait(report) == {report: "COMPLETED"}, \
         (directory / "logs" / f"slurm-{report}-report.log").read_text()[-3000:]
     assert "| sgdm | " in (directory / "compare.md").read_text()
     assert "every one of the 1 cells with runs is not comparable" in (directory / "scorecard.md").read_text()
-    assert status(slurm_cluster, directory) == {"seed=42": "finished", "seed=123": "finished"}
+    assert status(slurm_cluster, directory) == {"seed=42": "finished"}
 
 
 def test_a_grid_stopped_by_its_time_limit_and_by_scancel_continues_bit_exactly_when_submitted_again(
@@ -137,7 +137,8 @@ def test_one_run_on_two_agents_of_the_multinode_script_stops_requeues_and_resume
     job = submit(2)
     assert slurm_cluster.wait(job) == {job: "COMPLETED"}, output.read_text()[-3000:]
     node = slurm_cluster.job(job)["NodeList"]
-    assert f"job {job}: 2 agents on {node}, rendezvous at {node}:{env['RDZV_PORT']}: --resume {big}" in output.read_text()
+    started = f"job {job}: 2 agents on {node}, rendezvous at {node}:{env['RDZV_PORT']}: --resume {big}"
+    assert started in output.read_text()
     log = (big / "log.txt").read_text()
     assert "SIGTERM at step 3: checkpoint written" in log and "SIGTERM at step 6: checkpoint written" in log
     assert "resumed from step 6" in log and log.count("| world 1") == 2 and log.count("| world 2") == 1
