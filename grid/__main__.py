@@ -5,34 +5,39 @@
     python -m grid --grid paper.toml                 # the same grid from a file (axes and shared flags)
     python -m grid status runs/paper                 # where a grid (running here or elsewhere) stands
     python -m grid report runs/paper                 # eval.report per finished run, then eval.compare
+    python -m grid --grid paper.toml --submit        # on a Slurm cluster: a job array, then the report
 
 Each --axis FLAG=V1,V2,... names a train_gpt.py flag; everything after -- goes to every run. A run per combination
 goes to <--run-dir>/<--name>/<flag=value,...>. On CUDA each run gets one GPU (CUDA_VISIBLE_DEVICES), or N under
 torchrun with --gpus-per-run N; on a CPU --workers N processes share the cores. The same command again skips
 finished runs, resumes interrupted ones, waits for runs their trainers still hold, reruns failed ones only with
 --retry-failed, and refuses runs trained with other flags; Ctrl-C (or the grid process dying) stops every run with a
-checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md).
+checkpoint. At the end: eval.report for each finished run and DIR/compare.md (docs/grid.md). On a Slurm cluster
+--print-slurm prints a job-array script (one task per run, each running `python -m grid task DIR RUN`) and --submit
+submits it with the report as a job after it (docs/grid.md#on-a-slurm-cluster).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import socket
 import sys
 from pathlib import Path
 
-from cli import ArgumentParser, value_problem
+from cli import ArgumentParser, option, value_problem
 from data.lookup import resolve_data_files
 from fileio import filesystem_error_line, print_error
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
 from grid.estimate import wall_time_lines
 from grid.memory import GIB, fit_problem, grid_memory, memory_line
-from grid.plan import (GridError, build_spec, check_flags, plan_runs, recorded_changes, slurm_script, train_command,
-                       train_flags)
+from grid.plan import GridError, build_spec, check_flags, plan_runs, recorded_changes, train_command, train_flags
 from grid.progress import Display, run_finished, run_row, summary_line, table
 from grid.report import report_grid
 from grid.scale import SCALES, scaled
+from grid.slurm import (SlurmOptions, array_script, note_in_run_log, report_script, run_task, sbatch_command,
+                        submit, task_holder)
 from run.directory import run_holder, run_holds_checkpoint
 
 
@@ -89,8 +94,20 @@ def run_parser() -> ArgumentParser:
     parser.add_argument("--retry-failed", action="store_true", help="run again the runs whose last attempt failed")
     parser.add_argument("--dry-run", action="store_true", help="print the runs, their commands and placement; "
                         "start nothing")
-    parser.add_argument("--print-slurm", action="store_true", help="print a Slurm job-array script (one array "
-                        "task per run, the same commands) instead of running")
+    slurm = parser.add_argument_group("a Slurm cluster (docs/grid.md#on-a-slurm-cluster)")
+    slurm.add_argument("--print-slurm", action="store_true", help="print a Slurm job-array script (one array task per "
+                       "run) instead of running; the plan goes to DIR/grid.jsonl, the tasks' output to DIR/logs")
+    slurm.add_argument("--submit", action="store_true", help="submit that script (DIR/grid.sbatch) with sbatch, and "
+                       "unless --no-report the report as a job that starts when the array has ended")
+    slurm.add_argument("--slurm-time", metavar="TIME", help="each task's time limit (#SBATCH --time), e.g. 24:00:00")
+    slurm.add_argument("--slurm-partition", metavar="NAME", help="the partition (#SBATCH --partition)")
+    slurm.add_argument("--slurm-account", metavar="NAME", help="the account charged (#SBATCH --account)")
+    slurm.add_argument("--slurm-qos", metavar="NAME", help="the quality of service (#SBATCH --qos)")
+    slurm.add_argument("--slurm-option", action="append", default=[], metavar="--OPTION=VALUE",
+                       help="another #SBATCH line (repeatable), e.g. --slurm-option=--constraint=h100")
+    slurm.add_argument("--slurm-stop-before", type=int, default=300, metavar="SECONDS", help="Slurm warns each task "
+                       "this long before its time limit; the task then stops its run with a checkpoint and requeues "
+                       "itself (default: %(default)s)")
     parser.add_argument("--no-report", action="store_true", help="skip eval.report and eval.compare at the end")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--quick", action="store_true", help="report with the quick evaluation set whatever "
@@ -131,7 +148,8 @@ def print_plan(spec, runs, states, slots, gpus_per_run: int, runs_per_gpu: int, 
 
 
 def plan_grid(args: argparse.Namespace, shared: list[str]):
-    """(spec, runs, visible GPUs), every flag checked; GridError for a grid that cannot run as given."""
+    """(spec, train_gpt.py's flags, visible GPUs), every flag checked, and `args.slurm` (the Slurm script's options,
+    None without --print-slurm or --submit); GridError for a grid that cannot run as given."""
     spec = scaled(build_spec(args.name, args.run_dir, args.axis, shared, args.grid), args.scale, len(shared))
     known = train_flags()
     check_flags(spec, known)
@@ -139,13 +157,22 @@ def plan_grid(args: argparse.Namespace, shared: list[str]):
         raise GridError("--workers, --gpus-per-run and --runs-per-gpu take a number of at least 1")
     if args.gpu_memory is not None and not 0 < args.gpu_memory < 2**33:  # NaN and infinity too (bytes in int64)
         raise GridError(f"--gpu-memory {args.gpu_memory}: a GPU's memory in GiB, e.g. 80")
-    if args.print_slurm and args.runs_per_gpu > 1:
-        raise GridError("--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with "
-                        "--print-slurm")
+    slurm = "--print-slurm" if args.print_slurm else "--submit" if args.submit else None
+    if args.print_slurm + args.submit + args.dry_run > 1:
+        raise GridError("--dry-run, --print-slurm and --submit: give one")
+    if slurm and args.runs_per_gpu > 1:
+        raise GridError(f"--runs-per-gpu: a Slurm array gives each run a task and a GPU of its own; drop it with "
+                        f"{slurm}")
+    defaults = run_parser()
+    given = [name for name, value in vars(args).items()
+             if name.startswith("slurm_") and value != defaults.get_default(name)]
+    if given and not slurm:
+        raise GridError(f"{option(given[0])}: a flag of the Slurm script; give it with --print-slurm or --submit")
+    args.slurm = SlurmOptions.from_args(args) if slurm else None  # each value checked
     if problem := value_problem("status_every", args.status_every, "> 0"):
         raise GridError(problem)
     gpus = visible_gpus(args.gpus)
-    if args.gpus and not (args.dry_run or args.print_slurm) and not visible_gpus(None):
+    if args.gpus and not (args.dry_run or slurm) and not visible_gpus(None):
         raise GridError(f"--gpus {args.gpus}: torch sees no CUDA device here (plan with --dry-run or --print-slurm)")
     if gpus and len(gpus) < args.gpus_per_run:
         raise GridError(f"--gpus-per-run {args.gpus_per_run}: only {len(gpus)} GPUs are visible ({','.join(gpus)})")
@@ -189,18 +216,65 @@ def finish_grid(args, spec, runs, scheduler: Scheduler, states: dict[str, str]) 
     return code or (1 if failed else 0)
 
 
+def start_record(argv: list[str], runs, gpus_per_run: int, memory: dict | None = None, slots=(),
+                 runs_per_gpu: int = 1, **extra) -> dict:
+    """grid.jsonl's plan of this invocation: the command, every run (with its memory estimate) and the slots."""
+    memory = memory or {}
+    return {"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
+            "runs": [{**r.record(), "memory_gib": round(sum(memory.get(r.name, {}).values()) / GIB, 2)} for r in runs],
+            "slots": [s.label for s in slots], "gpus_per_run": gpus_per_run, "runs_per_gpu": runs_per_gpu, **extra}
+
+
+def prepare_default_data(runs, stream=sys.stdout) -> None:
+    """The default data (no --train-files) prepared once, before runs start that would each prepare it."""
+    if any(not run.train_files for run in runs):
+        print("grid: preparing the default data once for every run", file=stream, flush=True)
+        resolve_data_files("", "")
+
+
+def slurm_grid(args: argparse.Namespace, argv: list[str], spec, runs) -> int:
+    """--print-slurm and --submit: the plan into DIR/grid.jsonl (what each array task reads), DIR/logs made (Slurm
+    opens each task's output file there before the task starts) and the default data prepared, then the array's
+    script printed, or submitted with the report as a job that waits for it."""
+    if args.submit:
+        sbatch_command()  # refused before anything is written
+    lock = claim(spec.directory)
+    (spec.directory / "logs").mkdir(exist_ok=True)
+    journal = Journal(spec.directory)
+    journal.append(start_record(argv, runs, args.gpus_per_run, slurm={"job_name": f"grid-{spec.name}"}))
+    valid = [r for r in runs if r.problem is None]
+    prepare_default_data(valid, sys.stderr)
+    script = array_script(spec, runs, args.gpus_per_run, args.slurm, args.retry_failed)
+    logs = f"{spec.directory.absolute() / 'logs'}/slurm-<job>_<task>.log"
+    if args.print_slurm:
+        print(script, end="")
+        print(f"grid {spec.name}: {len(valid)} runs planned in {journal.path}; Slurm writes each task's output to "
+              f"{logs}: submit the script with sbatch", file=sys.stderr)
+    else:
+        budget = ["--quick"] if args.quick else ["--full"] if args.full else []
+        report = None if args.no_report else report_script(spec, any(r.device == "cuda" for r in valid), args.slurm,
+                                                           budget)
+        array, after = submit(spec, script, report)
+        journal.append({"event": "submitted", "array": array, "report": after})
+        print(f"grid {spec.name}: {len(valid)} runs submitted as Slurm array job {array} (its script: "
+              f"{spec.directory / 'grid.sbatch'}; each task's output: {logs})"
+              + (f"; the report runs when it has ended, as job {after}" if after else "")
+              + f"; `python -m grid status {spec.directory}` shows the runs")
+    lock.close()
+    return 0
+
+
 def run_grid(argv: list[str]) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     args = run_parser().parse_args(argv[:cut])
     spec, known, gpus = plan_grid(args, argv[cut + 1:])
-    runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.print_slurm)
+    runs = plan_runs(spec, known, args.gpus_per_run, bool(gpus) or args.slurm is not None)
     if all(r.problem for r in runs):
         raise GridError(f"train_gpt.py refuses every run of the grid, e.g. {runs[0].name}: {runs[0].problem}")
     check_history(spec, runs)
-    lock = None if args.dry_run or args.print_slurm else claim(spec.directory)
-    if args.print_slurm:
-        print(slurm_script(spec, runs, args.gpus_per_run), end="")
-        return 0
+    if args.slurm is not None:
+        return slurm_grid(args, argv, spec, runs)
+    lock = None if args.dry_run else claim(spec.directory)
     memory = grid_memory(runs, args.gpus_per_run)
     gpu_bytes = gpu_memory(args.gpu_memory)
     if gpu_bytes is not None and (problem := fit_problem(memory, args.runs_per_gpu, gpu_bytes)):
@@ -218,9 +292,7 @@ def run_grid(argv: list[str]) -> int:
         print_plan(spec, runs, states, slots, args.gpus_per_run, args.runs_per_gpu,
                    memory_line(memory, args.runs_per_gpu, gpu_bytes))
         return 0
-    journal.append({"event": "start", "pid": os.getpid(), "host": socket.gethostname(), "argv": argv,
-                    "runs": [{**r.record(), "memory_gib": round(sum(memory.get(r.name, {}).values()) / GIB, 2)}
-                             for r in runs], "slots": [s.label for s in slots], "runs_per_gpu": args.runs_per_gpu})
+    journal.append(start_record(argv, runs, args.gpus_per_run, memory, slots, args.runs_per_gpu))
     for run in runs:
         if states[run.name] == "invalid" and previous.get(run.name, {}).get("error") != run.problem:
             journal.append({"run": run.name, "state": "invalid", "error": run.problem})
@@ -231,9 +303,7 @@ def run_grid(argv: list[str]) -> int:
                          if counts["held"] else "")
           + f"{counts['finished']} finished, {counts['failed']} failed before (--retry-failed runs them), "
           f"{counts['invalid']} refused by train_gpt.py; slots: {', '.join(s.label for s in slots)}", flush=True)
-    if any(not run.train_files for run, _ in todo):
-        print("grid: preparing the default data once for every run", flush=True)
-        resolve_data_files("", "")
+    prepare_default_data([run for run, _ in todo])
     scheduler = Scheduler(spec.directory, spec.name, runs, slots, journal, Display(plain_every=args.status_every))
     try:
         code = scheduler.execute(todo) if todo else 0
@@ -260,7 +330,9 @@ def grid_status(argv: list[str]) -> int:
     plan = journal.plan()
     states = journal.states()
     holder = owner(args.directory)
-    now = {p["name"]: current_state(p, states.get(p["name"], {}), holder is not None) for p in plan["runs"]}
+    now = {p["name"]: current_state(p, states.get(p["name"], {}),
+                                    holder is not None or task_holder(args.directory, p["name"]) is not None)
+           for p in plan["runs"]}
     rows = [run_row(p, {**states.get(p["name"], {}), "state": now[p["name"]]}) for p in plan["runs"]]
     print(summary_line(args.directory.name, [row[1] for row in rows]))
     if plan.get("runs_per_gpu", 1) > 1:
@@ -268,8 +340,12 @@ def grid_status(argv: list[str]) -> int:
         print(f"{plan['runs_per_gpu']} runs share each GPU (about {heaviest:.1f} GiB each at most, estimated)")
     print("\n".join(table(rows)))
     held = sum(state == "running" for state in now.values())
-    print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it"
-          + (f" ({held} of its runs still held by their trainers, which it waits for)" if held else ""))
+    if holder or not plan.get("slurm"):
+        print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it"
+              + (f" ({held} of its runs still held by their trainers, which it waits for)" if held else ""))
+    else:
+        print(f"a Slurm job array runs this grid ({held} runs running now; `squeue --name "
+              f"{plan['slurm']['job_name']}` lists its tasks): submitting its script again continues it")
     for p in plan["runs"]:
         state = states.get(p["name"], {})
         if now[p["name"]] in ("failed", "invalid"):
@@ -303,9 +379,26 @@ def grid_report(argv: list[str]) -> int:
     return code
 
 
+def grid_task(argv: list[str]) -> int:
+    parser = ArgumentParser(module="grid task", description="One run of a grid as a Slurm array task runs it (the "
+                            "script of --print-slurm): trained, resumed or skipped as the grid command would, as the "
+                            "last plan in DIR/grid.jsonl gives it; requeued when Slurm's warning before the time "
+                            "limit stopped it (docs/grid.md#on-a-slurm-cluster).")
+    parser.add_argument("directory", type=Path, help="the grid's directory (<run-dir>/<name>)")
+    parser.add_argument("run", help="the run's name, its directory in the grid's")
+    parser.add_argument("--retry-failed", action="store_true", help="run it again if its last attempt failed")
+    args = parser.parse_args(argv)
+    try:
+        return run_task(args.directory, args.run, args.retry_failed)
+    except (GridError, OSError) as exc:  # the run's own log says it too, not only the task's output
+        with contextlib.suppress(OSError):
+            note_in_run_log(args.directory, args.run, f"error: {exc}")
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"status": grid_status, "report": grid_report}
+    commands = {"status": grid_status, "report": grid_report, "task": grid_task}
     where = "place (copy the grid directory there)" if argv[:1] and argv[0] in commands else "--run-dir"
     try:
         code = commands[argv[0]](argv[1:]) if argv and argv[0] in commands else run_grid(argv)

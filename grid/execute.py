@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -57,6 +58,7 @@ class Journal:
         """Append `record` on a line of its own (after a line a crash cut short, on the next one)."""
         line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}) + "\n"
         with doing("append to", self.path), open(self.path, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # Slurm array tasks append at once
             end = f.seek(0, os.SEEK_END)
             if end:
                 f.seek(end - 1)
@@ -299,20 +301,27 @@ class Scheduler:
                       time.time())
 
     def settle(self, active: Active, code: int) -> None:
+        """Record how the run's attempt ended (finished, interrupted or failed), in the journal and on the display,
+        and on a last line of the run's output file, so that its own log says it too."""
         run, took = active.run, format_duration(time.time() - active.started)
         if run_finished(run.path, run.steps, run.stop_at_target):
-            self.transition(run, "finished", f"finished in {took}", placement=active.slot.label, rc=code)
+            verdict = f"finished in {took}"
+            self.transition(run, "finished", verdict, placement=active.slot.label, rc=code)
         elif isinstance(active.process, LeftTrainer) or self.signals or code in (
                 128 + signal.SIGINT, 128 + signal.SIGTERM, -signal.SIGINT, -signal.SIGTERM):
             kept = "checkpoint kept" if run_holds_checkpoint(run.path) else "no checkpoint yet: it starts again"
             how = "its trainer stopped" if isinstance(active.process, LeftTrainer) else f"exit {code}"
-            self.transition(run, "interrupted", f"interrupted after {took} ({how}; {kept})",
-                            placement=active.slot.label, rc=code)
+            verdict = f"interrupted after {took} ({how}; {kept})"
+            self.transition(run, "interrupted", verdict, placement=active.slot.label, rc=code)
         else:
             tail = output_tail(active.output)
-            self.transition(run, "failed", f"FAILED (exit {code}) after {took}; output {active.output}, ending:\n"
+            verdict = f"FAILED (exit {code}) after {took}"
+            self.transition(run, "failed", f"{verdict}; output {active.output}, ending:\n"
                             + "\n".join("    " + line for line in tail.splitlines()),
                             placement=active.slot.label, rc=code, error=tail)
+        active.output.parent.mkdir(parents=True, exist_ok=True)  # an adopted run's trainer may have written none
+        with open(active.output, "a") as f:
+            f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {active.slot.label}: {verdict}\n")
 
     def fits(self, item: tuple[Run, str], slot: Slot) -> bool:
         """Whether `slot` takes the queued (run, state): one of its kind; a held run's trainer already runs in the

@@ -11,7 +11,6 @@ import io
 import itertools
 import json
 import re
-import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,10 +233,17 @@ class Run:
     config: config.RunConfig | None = None
 
     def record(self) -> dict:
-        """The run as grid.jsonl's start record keeps it (what `status`, `report` and the progress table read)."""
-        return {"name": self.name, "values": self.values, "path": str(self.path), "steps": self.steps,
-                "batch_tokens": self.batch_tokens, "stop_at_target": self.stop_at_target, "device": self.device,
-                "problem": self.problem}
+        """The run as grid.jsonl's start record keeps it (what `status`, `report`, the progress table and a Slurm
+        array task read)."""
+        return {"name": self.name, "values": self.values, "flags": self.flags, "path": str(self.path),
+                "steps": self.steps, "batch_tokens": self.batch_tokens, "stop_at_target": self.stop_at_target,
+                "device": self.device, "problem": self.problem}
+
+    @classmethod
+    def from_record(cls, record: dict) -> Run:
+        """The run a start record keeps (`record`'s inverse, without the parsed configuration)."""
+        return cls(record["name"], record["values"], record["flags"], Path(record["path"]), record["problem"],
+                   record["device"], record["steps"], record["batch_tokens"], record["stop_at_target"])
 
 
 def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
@@ -328,38 +334,3 @@ def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.e
     launcher = ([python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus_per_run}"]
                 if gpus_per_run > 1 and run.device == "cuda" else [python])
     return launcher + [str(TRAIN_SCRIPT)] + run.flags + where
-
-
-def sbatch_quote(value: str) -> str:
-    """`value` as one argument of an #SBATCH line: sbatch splits those lines at whitespace outside quotes and
-    reads a backslash as an escape, also inside quotes."""
-    if not re.search(r'[\s"\'\\#]', value):
-        return value
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def slurm_script(spec: GridSpec, runs: list[Run], gpus_per_run: int) -> str:
-    """A Slurm job-array script with one array task per valid run: the run's command, or its --resume command
-    when the run holds a checkpoint, skipped when its log ends with the summary (finished)."""
-    valid = [r for r in runs if r.problem is None]
-    uses_gpus = any(r.device == "cuda" for r in valid)
-    output = str(spec.directory.absolute() / "logs").replace("%", "%%") + "/slurm-%A_%a.log"  # %% is sbatch's %
-    lines = ["#!/bin/bash", f"# python -m grid --name {shlex.quote(spec.name)}: {len(valid)} runs, one array task each",
-             f"#SBATCH --job-name={sbatch_quote('grid-' + spec.name)}", f"#SBATCH --array=0-{max(len(valid) - 1, 0)}",
-             f"#SBATCH --output={sbatch_quote(output)}", "#SBATCH --ntasks=1"]
-    lines += [f"#SBATCH --gpus-per-task={gpus_per_run}"] if uses_gpus else []
-    lines += [f"# not run: {r.name}: {r.problem}" for r in runs if r.problem is not None]
-    lines += ["set -euo pipefail", f"cd {shlex.quote(str(TRAIN_SCRIPT.parent))}",
-              f"mkdir -p {shlex.quote(str(spec.directory.absolute() / 'logs'))}",
-              'PYTHON="${PYTHON:-python}"', 'case "$SLURM_ARRAY_TASK_ID" in']
-    for index, run in enumerate(valid):
-        def shell(resume: bool) -> str:
-            return shlex.join(train_command(run, gpus_per_run, resume, "PYTHON")).replace("PYTHON", '"$PYTHON"', 1)
-        run_dir = shlex.quote(str(run.path))
-        lines += [f"  {index})",
-                  f"    if tail -n 1 {run_dir}/log.jsonl 2>/dev/null | grep -q '\"summary\": true'; then "
-                  f"echo 'finished: {run.name}'",
-                  f"    elif [ -f {run_dir}/checkpoints/latest.pt ]; then exec {shell(True)}",
-                  f"    else exec {shell(False)}", "    fi ;;"]
-    lines += ["esac", ""]
-    return "\n".join(lines)

@@ -13,6 +13,9 @@ Markers (pyproject.toml lists them):
 - `@pytest.mark.waits` (usually a whole module): spends most of its time waiting (sleeps, a subprocess's time
   limit) rather than computing. Under xdist these modules go out first, beside the serial tests, whose processes
   keep the cores busy meanwhile.
+- `@pytest.mark.slurm`: runs jobs on a real one-node Slurm cluster (the `slurm_cluster` fixture); skipped with the
+  reason where Slurm and munge are missing or the tests do not run as root. Under xdist every such test goes to one
+  worker (one group), so one cluster serves them all.
 
 Fixtures:
 - `corpus` (module scope): read-only shards of the synthetic language of tests.helpers.synthetic_tokens
@@ -20,6 +23,8 @@ Fixtures:
   `train_gpt.main(tests.helpers.tiny_args(corpus, tmp_path, NAME, **overrides))`: a 2-layer, 32-wide model, 8 steps.
 - `one_thread`: one torch thread during the test, as in the subprocesses of tests.helpers.ENV, for bit-exact
   comparisons between a run in the test process and one in a subprocess.
+- `slurm_cluster` (session scope): a one-node Slurm cluster of this test process (tests/slurm_cluster.py), stopped
+  with every job and process of it at the end of the session.
 A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)`. A trainer subprocess to signal at a
 known step: `tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
 `tests.helpers.PipedLines(proc).wait_for("held after step STEP")`.
@@ -61,7 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if "cuda" in item.keywords:
                 item.add_marker(skip)
     if by_groups(config):
-        groups = {item: "serial" if "serial" in item.keywords else Path(item.location[0]).stem for item in items}
+        groups = {item: "serial" if "serial" in item.keywords else "slurm" if "slurm" in item.keywords
+                  else Path(item.location[0]).stem for item in items}
         for item, group in groups.items():  # a module's tests together: its fixtures are built once
             item.add_marker(pytest.mark.xdist_group(group))
         marked = {mark: {groups[item] for item in items if mark in item.keywords} for mark in ("waits", "slow")}
@@ -92,3 +98,17 @@ def corpus(tmp_path_factory) -> Path:
     write_shard(root / "syn_train_000001.bin", synthetic_tokens(60000, seed=1))
     write_shard(root / "syn_train_000002.bin", synthetic_tokens(60000, seed=2))
     return root
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm cluster (tests/slurm_cluster.py): munged, slurmctld and slurmd of this test process, with
+    their own files and ports; its jobs and processes are ended when the session ends (or, should this process die
+    first, by its watchdog). Skips with the reason where it cannot start."""
+    from tests.slurm_cluster import skip_reason, start_cluster, stop_cluster
+
+    if reason := skip_reason():
+        pytest.skip(reason)
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    stop_cluster(cluster)

@@ -55,7 +55,8 @@ def test_relative_links_resolve(page: Path) -> None:
 # Flags of other programs that the pages quote: torchrun's, pip's, Slurm's and the published trainer's.
 FOREIGN_FLAGS = {"--nproc_per_node", "--standalone", "--nnodes", "--node_rank", "--rdzv_backend", "--rdzv_endpoint",
                  "--rdzv_id", "--index-url", "--use_bf16", "--sgdm_init_velocity_std", "--logdir", "--array",
-                 "--gpus-per-task"}
+                 "--gpus-per-task", "--gpus-per-node", "--nodes", "--ntasks", "--ntasks-per-node", "--time",
+                 "--partition", "--account", "--qos", "--requeue", "--dependency", "--cpus-per-task"}
 PLACEHOLDER_FLAGS = {"--field-name", "--no-field-name"}  # README's description of how fields become flags
 DOC_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]")
 

@@ -227,24 +227,53 @@ def test_gpu_placement_one_gpu_or_torchrun_per_run_and_a_queue(tmp_path, capsys)
     assert "CUDA_VISIBLE_DEVICES=2,3 " in out and "-m torch.distributed.run --standalone --nproc_per_node=2" in out
 
 
-def test_the_slurm_script_runs_each_runs_command_in_its_own_array_task(tmp_path, capsys):
+def test_the_slurm_script_gives_each_valid_run_an_array_task_that_runs_it_as_the_plan_gives_it(tmp_path, capsys):
     assert main(["--name", "paper", "--run-dir", str(tmp_path), "--axis", "optimizer=ecd,adamw", "--axis",
-                 "n-head=12,5", "--gpus-per-run", "2", "--print-slurm", "--", "--steps", "10"]) == 0
+                 "n-head=12,5", "--gpus-per-run", "2", "--print-slurm", "--slurm-time", "24:00:00",
+                 "--slurm-partition", "gpu", "--slurm-option=--constraint=h100", "--", "--steps", "10"]) == 0
     script = capsys.readouterr().out
-    assert "#SBATCH --array=0-1" in script and "#SBATCH --gpus-per-task=2" in script
+    assert {"#SBATCH --array=0-1", "#SBATCH --gpus-per-task=2", "#SBATCH --signal=B:USR1@300", "#SBATCH --requeue",
+            "#SBATCH --open-mode=append", "#SBATCH --time=24:00:00", "#SBATCH --partition=gpu",
+            "#SBATCH --constraint=h100"} <= set(script.splitlines())
     assert "# not run: optimizer=ecd,n-head=5: --n-embd 768 must be divisible by --n-head 5" in script
+    path = tmp_path / "paper.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    directory = tmp_path / "paper"
+    assert f'-m grid task {directory} "${{runs[$SLURM_ARRAY_TASK_ID]}}"' in script
     spec = plan.build_spec("paper", str(tmp_path), ["optimizer=ecd,adamw", "n-head=12,5"], ["--steps", "10"], None)
     valid = [r for r in plan.plan_runs(spec, plan.train_flags(), 2, True) if r.problem is None]
-    tasks: dict[str, list[list[str]]] = {}
-    for line in script.split('case "$SLURM_ARRAY_TASK_ID" in', 1)[1].splitlines():
-        if re.fullmatch(r"  \d+\)", line):
-            tasks[line.strip()] = []
-        elif "exec " in line:
-            tasks[list(tasks)[-1]].append(shlex.split(line.split("exec ", 1)[1]))
-    assert list(tasks) == ["0)", "1)"] and len(valid) == 2
-    for commands, run in zip(tasks.values(), valid):
-        assert commands == [plan.train_command(run, 2, resume, "$PYTHON") for resume in (True, False)]
-        assert commands[1][:5] == ["$PYTHON", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    assert shlex.split(re.search(r"^runs=\((.*)\)$", script, re.M).group(1)) == [r.name for r in valid]
+    # what each task reads: the plan in grid.jsonl, with each run's flags; Slurm's output files go to logs/
+    planned = {r["name"]: plan.Run.from_record(r) for r in Journal(directory).plan()["runs"]}
+    for run in valid:
+        for resume in (False, True):
+            assert plan.train_command(planned[run.name], 2, resume) == plan.train_command(run, 2, resume)
+    assert (directory / "logs").is_dir()
+
+
+def test_a_slurm_task_trains_its_run_as_the_printed_plan_gives_it_and_then_has_nothing_to_do(tmp_path, tiny_flags,
+                                                                                             capsys):
+    """`python -m grid task DIR RUN`, what each array task runs, here outside Slurm: status reads the plan that
+    --print-slurm wrote, the task trains its run and says so at the end of the run's log, a second task has nothing
+    to do, and a task of a run the plan does not have says why in that run's log too."""
+    assert main(["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--print-slurm", "--",
+                 *tiny_flags, "--steps", "2"]) == 0
+    directory = tmp_path / "g"
+    capsys.readouterr()
+    assert main(["status", str(directory)]) == 0
+    assert "grid g: 2 runs: 2 queued" in capsys.readouterr().out
+    assert main(["task", str(directory), "seed=1"]) == 0
+    assert read_log(directory / "seed=1")[-1]["summary"]
+    assert re.fullmatch(r"=== [-\d: ]+ \S+: finished in \dm\d\ds",
+                        (directory / "logs" / "seed=1.log").read_text().splitlines()[-1])
+    assert main(["task", str(directory), "seed=1"]) == 0
+    assert "grid: seed=1: finished: nothing to do" in capsys.readouterr().out
+    assert main(["status", str(directory)]) == 0
+    assert "grid g: 2 runs: 1 finished, 1 queued" in capsys.readouterr().out
+    assert main(["task", str(directory), "seed=3"]) == 2
+    assert f"{directory / 'grid.jsonl'}: its last plan has no run seed=3" in capsys.readouterr().err
+    assert "its last plan has no run seed=3" in (directory / "logs" / "seed=3.log").read_text()
 
 
 def test_the_progress_table_reads_each_runs_log_and_redraws_in_place_on_a_terminal(tmp_path):

@@ -1,7 +1,8 @@
 """python -m grid under faults (docs/grid.md#running): a killed grid leaves no trainer running on and the same command
 resumes it; a run its trainer still holds is waited for, never failed nor doubled; runs trained with other flags
 are not counted; bad grid files, duplicate axes, the grid's own filesystem errors and a damaged grid.jsonl give
-one-line errors; the Slurm script quotes what sbatch would split."""
+one-line errors; the Slurm script quotes what sbatch would split, refuses a Slurm flag's value that would break it,
+and --submit names sbatch's refusal, or the package that brings a missing sbatch."""
 from __future__ import annotations
 
 import errno
@@ -254,7 +255,7 @@ def test_the_slurm_script_quotes_a_grid_name_with_a_space(tmp_path, capsys):
     assert main(["--name", "my grid", "--run-dir", str(tmp_path / "50%"), "--axis", "seed=1,2", "--print-slurm",
                  "--", "--device", "cpu"]) == 0
     lines = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in capsys.readouterr().out.splitlines()
-             if line.startswith("#SBATCH --")}
+             if line.startswith("#SBATCH --") and "=" in line}
     assert shlex.split(lines["#SBATCH --job-name"]) == ["grid-my grid"]  # sbatch reads quotes as the shell does
     assert shlex.split(lines["#SBATCH --output"]) == [f"{tmp_path}/50%%/my grid/logs/slurm-%A_%a.log"]
 
@@ -361,3 +362,87 @@ def test_grid_status_into_a_closed_pipe_is_one_true_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr == ("error: could not write to the output: the pipe it goes to was closed (a reader such as "
                              "`| head` ended before the tool did); let the output go to a terminal or a file\n")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--slurm-account", "lab\n#SBATCH --array=0-9999", "--slurm-account 'lab\\n#SBATCH --array=0-9999': '\\n' would "
+     "break the #SBATCH line"),
+    ("--slurm-partition", 'gpu" --qos="high', "--slurm-partition 'gpu\" --qos=\"high': '\"' would break the #SBATCH"),
+    ("--slurm-qos", "high prio", "--slurm-qos 'high prio': ' ' would break the #SBATCH line"),
+    ("--slurm-option", "--comment=x#SBATCH", "--slurm-option '--comment=x#SBATCH': '#' would break the #SBATCH line"),
+    ("--slurm-option", "--array=0-3", "--slurm-option --array=0-3: the grid's script sets --array itself"),
+    ("--slurm-option", "constraint=h100", "--slurm-option constraint=h100: give one long sbatch option with its value"),
+    ("--slurm-partition", "--qos=high", "--slurm-partition --qos=high: a value, not an option"),
+    ("--slurm-time", "2h", "--slurm-time 2h: give a time limit as sbatch reads it"),
+    ("--slurm-stop-before", "0", "--slurm-stop-before 0: seconds before the time limit, at least 1"),
+])
+def test_a_slurm_flag_whose_value_would_break_the_script_is_refused_naming_it(tmp_path, capsys, flag, value,
+                                                                                message):
+    for command in ("--print-slurm", "--submit"):
+        assert main(["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1,2", command, f"{flag}={value}",
+                     "--", "--device", "cpu"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured.err
+    assert not (tmp_path / "g").exists()  # refused before anything is written
+
+
+def test_a_slurm_flag_without_a_slurm_script_is_refused(tmp_path, capsys):
+    assert main(["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--slurm-time", "1:00:00"]) == 2
+    assert "error: --slurm-time: a flag of the Slurm script; give it with --print-slurm or --submit\n" == \
+        capsys.readouterr().err
+
+
+def fake_sbatch(tmp_path: Path, monkeypatch) -> Path:
+    """An sbatch first on PATH that records its arguments (one call a line in the returned file), answers job ids
+    from 101 on as `sbatch --parsable` does, and refuses the partition `nope` as Slurm's sbatch does."""
+    folder, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    folder.mkdir()
+    (folder / "sbatch").write_text(f"""#!/bin/bash
+echo "$*" >> {calls}
+if grep -q -- '--partition=nope' "${{@: -1}}"; then
+    echo "sbatch: error: invalid partition specified: nope" >&2
+    echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2
+    exit 1
+fi
+echo "$((100 + $(wc -l < {calls})));cluster"
+""")
+    (folder / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+def test_submit_sends_the_array_then_its_report_as_a_job_that_waits_for_it(tmp_path, capsys, monkeypatch):
+    calls = fake_sbatch(tmp_path, monkeypatch)
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--submit", "--slurm-account", "lab",
+            "--quick", "--", "--device", "cpu"]
+    assert main(args) == 0
+    directory = tmp_path / "g"
+    out = capsys.readouterr().out
+    assert "2 runs submitted as Slurm array job 101" in out and "the report runs when it has ended, as job 102" in out
+    assert calls.read_text().splitlines() == [f"--parsable {directory / 'grid.sbatch'}",
+                                              f"--parsable --dependency=afterany:101 {directory / 'report.sbatch'}"]
+    report = (directory / "report.sbatch").read_text()
+    assert "#SBATCH --account=lab" in report and "#SBATCH --gpus-per-task" not in report
+    assert f"-m grid report {directory} --quick" in report
+    assert subprocess.run(["bash", "-n", str(directory / "report.sbatch")]).returncode == 0
+    assert Journal(directory).records()[-1] | {"time": None} == {"time": None, "event": "submitted", "array": "101",
+                                                                 "report": "102"}
+
+    assert main([*args[:6], "--no-report", *args[6:]]) == 0  # the array alone
+    assert calls.read_text().splitlines()[2:] == [f"--parsable {directory / 'grid.sbatch'}"]
+    assert "as job 104" not in capsys.readouterr().out
+
+
+def test_submit_names_sbatchs_refusal_and_a_missing_sbatch_names_the_package(tmp_path, capsys, monkeypatch):
+    fake_sbatch(tmp_path, monkeypatch)
+    args = ["--name", "g", "--run-dir", str(tmp_path), "--axis", "seed=1", "--submit", "--", "--device", "cpu"]
+    assert main([*args[:6], "--slurm-partition", "nope", *args[6:]]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]  # after the line on preparing the default data
+    assert error.startswith(f"error: sbatch {tmp_path / 'g' / 'grid.sbatch'} refused it (exit 1): sbatch: error: "
+                            "Batch job submission failed: Invalid partition name specified"), error
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert main([*args[:2], "--run-dir", str(tmp_path / "other"), *args[4:]]) == 2
+    assert capsys.readouterr().err == ("error: --submit: sbatch is not on PATH here: submit from a machine of the "
+                                       "Slurm cluster, or install Slurm's client commands (Debian and Ubuntu: "
+                                       "apt-get install slurm-client)\n")
+    assert not (tmp_path / "other").exists()
