@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval import compare, scorecard
+from eval import compare, paper_data, scorecard
 from fileio import atomic_write
 from grid.execute import Slot, output_tail
 from grid.plan import TRAIN_SCRIPT
@@ -78,7 +78,7 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     try:
         scorecard.write_scorecard(run_dirs, directory, source=f"the {len(run_dirs)} finished runs of the grid in "
                                   f"{directory}", only_if_matched=True)
-    except scorecard.PublishedDataError as exc:  # named with the other failures below, on one line
+    except paper_data.PublishedDataError as exc:  # named with the other failures below, on one line
         failures.append(f"scorecard: {exc}")
     if failed:
         page = directory / "compare.md"
