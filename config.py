@@ -39,6 +39,7 @@ PAPER_RUN: dict[str, object] = {
     "activation": "prelu", "seq_len": 512, "batch_tokens": 4096, "micro_batch": 8, "steps": 122070,
     "lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0,
     "initial_velocity_std": 0.1,  # SGDM only: the paper's SGDM runs start with a random velocity (Table 1)
+    "std_v_min": 0.05, "std_v_max": 0.05,  # σ_V: the published code's (the paper scanned 0.02 and 0.05)
 }
 PRESETS: dict[str, dict[str, object]] = {
     "gpt2-124m": PAPER_RUN,

@@ -43,8 +43,9 @@ class Scenario:
 
 def group(cell) -> str:
     """Which share a cell counts toward: claims or levels, of the pooled seeds (Mean rows) or of one seed."""
-    kind = "Δ" if cell.claim else "levels"
-    return f"{kind}, {'one seed' if len(cell.seeds) == 1 else 'mean over seeds' if cell.statistic == 'mean' else 'least of the seeds'}"
+    seeds = ("one seed" if len(cell.seeds) == 1 else "mean over seeds" if cell.statistic == "mean"
+             else "least of the seeds")
+    return f"{'Δ' if cell.claim else 'levels'}, {seeds}"
 
 
 GELU = {"g-sym": (3.167, 0.023)}  # Table 23: the symmetric GELU seeds' mean and sd (3.185, 3.141, 3.176)

@@ -299,11 +299,11 @@ def compare_runs(run_dirs: list[Path], out: Path, suite: str | None = None, alig
     for key, statistic in STATISTICS.items():
         sections += [f"## {statistic.label.capitalize()} (optimizer × attention biases)", "",
                      pivot_markdown(tables[key], ".4f", "not in log.jsonl"), "",
-                     f"The {statistic.label}: {statistic.meaning}, from log.jsonl. Mean ± sample std over the seeds of "
-                     "a cell, n when more than one (the runs of one seed are one sample: their mean). Δ: a column's "
-                     "mean minus the symmetric column's (negative: lower loss with the biases) ± its standard error: "
-                     "paired by seed when both cells hold the same seeds (the per-seed differences' std / √n), else "
-                     "unpaired (√(s₁²/n₁ + s₀²/n₀)); none below two seeds.", ""]
+                     f"The {statistic.label}: {statistic.meaning}, from log.jsonl. Mean ± sample std over the seeds "
+                     "of a cell, n when more than one (the runs of one seed are one sample: their mean). Δ: a "
+                     "column's mean minus the symmetric column's (negative: lower loss with the biases) ± its standard "
+                     "error: paired by seed when both cells hold the same seeds (the per-seed differences' std / √n), "
+                     "else unpaired (√(s₁²/n₁ + s₀²/n₀)); none below two seeds.", ""]
     sections += data_lines(rows)
     if not rows:
         sections = ["No finished run to compare (the runs below did not finish).", ""]

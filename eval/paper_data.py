@@ -215,17 +215,19 @@ def _spread(where: str, value: object) -> Spread:
 
 
 def _parse(path: Path, data: dict) -> Published:
+    resolution = _per_metric(data, "resolution", _resolution)
+    spread = _per_metric(data, "spread", _spread)
     unknown = sorted(set(data) - {"resolution", "spread", "table"})
     if unknown:
         raise _Damage(f"unknown top-level keys {', '.join(unknown)} (the file holds [resolution], [spread] and "
                       "[[table]] entries)")
-    resolution = _per_metric(data, "resolution", _resolution)
-    spread = _per_metric(data, "spread", _spread)
     if not isinstance(data.get("table"), list) or not data["table"]:
         raise _Damage("no [[table]] entries")
     fields, captions, cells, seen = config_fields(), {}, [], set()
     for index, table in enumerate(data["table"], 1):
-        table = _entry(f"[[table]] number {index}", table, TABLE_KEYS, TABLE_REQUIRED)
+        named = isinstance(table, dict) and isinstance(table.get("table"), str)
+        table = _entry(f"table {table['table']}" if named else f"[[table]] number {index}", table, TABLE_KEYS,
+                       TABLE_REQUIRED)
         name = table["table"]
         where = f"table {name}"
         if name in captions:

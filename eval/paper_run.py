@@ -139,7 +139,8 @@ def paper_differences(config: dict, log: list[dict]) -> list[str]:
             problems.append(f"data: {'trained' if split == 'train' else 'validated'} on {where} "
                             f"(fingerprint {data.get('fingerprint', 'not recorded')}), not FineWeb-Edu")
     model, train = config.get("model", {}), config.get("train", {})
-    consumed, held = (train.get("steps") or 0) * (train.get("batch_tokens") or 0), (data.get("train") or {}).get("tokens")
+    consumed = (train.get("steps") or 0) * (train.get("batch_tokens") or 0)
+    held = (data.get("train") or {}).get("tokens")
     if held and consumed > held:
         problems.append(f"tokens: the run trains on {consumed:,} tokens, {consumed / held:.2g} times the {held:,} its "
                         "training data holds (the loader wraps around: more than one epoch; the paper's runs read "

@@ -517,7 +517,8 @@ def write_scorecard(run_dirs: list[Path], out: Path, published: Published | None
         {**{k: v for k, v in dataclasses.asdict(r).items() if k != "cell"}, "table": r.cell.table,
          "row": r.cell.row, "column": r.cell.column, "metric": r.cell.metric, "published": r.cell.value,
          "published_std": r.cell.std, "seeds": r.cell.seeds, "source": r.cell.source} for r in results],
-        "left_out": [{"run": r.path.name, "outcome": r.outcome, "why": r.why} for r in runs if r.outcome != "finished"]})
+        "left_out": [{"run": r.path.name, "outcome": r.outcome, "why": r.why} for r in runs
+                     if r.outcome != "finished"]})
     atomic_write(out / "scorecard.md", text.encode())
     counts = Counter(r.verdict for r in results)
     print(f"scorecard: {', '.join(f'{counts[v]} {v}' for v in VERDICTS if counts[v])}; wrote {out / 'scorecard.md'}")

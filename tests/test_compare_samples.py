@@ -169,3 +169,16 @@ def test_one_name_per_statistic_on_every_page(tmp_path):
     assert (summary["best_val_loss"], summary["least_val_loss"]) == (9.3656, 9.3195)
     assert paper_run.METRICS["best_val_loss"].label == "best validation loss"
     assert paper_run.METRICS["best_val_loss"].read(paper_run.Run.read(run)) == 9.3656
+
+
+def test_the_grids_report_leaves_out_its_unfinished_runs_and_says_why(tmp_path, monkeypatch):
+    from grid import report
+
+    runs = [write_run(tmp_path / "g", "a", "none", 1, 10.0), write_run(tmp_path / "g", "b", "none", 2, 10.4)]
+    write_run(tmp_path / "g", "cut", "none", 3, 9.0, finished=False)
+    monkeypatch.setattr(report, "report_runs", lambda *args: ([], False))  # the runs' own reports: not needed here
+    assert report.report_grid(tmp_path / "g", runs, [], ["cut", "refused"], []) == 0
+    page = (tmp_path / "g" / "compare.md").read_text()
+    assert pivot_rows(tmp_path / "g")["adamw"][0] == "10.2000 ± 0.2828 (n = 2)"
+    assert "- cut: did not finish (step 5 of 10" in page
+    assert "Runs of the grid that never started (no config.json): `refused`" in page

@@ -85,10 +85,14 @@ def test_each_grids_runs_carry_its_tables_configuration(grid):
             (PAPER_TOKENS, 4096, 512)
         assert (train["lr_schedule"], train["warmup_steps"], train["grad_clip"]) == ("constant", 0, 0.0)
         assert (model["mean_q"], model["std_q_min"], model["std_q_max"]) == (0.5, 0.05, 0.15)
+        assert (model["std_v_min"], model["std_v_max"]) == (0.05, 0.05)  # the published code's σ_V
+        assert train["val_biases"] == "last-sample" and train["val_every"] == 1000  # the published validation
         assert {k: optim[k] for k in TABLE9[train["optimizer"]]} == TABLE9[train["optimizer"]]
-        if train["optimizer"] == "sgdm":  # Table 1: a random initial velocity; its control: at rest
+        if train["optimizer"] == "sgdm":  # Table 1: a random initial velocity, drawn per seed; its control: at rest
             assert optim["initial_velocity_std"] == (0.0 if grid.stem == "table1-sgdm-at-rest" else 0.1)
+            assert optim["optim_seed"] == train["seed"]
         assert paper_run.paper_differences({**c, "data": FINEWEB}, [{"summary": True, "step": train["steps"]}]) == []
+        assert paper_run.metric_problem("best_val_loss", paper_run.Run(Path("run"), c, [])) is None
 
 
 FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",

@@ -25,9 +25,10 @@ def data_record(kind: str) -> dict:
     contents; 800M training tokens, as `python -m data.fineweb_edu --chunks 8` downloads) or of the embedded
     corpus."""
     prefix = {"fineweb": "finewebedu", "fineweb-copy": "finewebedu", "embedded": "embedded"}[kind]
-    split = {name: {"given": "", "pattern": f"/data/{prefix}_{name}_*.bin", "tokens": 100_000_000 * (1 + 7 * (name == "train")),
+    files = {"train": range(1, 9), "val": (0,)}
+    split = {name: {"given": "", "pattern": f"/data/{prefix}_{name}_*.bin", "tokens": 100_000_000 * len(files[name]),
                     "files": [{"path": f"/data/{prefix}_{name}_00000{i}.bin", "tokens": 100_000_000,
-                               "sha256": kind[0] * 64} for i in ((0,) if name == "val" else range(1, 9))]}
+                               "sha256": kind[0] * 64} for i in files[name]]}
              for name in ("train", "val")}
     return {**split, "fingerprint": {"fineweb": "f" * 16, "fineweb-copy": "c" * 16, "embedded": "e" * 16}[kind]}
 
@@ -108,8 +109,8 @@ def test_per_seed_cells_take_the_per_seed_spread_and_a_lone_seed_the_papers_std(
 
 
 def test_a_claim_needs_the_published_sign_and_an_interval_that_excludes_zero(tmp_path):
-    """Table 2's Mean Δ (−0.49 ± 0.09) against per-seed Δs of +0.5, −0.5, +0.5, −0.5 (ours 0.00): inconclusive, with
-    the seeds that would decide it; the GELU Mean Δ (−0.03 ± 0.018) against 0.00 ± 0.02: inconclusive."""
+    """Table 2's Mean Δ (−0.49 ± 0.09) against per-seed Δs of +0.5, −0.5, +0.5, −0.5 (ours 0.00): inconclusive,
+    with the seeds that would decide it; the GELU Mean Δ (−0.03 ± 0.018) against 0.00 ± 0.02: inconclusive."""
     flipped = {f"bqbv_{s}": TABLE2["none"][s] + (0.5 if i % 2 == 0 else -0.5) for i, s in enumerate(TABLE2["none"])}
     found = results(table2_runs(tmp_path / "t2", **flipped))
     claim = found["2", "Mean", "Δ"]
@@ -137,8 +138,9 @@ def test_a_significant_delta_of_the_other_sign_is_reversed(tmp_path):
 def test_table_1s_delta_is_not_reproduced_by_the_opposite_sign(tmp_path):
     """Table 1's ECD Δ (−0.58, the least of two seeds less the least of two) against ours +0.35 with a wide per-seed
     spread: not reproduced."""
-    runs = [finished_run(tmp_path, f"{b}-{s}", "ecd", b, s, v, mean_v=0.0)
-            for b, values in (("none", {42: 3.60, 123: 4.60}), ("bqbv", {42: 4.60, 123: 3.95})) for s, v in values.items()]
+    sides = {"none": {42: 3.60, 123: 4.60}, "bqbv": {42: 4.60, 123: 3.95}}
+    runs = [finished_run(tmp_path, f"{b}-{s}", "ecd", b, s, v, mean_v=0.0) for b, values in sides.items()
+            for s, v in values.items()]
     claim = results(runs)["1", "ECD", "Δ"]
     assert claim.ours == pytest.approx(0.35) and claim.verdict in ("inconclusive", "differs")
 
