@@ -135,6 +135,26 @@ def test_the_dry_run_prints_every_run_and_the_expected_wall_time(tmp_path, capsy
     assert f"expected wall time: {format_duration(seconds)} (8 runs on 7 GPU slots" in capsys.readouterr().out
 
 
+def test_the_dry_run_prints_what_each_claim_of_the_grid_can_decide(tmp_path, capsys):
+    """Per claim the grid's runs feed: the seeds it gives, the power at the paper's spread, the seeds for 80%."""
+    from eval import verdicts
+
+    args = ["--grid", str(ROOT / "grids" / "table2.toml"), "--run-dir", str(tmp_path), "--dry-run"]
+    assert grid_main(args) == 0
+    out = capsys.readouterr().out
+    power = verdicts.power(-0.49, 0.09 / 2, 3)  # Table 2's Δ: four seeds at its Std 0.09
+    assert (f"  Table 2, Mean, Δ: -0.49 at spread 0.09 (the paper's Std over 4 seeds): 4 seeds here, power "
+            f"{100 * power:.0f}%; {verdicts.seeds_to_decide(-0.49, 0.09)} seeds give 80%") in out
+    per_seed = verdicts.power(-0.41, 0.09, 3)  # one seed's Δ at the same spread
+    assert f"  Table 10, 789, Δ Val Loss: -0.41 at spread 0.09 (the paper's Std over 4 seeds): 1 seed here, power " \
+           f"{100 * per_seed:.0f}%" in out
+    assert "GELU" not in out  # grids/table23.toml's claims: not these runs'
+    assert grid_main(["--grid", str(ROOT / "grids" / "table23.toml"), "--run-dir", str(tmp_path), "--dry-run"]) == 0
+    gelu = verdicts.power(-0.03, 0.018 / 3 ** 0.5, 2)  # the GELU Δ, three seeds at its Std 0.018
+    assert (f"  Table 23, Mean, GELU Δ: -0.03 at spread 0.018 (the paper's Std over 3 seeds): 3 seeds here, power "
+            f"{100 * gelu:.0f}%; {verdicts.seeds_to_decide(-0.03, 0.018)} seeds give 80%") in capsys.readouterr().out
+
+
 def test_before_any_run_measured_the_wall_time_comes_from_the_gpu_table_for_this_gpu(tmp_path, capsys, monkeypatch):
     gpu, speed = "NVIDIA H100 80GB HBM3", 300_000.0  # the GPU's tokens/s with two ECD runs sharing it
     row = {"gpu": gpu, "preset": "gpt2-124m", "optimizer": "ecd", "batch_tokens": 4096, "compile_mode": "default",
