@@ -33,6 +33,8 @@ TABLES = {
     "table2": {("ecd", b, s, 0.5 if b == "bqbv" else None, "prelu") for b in ("none", "bqbv")
                for s in (42, 83, 123, 789)},
     "table14": {(o, "bq", 42, None, "prelu") for o in ("ecd", "sgdm", "adamw", "soap")},
+    "table16": {(o, b, 789, 0.5 if b == "bqbv" else None, "prelu") for o in ("sgdm", "adamw", "soap")
+                for b in ("none", "bqbv")},
     "table21": {(o, b, 42, 0.5, "prelu") for o in ("ecd", "sgdm", "adamw", "soap") for b in ("bqbv", "learned")},
     "table23": {("ecd", b, s, 0.0 if b == "bqbv" else None, "gelu") for b in ("none", "bq", "bqbv")
                 for s in (42, 83, 789)},
