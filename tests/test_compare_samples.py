@@ -141,11 +141,11 @@ def test_a_symmetric_run_is_the_baseline_of_every_bias_setting_of_its_condition(
             write_run(tmp_path, "v00", "bqbv", 1, 9.5, flags=("--mean-v", "0")),
             write_run(tmp_path, "v05", "bqbv", 1, 9.0, flags=("--mean-v", "0.5"))]
     result = compare.main([*map(str, runs), "--out", str(tmp_path / "cmp")])
+    assert {r["run"]: r["baseline"] for r in result["runs"]} == {"sym": None, "v00": "sym", "v05": "sym"}
     table = result["pivots"]["least_val_loss"]
     assert table["columns"] == ["none", "bqbv, mean-v 0.0", "bqbv, mean-v 0.5"] and len(table["rows"]) == 1
     cells = table["rows"][0]["cells"]
     assert [cells[c]["delta"]["delta"] for c in table["columns"][1:]] == pytest.approx([-0.5, -1.0])
-    assert {r["run"]: r["baseline"] for r in result["runs"]} == {"sym": None, "v00": "sym", "v05": "sym"}
 
 
 def test_one_name_per_statistic_on_every_page(tmp_path):
