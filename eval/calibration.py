@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -139,17 +140,14 @@ def _config(selector: dict, seed: int) -> dict:
     return config
 
 
-_PRESETS: dict[tuple[str, str], dict] = {}
-
-
+@functools.cache
 def _preset_config(preset: str, optimizer: str) -> dict:
-    if (preset, optimizer) not in _PRESETS:
-        config = train_gpt.parse_config(["--preset", preset, "--optimizer", optimizer]).to_dict()
-        data = {split: {"pattern": f"/data/finewebedu_{split}_*.bin", "tokens": 800_000_000,
-                        "files": [{"path": f"/data/finewebedu_{split}_{i:06d}.bin", "tokens": 100_000_000}
-                                  for i in range(1, 9)]} for split in ("train", "val")}
-        _PRESETS[preset, optimizer] = {**config, "data": {**data, "fingerprint": "f" * 16}}
-    return _PRESETS[preset, optimizer]
+    """config.json of `preset` with `optimizer` on FineWeb-Edu (callers copy it before changing it)."""
+    config = train_gpt.parse_config(["--preset", preset, "--optimizer", optimizer]).to_dict()
+    data = {split: {"pattern": f"/data/finewebedu_{split}_*.bin", "tokens": 800_000_000,
+                    "files": [{"path": f"/data/finewebedu_{split}_{i:06d}.bin", "tokens": 100_000_000}
+                              for i in range(1, 9)]} for split in ("train", "val")}
+    return {**config, "data": {**data, "fingerprint": "f" * 16}}
 
 
 def table(scenarios: list[Scenario], draws: int, seed: int = 0) -> str:

@@ -144,10 +144,12 @@ def add_baselines(rows: list[dict]) -> None:
         row["delta_top5"] = 100 * (row["top5"] - base["top5"]) if has_both else None
 
 
-def column_title(column: str) -> str:
-    """A pivot column's heading: the bias mode's words, then the settings that set the column apart."""
+def column_title(column: str, short: bool = False) -> str:
+    """A pivot column's heading: the bias mode's words (`short`: without the flag value), then the settings that set
+    the column apart."""
     mode, _, rest = column.partition(", ")
-    return BIAS_WORDS.get(mode, mode) + (f", {rest}" if rest else "")
+    words = BIAS_WORDS.get(mode, mode)
+    return (words.split(" (")[0] if short else words) + (f", {rest}" if rest else "")
 
 
 def pivot(rows: list[dict], metric: str, scale: float = 1.0) -> dict:
@@ -182,7 +184,7 @@ def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
     modes = table["columns"]
     header = ["optimizer and settings"]
     for mode in modes:
-        header += [column_title(mode)] + ([f"Δ {column_title(mode).split(' (')[0]}"]
+        header += [column_title(mode)] + ([f"Δ {column_title(mode, short=True)}"]
                                           if mode != "none" and "none" in modes else [])
     body = []
     for row in table["rows"]:

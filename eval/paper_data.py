@@ -73,9 +73,14 @@ class Cell:
 
     @property
     def series(self) -> str:
-        """The configuration and metric the cell measures, whatever its seeds: cells with one series (Table 2's
-        per-seed rows and its Mean row, Table 23's PReLU columns) describe one per-seed distribution."""
-        return json.dumps([self.metric, self.runs, self.baseline], sort_keys=True)
+        """The configuration and metric the cell measures, whatever its seeds (series_key)."""
+        return series_key(self.metric, self.runs, self.baseline)
+
+
+def series_key(metric: str, runs: list[dict], baseline: dict | None = None) -> str:
+    """A configuration (its selectors, and a Δ's baseline) and a metric, whatever the seeds: the cells of one series
+    (Table 2's per-seed rows and its Mean row, Table 23's PReLU columns) describe one per-seed distribution."""
+    return json.dumps([metric, runs, baseline], sort_keys=True)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What the paper's run is and how far a run is from it (docs/reproduce.md#what-reproduced-means): a run directory
-as the scorecard reads it, the numbers the paper reports as a run keeps them (its metrics), the settings the runs of
-one published cell must share, and each way a run differs from the paper's run of Silverstein, Kunin and Shyam
-(arXiv:2601.22257): data, tokens, model, precision, configuration, validation."""
+as the scorecard reads it (with its cell's settings and whether it finished: eval.samples), the numbers the paper
+reports as a run keeps them (its metrics), and each way a run differs from the paper's run of Silverstein, Kunin and
+Shyam (arXiv:2601.22257): data, tokens, model, precision, configuration (on --resume too), validation."""
 from __future__ import annotations
 
 import dataclasses

@@ -23,14 +23,14 @@ from pathlib import Path
 
 from eval import verdicts
 from eval.common import markdown_table, write_json
-from eval.paper_data import Cell, Published, load_published
+from eval.paper_data import Cell, Published, load_published, series_key
 from eval.paper_run import METRICS, Run, matches, metric_problem
-from eval.samples import BIAS_SETTINGS, disagreeing_seeds, per_seed
+from eval.samples import BIAS_SETTINGS, data_identity, disagreeing_seeds, per_seed
 from eval.verdicts import Estimate, Spread
 from fileio import atomic_write
 
 VERDICTS = ("reproduced", "inconclusive", "differs", "diverged", "not comparable", "not evaluated", "no run")
-CELL_REASONS = ("mixed", "not evaluated", "no value", "validation", "left out", "seed", "diverged")  # not a run's
+CELL_REASONS = ("mixed", "not evaluated", "no value", "validation", "left out", "diverged")  # not a run's
 
 
 @dataclass
@@ -169,7 +169,7 @@ class Context:
 
     def level_spreads(self, metric: str, selectors: list[dict]) -> tuple[Spread, Spread]:
         """The spreads of the level of `selectors` (one side of a Δ), over the seeds of its series."""
-        series = Cell("", "", "", metric, 0.0, [], "mean", selectors, "", []).series
+        series = series_key(metric, selectors)
         return self.spreads(series, list(self.values(metric, selectors, series).values()), metric, False)
 
     def resolution(self, cell: Cell) -> float:
@@ -249,15 +249,17 @@ def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context
         offset = sign * ((e_t - e_p) * t_ours.sd - (e_b - e_p) * b_ours.sd)
         terms = [(v_t * t_ours.sd ** 2, t_ours.df), (v_b * b_ours.sd ** 2, b_ours.df)]
         paper_terms = [(v_p * t_paper.sd ** 2, t_paper.df), (v_p * b_paper.sd ** 2, b_paper.df)]
-    else:  # unpaired: the seeds of the two sides differ
+    else:  # unpaired: the seeds of the two sides differ; the paper's Δ is paired, its Std that of its per-seed Δs
         value, offset = statistics.fmean(treatment.values()) - statistics.fmean(baseline.values()), 0.0
         terms = [(t_ours.sd ** 2 / n_t, t_ours.df), (b_ours.sd ** 2 / n_b, b_ours.df)]
-        paper_terms = [(t_paper.sd ** 2 / n_paper, t_paper.df), (b_paper.sd ** 2 / n_paper, b_paper.df)]
+        std = context.series_std.get(cell.series)
+        paper_terms = ([(std[0] ** 2 / n_paper, std[1] - 1)] if std else
+                       [(t_paper.sd ** 2 / n_paper, t_paper.df), (b_paper.sd ** 2 / n_paper, b_paper.df)])
     ours_var, paper_var = sum(v for v, _ in terms), sum(v for v, _ in paper_terms)
     df = verdicts.welch_df(terms)
     n = min(n_t, n_b)
     spread = Spread(math.sqrt(ours_var * n), df, "each side's own spread (unpaired)")
-    gap_df = verdicts.welch_df(terms + paper_terms) if (t_paper, b_paper) != (t_ours, b_ours) else df
+    gap_df = verdicts.welch_df(terms + paper_terms) if (t_paper is not t_ours or b_paper is not b_ours or std) else df
     return Measured(Estimate(value, math.sqrt(ours_var + null_var), df),
                     Estimate(value - cell.value - offset, math.sqrt(ours_var + paper_var), gap_df), spread, n, deltas,
                     False, null, notes)
@@ -300,7 +302,7 @@ def judge(cell: Cell, context: Context) -> Result:
     if diverged:
         return Result(cell, "diverged", [f"diverged: {r.path.name} {r.why}" for r in diverged] + left, runs=names)
     problems = [p for s in sides for p in s.problems]
-    if len({json.dumps({k: r.settings.get(k) for k in ("data", "val-tokens", "val-biases")}) for r in used}) > 1:
+    if len({json.dumps(data_identity(r.config)) for r in used}) > 1:
         problems.append("mixed: the runs of this cell were trained or validated on different data or validation "
                         "budgets (never averaged)")
     reasons = sorted({p for r in used for p in r.problems + [metric_problem(cell.metric, r)] if p})

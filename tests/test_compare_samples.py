@@ -146,6 +146,8 @@ def test_a_symmetric_run_is_the_baseline_of_every_bias_setting_of_its_condition(
     assert table["columns"] == ["none", "bqbv, mean-v 0.0", "bqbv, mean-v 0.5"] and len(table["rows"]) == 1
     cells = table["rows"][0]["cells"]
     assert [cells[c]["delta"]["delta"] for c in table["columns"][1:]] == pytest.approx([-0.5, -1.0])
+    header = (tmp_path / "cmp" / "compare.md").read_text().split("## Least validation loss", 1)[1].split("\n")[2]
+    assert "| b_Q + b_V (bqbv), mean-v 0.0 | Δ b_Q + b_V, mean-v 0.0 |" in header and "Δ b_Q + b_V, mean-v 0.5" in header
 
 
 def test_one_name_per_statistic_on_every_page(tmp_path):
