@@ -240,7 +240,7 @@ def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context
                         _gap(value - cell.value, ours, paper, ours_var, paper_var), ours, n, deltas, True, null, notes)
     (t_ours, t_paper), (b_ours, b_paper) = (context.level_spreads(cell.metric, cell.runs),
                                             context.level_spreads(cell.metric, [cell.baseline]))
-    n_t, n_b = len(treatment), len(baseline)
+    n_t, n_b, std = len(treatment), len(baseline), context.series_std.get(cell.series)
     if least:  # the least of each side's seeds (Table 1's Δ)
         (e_t, v_t), (e_b, v_b), (e_p, v_p) = (verdicts.least_of(n_t), verdicts.least_of(n_b),
                                               verdicts.least_of(n_paper))
@@ -252,14 +252,14 @@ def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context
     else:  # unpaired: the seeds of the two sides differ; the paper's Δ is paired, its Std that of its per-seed Δs
         value, offset = statistics.fmean(treatment.values()) - statistics.fmean(baseline.values()), 0.0
         terms = [(t_ours.sd ** 2 / n_t, t_ours.df), (b_ours.sd ** 2 / n_b, b_ours.df)]
-        std = context.series_std.get(cell.series)
         paper_terms = ([(std[0] ** 2 / n_paper, std[1] - 1)] if std else
                        [(t_paper.sd ** 2 / n_paper, t_paper.df), (b_paper.sd ** 2 / n_paper, b_paper.df)])
     ours_var, paper_var = sum(v for v, _ in terms), sum(v for v, _ in paper_terms)
     df = verdicts.welch_df(terms)
     n = min(n_t, n_b)
     spread = Spread(math.sqrt(ours_var * n), df, "each side's own spread (unpaired)")
-    gap_df = verdicts.welch_df(terms + paper_terms) if (t_paper is not t_ours or b_paper is not b_ours or std) else df
+    shared = t_paper is t_ours and b_paper is b_ours and not (std and not least)  # the paper's side is ours
+    gap_df = df if shared else verdicts.welch_df(terms + paper_terms)
     return Measured(Estimate(value, math.sqrt(ours_var + null_var), df),
                     Estimate(value - cell.value - offset, math.sqrt(ours_var + paper_var), gap_df), spread, n, deltas,
                     False, null, notes)

@@ -145,6 +145,20 @@ def test_table_1s_delta_is_not_reproduced_by_the_opposite_sign(tmp_path):
     assert claim.ours == pytest.approx(0.35) and claim.verdict in ("inconclusive", "differs")
 
 
+def test_the_least_of_each_side_without_a_published_spread_takes_each_sides_own(tmp_path):
+    """Table 1's SGDM Δ (the least of two seeds less the least of two; no Std anywhere in the paper for SGDM): ours
+    with each side's spread over our seeds and Welch's degrees of freedom, the paper's side the same."""
+    sides = {"none": {42: 3.84, 123: 3.90}, "bqbv": {42: 3.67, 123: 3.70}}
+    runs = [finished_run(tmp_path, f"{b}-{s}", "sgdm", b, s, v, mean_v=0.0) for b, values in sides.items()
+            for s, v in values.items()]
+    claim = results(runs)["1", "SGDM", "Δ"]
+    variance = verdicts.least_of(2)[1]
+    terms = [(variance * statistics.variance(values.values()), 1) for values in sides.values()]
+    assert claim.ours == pytest.approx(3.67 - 3.84) and claim.se == pytest.approx(math.sqrt(sum(v for v, _ in terms)))
+    assert claim.df == pytest.approx(verdicts.welch_df(terms))
+    assert claim.half_width == pytest.approx(verdicts.quantile(verdicts.welch_df(terms)) * math.sqrt(2) * claim.se)
+
+
 def test_an_unpaired_delta_uses_its_own_standard_error(tmp_path):
     """Table 2's Mean Δ with seed 42's b_Q + b_V run missing: the sides hold other seeds, so ours is unpaired, its
     error from each side's own spread; a Δ of −0.30 known to ±0.01 differs from −0.49 ± 0.09 (the paper's error
