@@ -181,16 +181,16 @@ def pivot(rows: list[dict], metric: str, scale: float = 1.0) -> dict:
 def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
     """A pivot as Markdown: a column per bias mode and settings (mean ± std, n when more than one seed, and a seed
     that more than one run has) and a Δ column after each but the symmetric one (± its standard error)."""
-    modes = table["columns"]
+    columns = table["columns"]
     header = ["optimizer and settings"]
-    for mode in modes:
-        header += [column_title(mode)] + ([f"Δ {column_title(mode, short=True)}"]
-                                          if mode != "none" and "none" in modes else [])
+    for column in columns:
+        header += [column_title(column)] + ([f"Δ {column_title(column, short=True)}"]
+                                            if column != "none" and "none" in columns else [])
     body = []
     for row in table["rows"]:
         line = [row["condition"]]
-        for mode in modes:
-            cell = row["cells"][mode]
+        for column in columns:
+            cell = row["cells"][column]
             if cell["mean"] is None:
                 text = missing if cell["runs"] else "no run"
             else:
@@ -199,7 +199,7 @@ def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
                 notes += [f"seed {seed} more than once: one sample" for seed in cell["repeated_seeds"]]
                 text += f" ({'; '.join(notes)})" if notes else ""
             line.append(text)
-            if mode != "none" and "none" in modes:
+            if column != "none" and "none" in columns:
                 line.append(Difference(**cell["delta"]).text(fmt) if cell["delta"] else "-")
         body.append(line)
     return markdown_table(header, body)
