@@ -41,6 +41,7 @@ PAPER_RUN: dict[str, object] = {
     "activation": "prelu", "seq_len": 512, "batch_tokens": 4096, "micro_batch": 8, "steps": 122070,
     "lr_schedule": "constant", "warmup_steps": 0, "grad_clip": 0.0,
     "initial_velocity_std": 0.1,  # SGDM only: the paper's SGDM runs start with a random velocity (Table 1)
+    "std_v_min": 0.05, "std_v_max": 0.05,  # σ_V: the published code's (the paper scanned 0.02 and 0.05)
 }
 PRESETS: dict[str, dict[str, object]] = {
     "gpt2-124m": PAPER_RUN,
@@ -72,9 +73,10 @@ SOURCE_CONFLICTS = {
             "(--initial-velocity-std 0 for the PReLU script's)",
 }
 VALIDATION_PROTOCOL_NOTE = ("validation protocol: the published runs report the best validation loss as the minimum "
-                            "over single-batch estimates (logged here as val_loss_batch and best_val_loss_batch "
-                            "with --val-batch-estimate); val_loss is the mean loss over the same fixed "
-                            "--val-tokens budget each time (docs/evaluation.md#validation-loss)")
+                            "over single-batch estimates with the last sampled biases (logged here as val_loss_batch "
+                            "and best_val_loss_batch with --val-batch-estimate, at the biases --val-biases names); "
+                            "val_loss is the mean loss over the same fixed --val-tokens budget each time, at the mean "
+                            "biases (docs/evaluation.md#validation-loss)")
 PRECISION_NOTES = {
     "bf16": "precision: bf16 autocast on CUDA; the published trainer computes in fp32 with TF32 matmuls (bf16 only "
             "with its --use_bf16)",
@@ -138,6 +140,17 @@ def preset_values(classes: dict[str, type], preset: str | None, optimizer: str) 
             values.update({k: v for k, v in entries.items() if k in values})
     base["train"]["optimizer"] = optimizer
     return base
+
+
+def single_batch_start(step: int, hp) -> int | None:
+    """The first validation sequence of the published runs' single-batch estimate at `step` (hp: the trainer's
+    TrainConfig; --val-batch-estimate, docs/optimizers.md#paper-parity): the k-th global batch of the validation
+    stream at the k-th multiple of --val-every, cycling within the --val-tokens budget; None when no estimate is
+    due."""
+    batches = hp.val_tokens // hp.batch_tokens  # whole --batch-tokens batches in the budget
+    if not (hp.val_batch_estimate and hp.val_every and batches and step and step % hp.val_every == 0):
+        return None
+    return (step // hp.val_every - 1) % batches * (hp.batch_tokens // hp.seq_len)
 
 
 def fields_where(section: object, key: str) -> list[str]:
@@ -249,6 +262,8 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     args = vars(parser.parse_args(argv))
     cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), preset,
                     resume_from=resume_from, notes=notes)
+    if getattr(cfg.optim, "optim_seed", 0) == -1:  # SGDM's initial velocity: drawn per run seed
+        cfg.optim.optim_seed = cfg.train.seed
     if saved:
         given = {arg.split("=")[0].removeprefix("--").replace("-", "_") for arg in argv if arg.startswith("--")}
         cfg.continue_in, note = resume_home(cfg.train, resume_from, checkpoint["step"], given)

@@ -33,7 +33,7 @@ setup() {
         echo "[setup] installing triton $TRITON_VERSION (CPU interpreter for the kernel tests)"
         $pip "triton==$TRITON_VERSION"
     fi
-    if ! python -c "import numpy, tiktoken, tqdm, huggingface_hub, matplotlib, pytest, xdist, pyarrow, safetensors, transformers
+    if ! python -c "import numpy, tiktoken, tqdm, huggingface_hub, matplotlib, scipy, pytest, xdist, pyarrow, safetensors, transformers
 from setuptools.command import bdist_wheel" 2>/dev/null; then
         echo "[setup] installing requirements.txt"
         $pip -r requirements.txt

@@ -69,8 +69,9 @@ class GPTArchitecture:
     std_q_min: float = model_flag(0.05, "per-dimension std of b_Q = linspace(std_q_min, std_q_max, d)", bounds=">= 0")
     std_q_max: float = model_flag(0.15, "see --std-q-min", bounds=">= 0")
     mean_v: float = model_flag(0.0, "E[b_V], every component (the paper tries 0 and 0.5)")
-    std_v_min: float = model_flag(0.02, "per-dimension std of b_V = linspace(std_v_min, std_v_max, d)", bounds=">= 0")
-    std_v_max: float = model_flag(0.02, "see --std-v-min", bounds=">= 0")
+    std_v_min: float = model_flag(0.05, "per-dimension std of b_V = linspace(std_v_min, std_v_max, d); 0.05 is the "
+                                        "published code's (the paper scanned 0.02 and 0.05)", bounds=">= 0")
+    std_v_max: float = model_flag(0.05, "see --std-v-min", bounds=">= 0")
     bias_per_head: bool = model_flag(False, "sample one vector per head instead of one per layer shared by all heads")
     key_bias: bool = model_flag(False, "the paper's key bias b_K: it cancels exactly in the softmax, so the model "
                                        "does not add it (docs/model.md#symmetry-breaking-biases)",
@@ -132,6 +133,9 @@ class TrainConfig:
                                                 "--val-every the loss on the next batch of --batch-tokens validation "
                                                 "tokens, and the minimum of these single-batch estimates "
                                                 "(docs/optimizers.md#paper-parity)")
+    val_biases: str = uncompared("mean", "the biases of those single-batch estimates: mean (E[b_Q], E[b_V], as every "
+                                         "other validation) or last-sample (the last training step's draw, as the "
+                                         "published trainer validates)", choices=("mean", "last-sample"))
     log_every: int = uncompared(10, "print and log a line every N steps", bounds="> 0")
     checkpoint_every: int = uncompared(5000, "write checkpoints/latest.pt every N steps (0: only at the end, on "
                                              "SIGINT/SIGTERM and at a target stop)", bounds=">= 0")
@@ -422,11 +426,11 @@ def lr_factor(step: int, hp: TrainConfig) -> float:
 
 @torch.no_grad()
 def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch: int, *, first_sequence: int = 0,
-             rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
+             rank: int = 0, world: int = 1, device: torch.device | str = "cpu", biases: torch.Tensor | None = None,
              autocast: contextlib.AbstractContextManager = contextlib.nullcontext()) -> float:
     """Mean loss per scored token over num_tokens // seq_len validation sequences from `first_sequence` on, with
-    the mean biases (docs/model.md), summed over every rank's share: the same sequences and the same number on any
-    number of ranks and micro-batch (docs/evaluation.md#validation-loss). Under --objective mlm the loss on the
+    `biases` (None: the means, docs/model.md), summed over every rank's share: the same sequences and the same number
+    on any number of ranks and micro-batch (docs/evaluation.md#validation-loss). Under --objective mlm the loss on the
     validation stream's fixed masks. The trainer's validation, its single-batch estimate, and eval.val_loss."""
     was_training = model.training
     model.eval()
@@ -437,22 +441,12 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
                                                      vocab_size=model.config.vocab_size, device=device):
         x, y = objective.batch(x, y, first_row)
         with autocast:
-            loss = model(x, y)[1]
+            loss = model(x, y, biases)[1]
         scored = (y != -1).sum()
         total += torch.stack([loss.double() * scored, scored.double()])
     model.train(was_training)
     total = optim.distributed.all_reduce_sum(total)
     return (total[0] / total[1]).item()
-
-
-def single_batch_start(step: int, hp: TrainConfig) -> int | None:
-    """The first validation sequence of the published runs' single-batch estimate at `step` (--val-batch-estimate,
-    docs/optimizers.md#paper-parity): the k-th global batch of the validation stream at the k-th multiple of
-    --val-every, cycling within the --val-tokens budget; None when no estimate is due."""
-    batches = hp.val_tokens // hp.batch_tokens  # whole --batch-tokens batches in the budget
-    if not (hp.val_batch_estimate and hp.val_every and batches and step and step % hp.val_every == 0):
-        return None
-    return (step // hp.val_every - 1) % batches * (hp.batch_tokens // hp.seq_len)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -549,10 +543,11 @@ class Trainer:
         self.checkpoint_step = self.progress.step
 
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
-        """Stop every rank (exit 2), saying what exists and what to do."""
-        self.log.line(stop.non_finite_stop_message(what, self.progress.step if step is None else step,
-                                                   self.cfg.optim.lr, self.checkpoint_step, self.resumed,
+        """Stop every rank (exit 2), saying what exists and what to do; log.jsonl records that the run diverged."""
+        step = self.progress.step if step is None else step
+        self.log.line(stop.non_finite_stop_message(what, step, self.cfg.optim.lr, self.checkpoint_step, self.resumed,
                                                    self.run_dir.path))
+        self.log.record({"step": step, "diverged": what})
         raise stop.TrainingStopped(2)
 
     # -- the run directory --------------------------------------------------------------------------------------
@@ -639,8 +634,9 @@ class Trainer:
         progress.val_loss, progress.val_step = run_eval(hp.val_tokens), progress.step
         self.first_val = self.first_val or (progress.step, progress.val_loss)
         estimate = None
-        if (first_sequence := single_batch_start(progress.step, hp)) is not None:
-            estimate = run_eval(hp.batch_tokens, first_sequence=first_sequence)
+        if (first_sequence := config.single_batch_start(progress.step, hp)) is not None:  # never at step 0
+            biases = self.sampler.sample(progress.step - 1, rt.device) if hp.val_biases == "last-sample" else None
+            estimate = run_eval(hp.batch_tokens, first_sequence=first_sequence, biases=biases)
             progress.best_val_loss_batch = min(estimate, progress.best_val_loss_batch or math.inf)
         self.log.line(f"step {progress.step}/{hp.steps} | val loss {progress.val_loss:.4f} | train time "
                       f"{progress.train_time_s:.1f}s" + (f" | single-batch val loss {estimate:.4f} (least "

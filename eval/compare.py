@@ -1,21 +1,22 @@
-"""Compare runs (arXiv 2601.22257 Tables 1, 2, 5, 14): the optimizer × attention-bias table of the best validation
-loss (mean ± std over seeds, Δ against the symmetric baseline with its standard error), then per run the validation
-loss, logic top-1/top-5, alignment, punctuation enrichment, Δ top-5 against the run's symmetric baseline, and the
-Pearson r between enrichment and Δ top-5.
+"""Compare runs (arXiv 2601.22257 Tables 1, 2, 5, 14): optimizer × attention-bias tables of the best validation loss
+(the paper's statistic) and the least validation loss (mean ± std over seeds, Δ against the symmetric baseline with
+its standard error), then per run the validation losses, logic top-1/top-5, alignment, punctuation enrichment, Δ
+top-5 against the run's symmetric baseline, and the Pearson r between enrichment and Δ top-5.
 
     python -m eval.compare --run runs/A --run runs/B ... [--out runs/compare] [--suite NAME] [--alignment-mode raw]
     python -m eval.compare runs/table2 --against-paper     # also scorecard.md: the runs against the paper's tables
 
 (`--checkpoint` is the same flag; run directories given without a flag, `python -m eval.compare runs/*`, work too, and
 a directory of runs, such as a grid's, stands for its runs.) Reads each run's log.jsonl and eval/*.json (`python -m
-eval.report --run DIR` computes them; a missing cell names the evaluation to run). Rows of the pivot tables are the
-optimizer and every other setting that differs between the runs, the data included (runs trained or validated on
-other data are never averaged together), except the seed (a cell averages its seeds; two runs of one seed are one
-sample) and the bias mode (the columns). Δ is paired by seed where the two cells hold the same seeds. The baseline of
-a run is the run with bias mode `none`, the same other settings and the same seed. r uses the symmetry-broken runs
-that have a baseline; its 95% interval is Fisher's (z = atanh r ± 1.96/√(n−3)). Writes `compare.json`, `compare.md`,
-`compare_loss.png` (every loss curve on one axis) and, when r has points, `compare_enrichment.png`; prints the
-tables and where it wrote.
+eval.report --run DIR` computes them; a missing cell names the evaluation to run). Only finished runs count: one
+interrupted, still training or diverged is left out of every table and named with the reason. The runs of a table
+cell are the seeds of one cell (eval.samples.cell_settings, the scorecard's too): rows are the optimizer and every
+other setting that differs between the runs, the data included (runs trained or validated on other data are never
+averaged together); columns are the bias mode and its settings; two runs of one seed are one sample. Δ is paired by
+seed where the two cells hold the same seeds. The baseline of a run is the symmetric run (bias mode `none`) of its
+row and seed. r uses the symmetry-broken runs that have a baseline; its 95% interval is Fisher's (z = atanh r ±
+1.96/√(n−3)). Writes `compare.json`, `compare.md`, `compare_loss.png` (every loss curve on one axis) and, when r has
+points, `compare_enrichment.png`; prints the tables and where it wrote.
 """
 from __future__ import annotations
 
@@ -25,22 +26,20 @@ import math
 import statistics
 from pathlib import Path
 
-import train_gpt
 from cli import ArgumentParser
-from eval import scorecard
+from eval import paper_data, scorecard
 from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json
 from eval.figures import pyplot, save_figure
-from eval.curves import runs_loss_figure, validation_losses
-from eval.samples import Difference, Summary, data_description, data_identity, difference, per_seed, repeated_seeds
+from eval.curves import runs_loss_figure
+from eval.samples import (BIAS_SETTINGS, STATISTICS, Difference, Summary, cell_settings, data_description,
+                          data_identity, difference, per_seed, repeated_seeds, run_outcome)
 from fileio import atomic_write, exits_on_filesystem_errors, make_directory
 from optim import OPTIMIZERS
 from run.checkpoint import run_dir_of
 from run.log import read_log
-from variants import ResearchConfig
 
 BIAS_WORDS = {"none": "symmetric (none)", "bq": "b_Q (bq)", "bv": "b_V (bv)", "bqbv": "b_Q + b_V (bqbv)",
               "learned": "learned b_Q, b_V (learned)"}
-AVERAGED = {"seed", "bias_mode", "optimizer"}  # averaged over, the columns, the row's first word
 
 
 def pearson(x: list[float], y: list[float]) -> dict:
@@ -82,13 +81,14 @@ def run_row(run_dir: Path, suite: str | None, alignment_mode: str) -> dict:
     pooled = alignment["enrichment"]["pooled"] if alignment else {}
     steps = {name: result.get("step") for name, result in (("val_loss", val), ("logic_puzzles", logic_file),
                                                              ("alignment", alignment_file)) if result is not None}
-    measured = [loss for _, loss in validation_losses(read_log(run_dir))]
+    log = read_log(run_dir)
+    outcome, why = run_outcome(config, log)
     return {
         "run": run_dir.name, "path": str(run_dir), "optimizer": train.get("optimizer"), "steps": steps,
-        "data": data_identity(config), "data_description": data_description(config),
+        "outcome": outcome, "why": why, "data": data_identity(config), "data_description": data_description(config),
         "bias_mode": model.get("bias_mode"), "activation": model.get("activation"), "seed": train.get("seed"),
         "mean_v": model.get("mean_v"),
-        "best_val_loss": min(measured) if measured else None,
+        **{key: statistic.read(log) for key, statistic in STATISTICS.items()},
         "val_loss": val["val_loss"] if val else None,
         "suite": logic["name"] if logic else None,
         "logic_loss": overall.get("logic_loss"), "top1": overall.get("top1"), "top5": overall.get("top5"),
@@ -107,75 +107,90 @@ def step_label(steps: dict[str, int | None]) -> str:
     return ", ".join(f"{name} {step}" for name, step in steps.items())
 
 
-def add_conditions(rows: list[dict], configs: list[dict]) -> None:
-    """Set each row's `condition`: its optimizer and every setting that affects results and differs between the
-    runs (the optimizer's own settings between runs of the same optimizer), and the data when it differs (the data
-    fingerprint or, without one, the files given; the validation budget: samples.data_identity), except the seed
-    and the bias mode."""
-    keep = {f.name for cls in (train_gpt.GPTConfig, train_gpt.TrainConfig, ResearchConfig)
-            for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True)} - AVERAGED
-    flat = [{k.replace("_", "-"): v for section in ("model", "train", "research") for k, v in c.get(section, {}).items()
-             if k in keep} | data_identity(c) for c in configs]
-    varying = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1)
-    for row, values, config in zip(rows, flat, configs):
-        same = [c.get("optim", {}) for c, r in zip(configs, rows) if r["optimizer"] == row["optimizer"]]
-        own = OPTIMIZERS[row["optimizer"]].config if row["optimizer"] in OPTIMIZERS else None
-        optim_varying = sorted(k for k in set().union(*same) if len({json.dumps(s.get(k)) for s in same}) > 1
-                               and (own is None or k in {f.name for f in dataclasses.fields(own)}))
-        words = [f"{k} {values.get(k)}" for k in varying]
-        words += [f"{k.replace('_', '-')} {config['optim'].get(k)}" for k in optim_varying]
-        row["condition"] = ", ".join([str(row["optimizer"])] + words)
+def add_cells(rows: list[dict], configs: list[dict]) -> None:
+    """Set each row's pivot `condition` and `column` from its cell (samples.cell_settings: runs of one condition and
+    column are seeds of one cell). The condition: the optimizer and every other setting that differs between the
+    runs (the optimizer's own between runs of that optimizer), the data included, except the bias settings; the
+    column: the bias mode and its settings that differ between runs of that mode (a symmetric run has none: it is the
+    baseline of every condition that differs from it only in bias settings)."""
+    settings = [cell_settings(c) for c in configs]
+    own = {name: {f.name for f in dataclasses.fields(spec.config)} for name, spec in OPTIMIZERS.items()}
+    optim_fields = set().union(*own.values())
+
+    def varying(keys: set[str], among: list[int]) -> list[str]:
+        return sorted(k for k in keys if len({json.dumps(settings[i].get(k)) for i in among}) > 1)
+
+    everyone = range(len(rows))
+    general = varying(set().union(*settings) - optim_fields - BIAS_SETTINGS - {"optimizer"}, list(everyone))
+    for i, row in enumerate(rows):
+        same = [j for j in everyone if rows[j]["optimizer"] == row["optimizer"]]
+        mode = [j for j in everyone if rows[j]["bias_mode"] == row["bias_mode"]]
+        words = general + varying(own.get(row["optimizer"], set()), same)
+        row["condition"] = ", ".join([str(row["optimizer"])] + [f"{k.replace('_', '-')} {settings[i].get(k)}"
+                                                                 for k in words])
+        bias = varying(BIAS_SETTINGS - {"bias_mode"}, mode)
+        row["column"] = ", ".join([str(row["bias_mode"])] + [f"{k.replace('_', '-')} {settings[i].get(k)}"
+                                                              for k in bias if k in settings[i]])
 
 
 def add_baselines(rows: list[dict]) -> None:
-    """Set `baseline` (run name) and `delta_top5` (percentage points) from the run with bias mode none, the same
-    condition (add_conditions) and the same seed."""
+    """Set `baseline` (run name) and `delta_top5` (percentage points) from the symmetric run (bias mode none) of the
+    same condition (add_cells) and seed."""
     for row in rows:
-        key = (row.get("condition", row["optimizer"]), row["seed"])
         base = next((b for b in rows if b["bias_mode"] == "none" and b is not row
-                     and (b.get("condition", b["optimizer"]), b["seed"]) == key), None)
+                     and (b["condition"], b["seed"]) == (row["condition"], row["seed"])), None)
         row["baseline"] = base["run"] if base else None
         has_both = base is not None and row["top5"] is not None and base["top5"] is not None
         row["delta_top5"] = 100 * (row["top5"] - base["top5"]) if has_both else None
 
 
+def column_title(column: str, short: bool = False) -> str:
+    """A pivot column's heading: the bias mode's words (`short`: without the flag value), then the settings that set
+    the column apart."""
+    mode, _, rest = column.partition(", ")
+    words = BIAS_WORDS.get(mode, mode)
+    return (words.split(" (")[0] if short else words) + (f", {rest}" if rest else "")
+
+
 def pivot(rows: list[dict], metric: str, scale: float = 1.0) -> dict:
-    """{"modes": bias modes in order, "rows": [{"condition", "cells": {mode: {"mean", "std", "n", "runs",
-    "repeated_seeds", "delta"}}}]}: `metric` × `scale` per condition × bias mode, one value per seed (the runs of a
-    seed averaged: samples.per_seed), mean and sample std over the n seeds with a value out of `runs` runs, and the
-    difference to the symmetric mode's cell with its standard error (samples.difference; paired by seed when the
-    two cells hold the same seeds)."""
-    modes = [m for m in BIAS_WORDS if any(r["bias_mode"] == m for r in rows)]
-    modes += sorted({r["bias_mode"] for r in rows} - set(modes), key=str)
+    """{"columns": the columns in order, "rows": [{"condition", "cells": {column: {"mean", "std", "n", "runs",
+    "repeated_seeds", "delta"}}}]}: `metric` × `scale` per condition × column (add_cells), one value per seed (the
+    runs of a seed averaged: samples.per_seed), mean and sample std over the n seeds with a value out of `runs` runs,
+    and the difference to the condition's symmetric column with its standard error (samples.difference; paired by
+    seed when the two cells hold the same seeds)."""
+    order = list(BIAS_WORDS)
+    columns = sorted({r["column"] for r in rows}, key=lambda c: (order.index(c.split(", ")[0])
+                                                                 if c.split(", ")[0] in order else len(order), c))
     table = []
     for condition in dict.fromkeys(r["condition"] for r in rows):
         cells, seeds = {}, {}
-        for mode in modes:
-            runs = [r for r in rows if r["condition"] == condition and r["bias_mode"] == mode]
+        for column in columns:
+            runs = [r for r in rows if r["condition"] == condition and r["column"] == column]
             pairs = [(r["seed"], scale * r[metric]) for r in runs if r[metric] is not None]
-            seeds[mode] = per_seed(pairs)
-            summary = Summary(seeds[mode])
-            cells[mode] = {"mean": summary.mean, "std": summary.std, "n": summary.n, "runs": len(runs),
-                           "repeated_seeds": repeated_seeds(pairs)}
-        for mode, cell in cells.items():
-            cell["delta"] = dataclasses.asdict(difference(seeds[mode], seeds["none"])) if "none" in cells else None
+            seeds[column] = per_seed(pairs)
+            summary = Summary(seeds[column])
+            cells[column] = {"mean": summary.mean, "std": summary.std, "n": summary.n, "runs": len(runs),
+                             "repeated_seeds": repeated_seeds(pairs)}
+        for column, cell in cells.items():
+            cell["delta"] = (dataclasses.asdict(difference(seeds[column], seeds["none"]))
+                             if "none" in cells and column != "none" else None)
         table.append({"condition": condition, "cells": cells})
-    return {"metric": metric, "modes": modes, "rows": table}
+    return {"metric": metric, "columns": columns, "rows": table}
 
 
 def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
-    """A pivot as Markdown: a column per bias mode (mean ± std, n when more than one seed, and a seed that more
-    than one run has) and a Δ column after each mode but the symmetric one (± its standard error)."""
-    modes = table["modes"]
+    """A pivot as Markdown: a column per bias mode and settings (mean ± std, n when more than one seed, and a seed
+    that more than one run has) and a Δ column after each but the symmetric one (± its standard error)."""
+    columns = table["columns"]
     header = ["optimizer and settings"]
-    for mode in modes:
-        header += [BIAS_WORDS.get(mode, str(mode))] + ([f"Δ {BIAS_WORDS.get(mode, mode).split(' (')[0]}"]
-                                                        if mode != "none" and "none" in modes else [])
+    for column in columns:
+        header += [column_title(column)] + ([f"Δ {column_title(column, short=True)}"]
+                                            if column != "none" and "none" in columns else [])
     body = []
     for row in table["rows"]:
         line = [row["condition"]]
-        for mode in modes:
-            cell = row["cells"][mode]
+        for column in columns:
+            cell = row["cells"][column]
             if cell["mean"] is None:
                 text = missing if cell["runs"] else "no run"
             else:
@@ -184,7 +199,7 @@ def pivot_markdown(table: dict, fmt: str, missing: str) -> str:
                 notes += [f"seed {seed} more than once: one sample" for seed in cell["repeated_seeds"]]
                 text += f" ({'; '.join(notes)})" if notes else ""
             line.append(text)
-            if mode != "none" and "none" in modes:
+            if column != "none" and "none" in columns:
                 line.append(Difference(**cell["delta"]).text(fmt) if cell["delta"] else "-")
         body.append(line)
     return markdown_table(header, body)
@@ -244,16 +259,18 @@ def compare_runs(run_dirs: list[Path], out: Path, suite: str | None = None, alig
     """Compare the runs of `run_dirs` (run directories) into `out`: compare.json, compare.md, compare_loss.png and,
     when r has points, compare_enrichment.png. `suite`: the logic suite of the tables (None: the generated one);
     `alignment_mode`: raw, ln or residual. Prints the tables when `echo`. Returns compare.json's contents."""
-    rows = [run_row(r, suite, alignment_mode) for r in run_dirs]
-    add_conditions(rows, [read_config(r) for r in run_dirs])
+    everyone = [run_row(r, suite, alignment_mode) for r in run_dirs]
+    rows = [r for r in everyone if r["outcome"] == "finished"]  # only finished runs are samples
+    left_out = [r for r in everyone if r["outcome"] != "finished"]
+    add_cells(rows, [read_config(Path(r["path"])) for r in rows])
     add_baselines(rows)
     broken = [r for r in rows if r["bias_mode"] != "none" and r["delta_top5"] is not None
               and r["punct_enrichment"] is not None]
     correlation = pearson([r["punct_enrichment"] for r in broken], [r["delta_top5"] for r in broken])
     make_directory(out)
-    tables = {"best_val_loss": pivot(rows, "best_val_loss"), "top5": pivot(rows, "top5", 100.0)}
-    result = {"runs": rows, "pivots": tables, "pearson_punct_enrichment_vs_delta_top5": correlation,
-              "alignment_mode": alignment_mode}
+    tables = {**{key: pivot(rows, key) for key in STATISTICS}, "top5": pivot(rows, "top5", 100.0)}
+    result = {"runs": rows, "left_out": [{k: r[k] for k in ("run", "path", "outcome", "why")} for r in left_out],
+              "pivots": tables, "pearson_punct_enrichment_vs_delta_top5": correlation, "alignment_mode": alignment_mode}
     write_json(out / "compare.json", result)
     written = ["compare.json", "compare.md", "compare_loss.png"]
     save_figure(runs_loss_figure([(r.name, read_log(r)) for r in run_dirs], "loss curves"), out / written[2])
@@ -267,7 +284,7 @@ def compare_runs(run_dirs: list[Path], out: Path, suite: str | None = None, alig
     def cell(v, fmt: str, evaluation: str, scale: float = 1.0) -> str:
         return format(scale * v, fmt) if v is not None else f"run eval.{evaluation}"
     table = [[r["run"], step_label(r["steps"]), r["optimizer"], r["bias_mode"],
-              format(r["best_val_loss"], ".4f") if r["best_val_loss"] is not None else "not in log.jsonl",
+              *(format(r[key], ".4f") if r[key] is not None else "not in log.jsonl" for key in STATISTICS),
               cell(r["val_loss"], ".4f", "val_loss"), cell(r["logic_loss"], ".3f", "logic_puzzles"),
               cell(r["top5"], ".1f", "logic_puzzles", 100), cell(r["top1"], ".1f", "logic_puzzles", 100),
               format(r["delta_top5"], "+.1f") if r["delta_top5"] is not None else "-",
@@ -280,28 +297,38 @@ def compare_runs(run_dirs: list[Path], out: Path, suite: str | None = None, alig
               if correlation["r"] is not None
               else f"Pearson r: not enough symmetry-broken runs with a baseline and both evaluations "
                    f"(n = {correlation['n']})")
-    sections = [
-        "## Best validation loss (optimizer × attention biases)", "",
-        pivot_markdown(tables["best_val_loss"], ".4f", "not in log.jsonl"), "",
-        "The least validation loss each run's trainer measured (log.jsonl); mean ± sample std over the seeds of a "
-        "cell, n when more than one (the runs of one seed are one sample: their mean). Δ: a column's mean minus the "
-        "symmetric column's (negative: lower loss with the biases) ± its standard error: paired by seed when both "
-        "cells hold the same seeds (the per-seed differences' std / √n), else unpaired (√(s₁²/n₁ + s₀²/n₀)); none "
-        "below two seeds.", "", *data_lines(rows)]
+    sections = []
+    for key, statistic in STATISTICS.items():
+        sections += [f"## {statistic.label.capitalize()} (optimizer × attention biases)", "",
+                     pivot_markdown(tables[key], ".4f", "not in log.jsonl"), "",
+                     f"The {statistic.label}: {statistic.meaning}, from log.jsonl. Mean ± sample std over the seeds "
+                     "of a cell, n when more than one (the runs of one seed are one sample: their mean). Δ: a "
+                     "column's mean minus the symmetric column's (negative: lower loss with the biases) ± its standard "
+                     "error: paired by seed when both cells hold the same seeds (the per-seed differences' std / √n), "
+                     "else unpaired (√(s₁²/n₁ + s₀²/n₀)); none below two seeds.", ""]
+    sections += data_lines(rows)
+    if not rows:
+        sections = ["No finished run to compare (the runs below did not finish).", ""]
     if any(r["top5"] is not None for r in rows):
         sections += ["## Logic puzzles top-5 (optimizer × attention biases)", "",
                      pivot_markdown(tables["top5"], ".1f", "run eval.logic_puzzles"), "",
                      "Top-5 accuracy in % on the logic suite; Δ in percentage points.", ""]
     sections += ["## Runs", "",
-                 markdown_table(["run", "step", "optimizer", "bias", "best val loss (log)", "val loss (eval)",
+                 markdown_table(["run", "step", "optimizer", "bias", *(s.label for s in STATISTICS.values()),
+                                 "val loss (eval)",
                                  "logic loss", "top-5 %", "top-1 %", "Δ top-5 (pp)", f"align ({alignment_mode})",
                                  "% heads > null", "punct. enrich."], table), "",
                  "A cell `run eval.X` is missing: `python -m eval.report --run RUN` computes every evaluation.", "",
                  r_line, ""]
+    if left_out:
+        sections += ["## Runs left out", "", "Only finished runs are samples: these are in no table above.", "",
+                     *(f"- {r['run']}: {r['why']}" for r in left_out), ""]
     figures = ["![loss curves](compare_loss.png)", ""]
     if enrichment.name in written:
         figures += ["![enrichment vs delta top-5](compare_enrichment.png)", ""]
     atomic_write(out / "compare.md", "\n".join(["# Run comparison", "", *sections, *figures]).encode())
+    for r in left_out:
+        print(f"compare: left out {r['run']}: {r['why']}")
     for r in rows:
         if len(set(r["steps"].values())) > 1:
             print(f"warning: {r['run']}: evaluations from different steps ({step_label(r['steps'])}); "
@@ -323,7 +350,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--suite", default=None, help="logic suite name (default: the generated suite, else the first)")
     parser.add_argument("--alignment-mode", default="raw", choices=("raw", "ln", "residual"),
                         help="which keys' alignment the table shows (docs/evaluation.md#b_q-alignment-and-enrichment)")
-    parser.add_argument("--against-paper", nargs="?", const=scorecard.PUBLISHED, default=None, type=Path,
+    parser.add_argument("--against-paper", nargs="?", const=paper_data.PUBLISHED, default=None, type=Path,
                         metavar="PUBLISHED.toml", help="also write scorecard.md: the runs cell by cell against the "
                         "paper's published numbers (default file: %(const)s; docs/reproduce.md)")
     args = parser.parse_args(argv)
@@ -331,8 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("name the runs to compare: --run DIR (repeatable) or run directories")
     run_dirs = run_directories(parser, args.run + args.positional)
     try:  # before comparing: a missing or damaged file is a one-line error and nothing is written
-        published = scorecard.load_published(args.against_paper) if args.against_paper else None
-    except scorecard.PublishedDataError as exc:
+        published = paper_data.load_published(args.against_paper) if args.against_paper else None
+    except paper_data.PublishedDataError as exc:
         parser.error(str(exc))
     result = compare_runs(run_dirs, args.out, args.suite, args.alignment_mode)
     if published is not None:

@@ -37,6 +37,7 @@ from eval.common import (add_target_args, annotate_output, checkpoint_identity, 
                          output_dir, read_config, read_manifest, resolve_target, stale_reason, write_json)
 from eval.curves import loss_figure, validation_losses
 from eval.figures import save_figure
+from eval.samples import STATISTICS
 from fileio import LockHeldError, atomic_write, exits_on_filesystem_errors, hold_lock
 from run.log import read_log
 
@@ -52,7 +53,8 @@ REPORT_LOCK = ".report.lock"  # in the output directory: held by the eval.report
 
 
 def training_summary(log: list[dict]) -> dict:
-    """Final and best losses (validation where it was measured), throughput and time from log.jsonl records."""
+    """Final losses, the validation statistics (eval.samples.STATISTICS: the best and the least validation loss,
+    one name each on every page), throughput and time from log.jsonl records."""
     if not log:
         return {}
     val = [loss for _, loss in validation_losses(log)]
@@ -61,7 +63,8 @@ def training_summary(log: list[dict]) -> dict:
     mfus = [r["mfu"] for r in log if r.get("mfu")]
     return {"steps": last.get("step"), "tokens": last.get("tokens"), "elapsed_s": last.get("train_time_s"),
             "final_train_loss": next((r["train_loss"] for r in reversed(log) if r.get("train_loss") is not None), None),
-            "final_val_loss": val[-1] if val else None, "best_val_loss": min(val) if val else None,
+            "final_val_loss": val[-1] if val else None,
+            **{key: statistic.read(log) for key, statistic in STATISTICS.items()},
             "tokens_per_s": speeds[-1] if speeds else None, "mfu": mfus[-1] if mfus else None}
 
 
@@ -162,7 +165,8 @@ class Page:
                  f"Evaluation budget: **{self.budget[0]}** ({self.budget[1]})"
                  + (f": {QUICK_WORDS}." if self.budget[0] == "quick" else "."), ""]
         if self.summary:
-            rows = [[k, f"{v:.4g}" if isinstance(v, float) else v] for k, v in self.summary.items() if v is not None]
+            rows = [[STATISTICS[k].label if k in STATISTICS else k, f"{v:.4g}" if isinstance(v, float) else v]
+                    for k, v in self.summary.items() if v is not None]
             lines += ["## Training", "", markdown_table(["", "value"], rows), ""]
             if (eval_dir / "report_loss.png").is_file():
                 lines += [f"![loss curves]({rel}/report_loss.png)", ""]

@@ -1,21 +1,109 @@
-"""Runs as samples (docs/evaluation.md#comparing-runs): the data a run's losses depend on (runs on other data are
-never averaged together), one value per seed (two runs of one seed are one sample, their mean), mean ± sample std
-over the seeds, and the difference of two sets of runs with its standard error, paired by seed when both hold the
-same seeds (the per-seed differences' spread) and unpaired otherwise."""
+"""Runs as samples (docs/evaluation.md#comparing-runs), one definition for eval.compare, the scorecard and the grid's
+report: which runs count (finished ones: not interrupted, still training or diverged), which runs are seeds of one
+cell (every setting that changes results the same, the data a run's losses depend on included, except the seed and
+what the run's bias mode does not use), the validation statistics a log gives (one name each), one value per seed
+(two runs of one seed are one sample, their mean), mean ± sample std over the seeds, and the difference of two sets
+of runs with its standard error, paired by seed when both hold the same seeds (the per-seed differences' spread) and
+unpaired otherwise."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Callable
+
+import config as run_config
+import train_gpt
+from eval.curves import current_records, validation_losses
+from optim import OPTIMIZERS
+from run.log import finished
+
+LOSSES = ("train_loss", "val_loss", "val_loss_batch", "best_val_loss_batch")  # a non-finite one: the run diverged
+BIAS_FIELDS = {"none": {"mean_q", "std_q_min", "std_q_max", "mean_v", "std_v_min", "std_v_max", "bias_per_head"},
+               "bq": {"mean_v", "std_v_min", "std_v_max"}, "bv": {"mean_q", "std_q_min", "std_q_max"}}
+BIAS_SETTINGS = set().union(*BIAS_FIELDS.values()) | {"bias_mode", "key_bias"}  # what a pivot's columns vary
 
 
 def data_identity(config: dict) -> dict[str, object]:
     """What a run's losses were measured on: {"data": the data fingerprint (the shards' contents, docs/data.md), or
     for a run that recorded none the training and validation globs it was given; "val-tokens": the validation
-    budget}. Runs whose identities differ are not samples of one thing."""
+    budget; "val-biases": the biases of its single-batch estimates}. Runs whose identities differ are not samples of
+    one thing."""
     train, data = config.get("train", {}), config.get("data") or {}
     files = f"train {train.get('train_files') or '(default)'}, val {train.get('val_files') or '(default)'}"
-    return {"data": data.get("fingerprint") or files, "val-tokens": train.get("val_tokens")}
+    return {"data": data.get("fingerprint") or files, "val-tokens": train.get("val_tokens"),
+            "val-biases": train.get("val_biases", "mean")}
+
+
+def unused_by_bias_mode(model: dict) -> set[str]:
+    """The model fields a run's bias mode does not use (a symmetric run's b_V settings change nothing it
+    computes)."""
+    mode = model.get("bias_mode")
+    return BIAS_FIELDS.get(mode, set()) | ({"key_bias"} if mode == "none" else set())
+
+
+def cell_settings(config: dict) -> dict[str, object]:
+    """The one notion of a cell: every setting of a run that affects results (cli.flag's affects_results; the
+    optimizer's own included), except the seeds and what its bias mode does not use, plus the data it was trained
+    and validated on (data_identity). Runs with equal settings are seeds of one cell; runs of one cell whose settings
+    differ are never averaged."""
+    model = config.get("model", {})
+    unused = unused_by_bias_mode(model)
+    optimizer = config.get("train", {}).get("optimizer")
+    classes = run_config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer) \
+        if optimizer in OPTIMIZERS else {}
+    settings = {f.name: config.get(section, {}).get(f.name) for section, cls in classes.items()
+                for f in dataclasses.fields(cls) if f.metadata.get("affects_results", True) and f.name not in unused}
+    return {**settings, **data_identity(config)}
+
+
+def run_outcome(config: dict, log: list[dict]) -> tuple[str, str]:
+    """("finished", ""), or ("diverged" | "unfinished", why in words): a run counts as a sample only when its log
+    ends with the summary at --steps (run.log.finished); one whose log holds a non-finite loss or the trainer's
+    `diverged` record diverged; any other stopped at a step (interrupted, failed or still training)."""
+    records = current_records(log)
+    for record in records:
+        bad = [key for key in LOSSES if isinstance(record.get(key), float) and not math.isfinite(record[key])]
+        if "diverged" in record or bad:
+            return "diverged", f"diverged at step {record.get('step')} ({record.get('diverged') or bad[0]})"
+    train = config.get("train", {})
+    last = records[-1] if records else {}
+    if finished(last, train.get("steps"), train.get("stop_at_target", False)):
+        return "finished", ""
+    step = next((r["step"] for r in reversed(records) if r.get("step") is not None), 0)
+    return "unfinished", f"did not finish (step {step} of {train.get('steps')}: interrupted, failed or still training)"
+
+
+def best_val_loss(log: list[dict]) -> float | None:
+    """The best validation loss: the least single-batch validation estimate the trainer logged."""
+    values = [r["best_val_loss_batch"] for r in current_records(log) if r.get("best_val_loss_batch") is not None]
+    return values[-1] if values else None
+
+
+def least_val_loss(log: list[dict]) -> float | None:
+    """The least validation loss: the least fixed-budget validation loss the trainer measured."""
+    values = [loss for _, loss in validation_losses(log)]
+    return min(values) if values else None
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """A number read from a run's log, with the one name every page gives it and what it is."""
+
+    key: str
+    label: str
+    meaning: str
+    read: Callable[[list[dict]], float | None]
+
+
+STATISTICS = {s.key: s for s in (
+    Statistic("best_val_loss", "best validation loss", "the least single-batch validation estimate (the loss on "
+              "one batch of --batch-tokens validation tokens every --val-every steps, at the biases --val-biases "
+              "names; the paper's statistic)", best_val_loss),
+    Statistic("least_val_loss", "least validation loss", "the least fixed-budget validation loss (the same "
+              "--val-tokens every --val-every steps, at the mean biases)", least_val_loss),
+)}
 
 
 def data_description(config: dict) -> str:
@@ -40,6 +128,16 @@ def repeated_seeds(pairs: list[tuple[object, float]]) -> list[object]:
     """The seeds that more than one of the runs has (each counted once by per_seed)."""
     seeds = [seed for seed, _ in pairs]
     return sorted({s for s in seeds if seeds.count(s) > 1}, key=str)
+
+
+def disagreeing_seeds(runs: list[tuple[object, float, str]], fmt: str) -> list[str]:
+    """For each seed whose runs ((seed, value, run name) triples) give different values: the words naming them,
+    each value with its run, and that their mean is the seed's value."""
+    grouped: dict[object, list[tuple[float, str]]] = {}
+    for seed, value, name in runs:
+        grouped.setdefault(seed, []).append((value, name))
+    return [f"seed {seed}: {len(found)} runs disagree ({', '.join(f'{v:{fmt}} in {name}' for v, name in found)}); "
+            "their mean is the seed's value" for seed, found in grouped.items() if len({v for v, _ in found}) > 1]
 
 
 @dataclass

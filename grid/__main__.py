@@ -28,6 +28,7 @@ from pathlib import Path
 
 from cli import ArgumentParser, option, value_problem
 from data.lookup import resolve_data_files
+from eval.power import power_lines
 from fileio import filesystem_error_line, print_error
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
 from grid.estimate import wall_time_lines
@@ -144,7 +145,8 @@ def print_plan(spec, runs, states, slots, gpus_per_run: int, runs_per_gpu: int, 
         env = slot.env if slot else next(s.env for s in slots if s.kind == run.device)
         command = train_command(run, gpus_per_run if run.device == "cuda" else 1, state == "resume")
         print("      " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(command))
-    print("\n".join(wall_time_lines(runs, states, slots, gpu_name(), runs_per_gpu)))
+    print("\n".join(wall_time_lines(runs, states, slots, gpu_name(), runs_per_gpu)
+                    + power_lines([r.config.to_dict() for r in runs if r.config is not None])))
 
 
 def plan_grid(args: argparse.Namespace, shared: list[str]):

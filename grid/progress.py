@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from run.log import format_duration, record_problem
+from run.log import finished, format_duration, record_problem
 
 TAIL_BYTES = 16384  # enough for the last few records of any log.jsonl
 HEADER = ("run", "state", "step", "loss", "tok/s", "ETA", "device")
@@ -45,9 +45,7 @@ def run_finished(path: Path, steps: int, stop_at_target: bool = False) -> bool:
     """Whether the run in `path` completed: its log ends with the summary record at --steps (or at its target,
     when it stops there)."""
     records = tail_records(path / "log.jsonl", 4096)
-    last = records[-1] if records else {}
-    return bool(last.get("summary")) and (last.get("step", 0) >= steps
-                                          or bool(stop_at_target and last.get("reached_target")))
+    return finished(records[-1] if records else {}, steps, stop_at_target)
 
 
 def run_row(run: dict, state: dict) -> list[str]:

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval import compare, scorecard
+from eval import compare, paper_data, scorecard
 from fileio import atomic_write, make_directory
 from grid.execute import Slot, output_tail, stop_with_grid
 from grid.plan import TRAIN_SCRIPT
@@ -65,8 +65,9 @@ def report_runs(directory: Path, run_dirs: list[Path], budget: list[str], slots:
 def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed: list[str],
                 slots: list[Slot]) -> int:
     """Report every run of `run_dirs` (finished runs), then compare them into `directory` (compare.md, and
-    scorecard.md when runs match published cells); `failed` names the runs that did not finish, listed at the end
-    of compare.md. Returns 0, 1 when a report or the scorecard failed, or 130 when interrupted."""
+    scorecard.md when runs match published cells); `failed` names the runs that did not finish: the comparison and
+    the scorecard leave out those that started and say why, compare.md names the others at its end. Returns 0, 1
+    when a report or the scorecard failed, or 130 when interrupted."""
     if not run_dirs:
         print("grid: no finished run to report", flush=True)
         return 0
@@ -74,16 +75,17 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     if interrupted:
         print(f"grid: reports interrupted; `python -m grid report {directory}` finishes them", file=sys.stderr)
         return 130
-    compare.compare_runs(run_dirs, directory)
+    started = [directory / name for name in failed if (directory / name / "config.json").is_file()]
+    compare.compare_runs(run_dirs + started, directory)  # which left out, and why: eval.samples.run_outcome
     try:
-        scorecard.write_scorecard(run_dirs, directory, source=f"the {len(run_dirs)} finished runs of the grid in "
-                                  f"{directory}", only_if_matched=True)
-    except scorecard.PublishedDataError as exc:  # named with the other failures below, on one line
+        scorecard.write_scorecard(run_dirs + started, directory, source=f"the {len(run_dirs)} finished runs of the "
+                                  f"grid in {directory}", only_if_matched=True)
+    except paper_data.PublishedDataError as exc:  # named with the other failures below, on one line
         failures.append(f"scorecard: {exc}")
-    if failed:
+    if never := [name for name in failed if directory / name not in started]:
         page = directory / "compare.md"
-        atomic_write(page, (page.read_text() + "Runs of the grid that did not finish (not in the tables): "
-                            + ", ".join(f"`{name}`" for name in failed) + f" (`python -m grid status {directory}` "
+        atomic_write(page, (page.read_text() + "Runs of the grid that never started (no config.json): "
+                            + ", ".join(f"`{name}`" for name in never) + f" (`python -m grid status {directory}` "
                             "says why).\n").encode())
     for failure in failures:
         print(f"grid: report incomplete: {failure}", file=sys.stderr)

@@ -42,7 +42,9 @@ class SGDMConfig(TorchOptimizerConfig):
                                             "(0: at the first gradient, torch's SGD; "
                                             "docs/optimizers.md#adamw-and-sgdm)", bounds=">= 0",
                                        fixed_on_resume=True)
-    optim_seed: int = flag(0, "seed of the initial velocity", bounds="[0, 4294967295]", fixed_on_resume=True)
+    optim_seed: int = flag(-1, "seed of the initial velocity; -1: the run's --seed, so each seed draws its own (as "
+                               "the published script does)", bounds="[-1, 4294967295]", affects_results=False,
+                           fixed_on_resume=True)
 
 
 def _implementation(params: list, fused: bool) -> dict:
@@ -141,7 +143,8 @@ class AdamW(TorchOptimizer, torch.optim.AdamW):
 class SGDM(TorchOptimizer, torch.optim.SGD):
     """torch.optim.SGD with (Nesterov) momentum taking SGDMConfig's fields. With initial_velocity_std > 0 every
     momentum buffer starts at N(0, std²), drawn on the CPU from (optim_seed, the parameter's index), so every rank
-    and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers."""
+    and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers. The
+    trainer's configuration replaces an optim_seed of -1 by the run's seed (config.parse_config)."""
 
     has_velocity = True
 

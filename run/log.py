@@ -59,6 +59,13 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
+def finished(last: dict, steps: int | None, stop_at_target: bool = False) -> bool:
+    """Whether a run whose log.jsonl ends with the record `last` completed: the summary record at --steps (or at its
+    target, when it stops there). The grid, eval.compare and the scorecard count only such runs."""
+    return bool(last.get("summary")) and (last.get("step", 0) >= (steps or 0)
+                                          or bool(stop_at_target and last.get("reached_target")))
+
+
 def cut_torn_line(path: Path) -> str:
     """Remove an incomplete last line (no newline: a record a crash or a full disk cut short) from the log `path`,
     so that the records appended after it stay readable; returns the removed text ("" when there was none)."""

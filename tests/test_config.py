@@ -36,7 +36,7 @@ def test_presets_compose_with_flags():
     (["--lr", "-1"], "--lr must be > 0, got -1"),
     (["--seed", "-1"], "--seed must be [0, 4294967295], got -1"),
     (["--seed", "99999999999999999999999"], "--seed must be [0, 4294967295], got 99999999999999999999999"),
-    (["--optimizer", "sgdm", "--optim-seed", str(2**32)], "--optim-seed must be [0, 4294967295], got 4294967296"),
+    (["--optimizer", "sgdm", "--optim-seed", str(2**32)], "--optim-seed must be [-1, 4294967295], got 4294967296"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["--bias-mode", "bk"], "invalid choice: 'bk'"),
     (["--run-name", "../escape"], "--run-name '../escape': one directory name, without '/' and not '.' or '..'"),

@@ -36,7 +36,7 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
     model_cfg = train_gpt.GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32,
                                     bias_mode="bqbv")
     hp = train_gpt.TrainConfig(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
-                                   val_tokens=128, seed=7)
+                               val_tokens=128, seed=7, steps=max(steps))
     cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     model = train_gpt.GPT(model_cfg)
     opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
@@ -52,6 +52,7 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
         opt.zero_grad()
         log.append({"step": step, "train_loss": loss.item(), "tokens": 64 * step})
         save_step(run, model, opt if optimizer_state else None, cfg.to_dict(), step)
+    log.append({"summary": True, "step": max(steps), "tokens": 64 * max(steps)})  # finished: eval.compare counts it
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
     return run
 
@@ -264,7 +265,7 @@ def fake_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best: 
     from variants import ResearchConfig
 
     cfg = RunConfig(train_gpt.GPTConfig(bias_mode=bias, activation=activation),
-                    train_gpt.TrainConfig(optimizer=optimizer, seed=seed), ResearchConfig(),
+                    train_gpt.TrainConfig(optimizer=optimizer, seed=seed, steps=20), ResearchConfig(),
                     OPTIMIZERS[optimizer].config())
     run = root / name
     run.mkdir()
@@ -294,15 +295,15 @@ def test_compare_pivots_optimizers_by_bias_mode_with_seed_statistics_and_names_m
                   ("--run", str(r))), *map(str, made[4:]), str(gelu), "--out", str(out)])
     printed = capsys.readouterr().out
     text = (out / "compare.md").read_text()
-    pivot = table(text, "## Best validation loss")
+    pivot = table(text, "## Least validation loss")
     assert [row[0] for row in pivot] == ["adamw, activation prelu", "sgdm, activation prelu", "adamw, activation gelu"]
     assert pivot[0][1:] == ["3.1000 ± 0.1414 (n = 2)", "2.6000 ± 0.1414 (n = 2)", "-0.5000 ± 0.0000 (paired, n = 2)"]
     assert pivot[1][1:] == ["4.0000 ± 0.0000 (n = 2)", "4.3000 ± 0.2828 (n = 2)", "+0.3000 ± 0.2000 (paired, n = 2)"]
     assert pivot[2][1:] == ["2.0000", "no run", "-"]
-    assert "## Best validation loss" in printed and f"compare: wrote {out / 'compare.json'}" in printed
+    assert "## Least validation loss" in printed and f"compare: wrote {out / 'compare.json'}" in printed
     rows = {row[0]: row for row in table(text, "## Runs")}
-    assert rows["adamw-none-1"][4:7] == ["3.0000", "run eval.val_loss", "run eval.logic_puzzles"]
-    assert rows["adamw-none-1"][10] == "run eval.alignment"
+    assert rows["adamw-none-1"][4:8] == ["not in log.jsonl", "3.0000", "run eval.val_loss", "run eval.logic_puzzles"]
+    assert rows["adamw-none-1"][11] == "run eval.alignment"
     assert not (out / "compare_enrichment.png").exists() and "compare_enrichment" not in text
     assert "## Logic puzzles" not in text
     with pytest.raises(SystemExit):

@@ -187,6 +187,19 @@ def test_projected_update_is_orthogonal_to_every_generator_and_keeps_the_motion(
     torch.testing.assert_close(orbit_projection(a, b, p_a, p_b, group), (p_a, p_b), rtol=1e-9, atol=1e-10)
 
 
+def test_projection_fixes_the_gauge_but_steps_still_depend_on_the_representative():
+    """`project` is gauge fixing, not a quotient-aware update (docs/gauge.md#projection): it keeps the optimizer's
+    represented motion, so projected gradient steps from two representatives of one model move M differently,
+    where the corrected steps of the test above move it alike."""
+    a, b = random_pair(2, 3)
+    grad_m = torch.randn(2, 3, a.shape[-2], b.shape[-2], dtype=F64, generator=torch.Generator().manual_seed(4))
+    gd = lambda a, b: (-1e-2 * grad_m @ b, -1e-2 * grad_m.mT @ a)  # noqa: E731  factor GD for ℓ = ⟨G, ABᵀ⟩
+    s = random_gauge(2, 3, seed=0)
+    pairs = [(a, b), (a @ s, b @ torch.linalg.inv(s).mT)]
+    motions = [represented_motion(x, y, *orbit_projection(x, y, *gd(x, y), "gl")) for x, y in pairs]
+    assert ((motions[1] - motions[0]).norm() / motions[0].norm()).item() > 1e-2
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Dressed representatives.
 

@@ -89,7 +89,7 @@ def test_a_paper_grid_at_cpu_scale_finishes_reports_compares_and_scores(tmp_path
     with_runs = [c for c in cells if c["verdict"] != "no run"]
     assert with_runs and all(c["verdict"] == "not comparable" for c in with_runs)
     assert any(c["ours"] is not None for c in with_runs)  # the path computed our numbers, and still no verdict
-    top = (directory / "scorecard.md").read_text().split("**The rule.**")[0]
+    top = (directory / "scorecard.md").read_text().split("**The rule**")[0]
     assert f"every one of the {len(with_runs)} cells with runs is not comparable" in top
 
     assert main(["status", str(directory)]) == 0

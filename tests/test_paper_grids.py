@@ -33,6 +33,8 @@ TABLES = {
     "table2": {("ecd", b, s, 0.5 if b == "bqbv" else None, "prelu") for b in ("none", "bqbv")
                for s in (42, 83, 123, 789)},
     "table14": {(o, "bq", 42, None, "prelu") for o in ("ecd", "sgdm", "adamw", "soap")},
+    "table16": {(o, b, 789, 0.5 if b == "bqbv" else None, "prelu") for o in ("sgdm", "adamw", "soap")
+                for b in ("none", "bqbv")},
     "table21": {(o, b, 42, 0.5, "prelu") for o in ("ecd", "sgdm", "adamw", "soap") for b in ("bqbv", "learned")},
     "table23": {("ecd", b, s, 0.0 if b == "bqbv" else None, "gelu") for b in ("none", "bq", "bqbv")
                 for s in (42, 83, 789)},
@@ -85,10 +87,14 @@ def test_each_grids_runs_carry_its_tables_configuration(grid):
             (PAPER_TOKENS, 4096, 512)
         assert (train["lr_schedule"], train["warmup_steps"], train["grad_clip"]) == ("constant", 0, 0.0)
         assert (model["mean_q"], model["std_q_min"], model["std_q_max"]) == (0.5, 0.05, 0.15)
+        assert (model["std_v_min"], model["std_v_max"]) == (0.05, 0.05)  # the published code's σ_V
+        assert train["val_biases"] == "last-sample" and train["val_every"] == 1000  # the published validation
         assert {k: optim[k] for k in TABLE9[train["optimizer"]]} == TABLE9[train["optimizer"]]
-        if train["optimizer"] == "sgdm":  # Table 1: a random initial velocity; its control: at rest
+        if train["optimizer"] == "sgdm":  # Table 1: a random initial velocity, drawn per seed; its control: at rest
             assert optim["initial_velocity_std"] == (0.0 if grid.stem == "table1-sgdm-at-rest" else 0.1)
+            assert optim["optim_seed"] == train["seed"]
         assert paper_run.paper_differences({**c, "data": FINEWEB}, [{"summary": True, "step": train["steps"]}]) == []
+        assert paper_run.metric_problem("best_val_loss", paper_run.Run(Path("run"), c, [])) is None
 
 
 FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
@@ -129,6 +135,26 @@ def test_the_dry_run_prints_every_run_and_the_expected_wall_time(tmp_path, capsy
     assert grid_main(args) == 0
     seconds = (PAPER_TOKENS - 4096 * 20 + PAPER_TOKENS) / 40960.0  # its slot: the rest of it, then the 8th run
     assert f"expected wall time: {format_duration(seconds)} (8 runs on 7 GPU slots" in capsys.readouterr().out
+
+
+def test_the_dry_run_prints_what_each_claim_of_the_grid_can_decide(tmp_path, capsys):
+    """Per claim the grid's runs feed: the seeds it gives, the power at the paper's spread, the seeds for 80%."""
+    from eval import verdicts
+
+    args = ["--grid", str(ROOT / "grids" / "table2.toml"), "--run-dir", str(tmp_path), "--dry-run"]
+    assert grid_main(args) == 0
+    out = capsys.readouterr().out
+    power = verdicts.power(-0.49, 0.09 / 2, 3)  # Table 2's Δ: four seeds at its Std 0.09
+    assert (f"  Table 2, Mean, Δ: -0.49 at spread 0.09 (the paper's Std over 4 seeds): 4 seeds here, power "
+            f"{100 * power:.0f}%; {verdicts.seeds_to_decide(-0.49, 0.09)} seeds give 80%") in out
+    per_seed = verdicts.power(-0.41, 0.09, 3)  # one seed's Δ at the same spread
+    assert f"  Table 10, 789, Δ Val Loss: -0.41 at spread 0.09 (the paper's Std over 4 seeds): 1 seed here, power " \
+           f"{100 * per_seed:.0f}%" in out
+    assert "GELU" not in out  # grids/table23.toml's claims: not these runs'
+    assert grid_main(["--grid", str(ROOT / "grids" / "table23.toml"), "--run-dir", str(tmp_path), "--dry-run"]) == 0
+    gelu = verdicts.power(-0.03, 0.018 / 3 ** 0.5, 2)  # the GELU Δ, three seeds at its Std 0.018
+    assert (f"  Table 23, Mean, GELU Δ: -0.03 at spread 0.018 (the paper's Std over 3 seeds): 3 seeds here, power "
+            f"{100 * gelu:.0f}%; {verdicts.seeds_to_decide(-0.03, 0.018)} seeds give 80%") in capsys.readouterr().out
 
 
 def test_before_any_run_measured_the_wall_time_comes_from_the_gpu_table_for_this_gpu(tmp_path, capsys, monkeypatch):

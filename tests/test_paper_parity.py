@@ -285,6 +285,21 @@ def test_paper_sgdm_starts_from_a_seeded_random_velocity():
     assert not at_rest.state  # torch's SGD: the buffer starts at the first gradient
 
 
+def test_each_seed_draws_its_own_initial_velocity_and_records_it():
+    """The published script draws SGDM's velocity after seeding, so Table 1's two SGDM seeds start from different
+    velocities; --optim-seed (recorded in config.json) fixes one draw whatever the seed."""
+    def first_buffer(*flags: str) -> torch.Tensor:
+        opt = paper_optimizer(tiny_double(), "sgdm", *flags)
+        return next(iter(opt.state.values()))["momentum_buffer"]
+
+    assert train_gpt.parse_config(["--preset", "gpt2-124m", "--optimizer", "sgdm", "--seed", "123"]).optim.optim_seed \
+        == 123
+    assert not torch.equal(first_buffer("--seed", "42"), first_buffer("--seed", "123"))
+    assert torch.equal(first_buffer("--seed", "42"), first_buffer("--seed", "42"))
+    assert torch.equal(first_buffer("--seed", "42", "--optim-seed", "7"), first_buffer("--seed", "123", "--optim-seed",
+                                                                                      "7"))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The run records the published validation estimate and what differs
 
@@ -312,6 +327,17 @@ def test_run_logs_the_single_batch_estimate_and_the_preset_report(corpus, tmp_pa
     log = (run / "log.txt").read_text()
     assert "preset none (compared with gpt2-124m): reproduces" in log and "differs: --n-layer 2 (gpt2-124m: 12)" in log
     assert "single-batch val loss" in log
+
+    # --val-biases last-sample: the published trainer's protocol, the estimate at the last training step's draw; the
+    # training and the fixed-budget validation (at the means) are the same run's
+    train_gpt.main(tiny_args(corpus, tmp_path, "last", steps=8, **{"val-every": 4, "val-biases": "last-sample"}))
+    last = {r["step"]: r for r in read_log(tmp_path / "last") if r.get("val_loss_batch") is not None}
+    model = train_gpt.model_from_checkpoint(load_checkpoint(tmp_path / "last" / "checkpoints" / "latest.pt"))
+    sampler = train_gpt.BiasSampler(model.config, hp["seed"])
+    with torch.no_grad():
+        assert last[8]["val_loss_batch"] == pytest.approx(model(x, y, sampler.sample(7))[1].item(), rel=1e-6)
+    assert last[8]["val_loss_batch"] != estimates[8]  # the means: another number
+    assert [last[s]["val_loss"] for s in (4, 8)] == [r["val_loss"] for r in records if r["step"] in (4, 8)]
 
     # the decay groups are the optimizer's parameter groups: fixed on resume; a checkpoint written before
     # --decay-groups existed resumes with the groups its two switches meant

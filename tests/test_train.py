@@ -379,9 +379,9 @@ def test_optimizers_get_the_clip_and_overlap_settings(corpus, tmp_path):
 
 def test_the_single_batch_estimate_takes_the_next_validation_batch_at_each_multiple_of_val_every():
     hp = train_gpt.TrainConfig(val_tokens=3 * 4096, batch_tokens=4096, seq_len=512, val_every=10)
-    starts = [train_gpt.single_batch_start(step, hp) for step in (0, 5, 10, 20, 30, 40)]
+    starts = [config.single_batch_start(step, hp) for step in (0, 5, 10, 20, 30, 40)]
     assert starts == [None, None, 0, 8, 16, 0]  # batches of 8 sequences, cycling within the three of the budget
-    assert train_gpt.single_batch_start(10, dataclasses.replace(hp, val_batch_estimate=False)) is None
+    assert config.single_batch_start(10, dataclasses.replace(hp, val_batch_estimate=False)) is None
 
 
 def test_lr_schedules():
