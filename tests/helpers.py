@@ -25,15 +25,23 @@ VOCAB = 128  # the synthetic corpus' vocabulary
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one thread: bit-exact runs on the CPU
 
 
+# Top-level folders whose .py files are not the repository's modules: the tests, build outputs, and the trainer's
+# default run directory (each run keeps a copy of the code it ran).
+NOT_SOURCE = ("tests", "build", "runs")
+
+
 def repository_modules() -> list[str]:
-    """Every importable module of the repository (top-level modules and packages' modules, tests left out), as
-    `import` names it: the list that packaging and isolation tests check, derived rather than typed."""
+    """Every module of the repository, as `import` names it: each .py file at any depth (in a package, a sub-package
+    or a folder without __init__.py, which Python imports as a namespace package), leaving out NOT_SOURCE, hidden
+    folders (.git, .venv, caches) and __pycache__. The list that the packaging and layer tests check, derived from
+    the tree rather than typed."""
     modules = []
-    for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("*/*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[0] in ("tests", "build") or (len(parts) == 2 and not (path.parent / "__init__.py").is_file()):
-            continue
-        modules.append(".".join(parts).removesuffix(".__init__"))
+    for folder, subfolders, files in os.walk(ROOT):
+        where = Path(folder).relative_to(ROOT).parts
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith((".", "__"))
+                               and (where or name not in NOT_SOURCE))
+        modules += [".".join((*where, name.removesuffix(".py"))).removesuffix(".__init__")
+                    for name in sorted(files) if name.endswith(".py")]
     return modules
 
 
