@@ -6,4 +6,5 @@ imported here:
     run.directory    the run directory: choosing it, its lock, clearing crashed writers' leftovers, opening it
     run.log          log.txt, log.jsonl, the trackers (W&B, TensorBoard), the lines a run ends with
     run.stop         stop requests every rank agrees on, and the message of a non-finite stop
+    run.capture      the training step replayed from a CUDA graph, its static buffers, and why a step cannot be
 """
