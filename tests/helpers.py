@@ -59,14 +59,21 @@ def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarr
 TINY_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)  # tiny_gpt's model
 
 
+def tiny_config(**overrides):
+    """The tiny GPT's configuration: TINY_GPT, `overrides` changing any GPTConfig field."""
+    import train_gpt
+
+    return train_gpt.GPTConfig(**{**TINY_GPT, **overrides})
+
+
 def tiny_gpt(seed: int = 0, noise: float = 0.0, **overrides):
-    """The tests' tiny GPT: TINY_GPT, `overrides` changing any GPTConfig field, initialised after
-    torch.manual_seed(seed); noise > 0 then adds noise · N(0, 1) to every parameter, so that biases, LayerNorms and
-    slopes are generic rather than at their initial values. In training mode, float32."""
+    """The tests' tiny GPT: tiny_config(**overrides), initialised after torch.manual_seed(seed); noise > 0 then adds
+    noise · N(0, 1) to every parameter, so that biases, LayerNorms and slopes are generic rather than at their initial
+    values. In training mode, float32; its configuration is `model.config`."""
     import train_gpt
 
     torch.manual_seed(seed)
-    model = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY_GPT, **overrides}))
+    model = train_gpt.GPT(tiny_config(**overrides))
     if noise:
         with torch.no_grad():
             for p in model.parameters():
