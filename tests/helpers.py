@@ -1,19 +1,26 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
-the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
-output, gloo ranks (forked with the environment torchrun gives its workers, or under torchrun itself), CUDA's graph
-API stood in for on the CPU, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+the tiny trainer runs on it, the tiny GPT and its configuration, a trainer held at a step for a signal and bounded
+waits for a subprocess's output, a grid's environment and the runs it started, gloo ranks (forked with the
+environment torchrun gives its workers, or under torchrun itself), CUDA's graph API stood in for on the CPU, a fake
+Hugging Face Hub, the v1 checkpoint layouts, the published SOAP (a float64 NumPy transcription, a stand-in for its
+class), and the TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128  # the synthetic corpus' vocabulary
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one thread: bit-exact runs on the CPU
+GRID_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # `python -m grid`: it gives each of its workers their threads
 
 
 # Top-level folders whose .py files are not the repository's modules: the tests, build outputs, and the trainer's
@@ -185,6 +193,13 @@ def stop_held_trainer(args: list[str], step: int, signum: int) -> str:
     return output.text()
 
 
+def started(directory: Path) -> list[str]:
+    """The runs the grid in `directory` started (grid.jsonl's `running` records), in order."""
+    from grid.execute import Journal
+
+    return [r["run"] for r in Journal(directory).records() if r.get("state") == "running"]
+
+
 class _Zygote:
     """tests/zygote.py, started once per test process with ENV (so its imports see OMP_NUM_THREADS=1, as a rank
     started with ENV would): each `start` forks a rank from it, skipping the ~2 s of imports a fresh interpreter
@@ -324,6 +339,100 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
 
 
+HUB_REPO = "someone/fake-shards"  # the dataset FakeHub serves
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub:
+    """Serves `files` at the Hub's resolve URLs (HEAD + GET with Range) and its tree listing, with scripted faults.
+
+    truncate: names whose next GET sends half the body and drops the connection (once each).
+    fail: names whose next GET answers 500 (once each).
+    corrupt: name -> how many GETs serve the tokens reversed (valid header and ids: only the sha256 can tell).
+    """
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.gets: Counter[str] = Counter()
+        self.truncate: set[str] = set()
+        self.fail: set[str] = set()
+        self.corrupt: Counter[str] = Counter()
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _name(self) -> str | None:
+                prefix = f"/datasets/{HUB_REPO}/resolve/main/"
+                name = self.path.split("?")[0][len(prefix):] if self.path.startswith(prefix) else None
+                return name if name in hub.files else None
+
+            def _headers(self, name: str, status: int, length: int, extra: dict | None = None) -> None:
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", HUB_COMMIT)
+                self.send_header("ETag", f'"{hashlib.sha256(hub.files[name]).hexdigest()}"')
+                self.send_header("Content-Length", str(length))
+                self.send_header("Accept-Ranges", "bytes")
+                for key, value in (extra or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+
+            def do_HEAD(self):
+                name = self._name()
+                if name is None:
+                    self.send_error(404)
+                    return
+                self._headers(name, 200, len(hub.files[name]))
+
+            def do_GET(self):
+                if self.path.startswith(f"/api/datasets/{HUB_REPO}/tree/main"):
+                    listing = json.dumps([{"type": "file", "path": n, "size": len(b),
+                                           "oid": hashlib.sha1(b).hexdigest()} for n, b in hub.files.items()]).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(listing)))
+                    self.end_headers()
+                    self.wfile.write(listing)
+                    return
+                name = self._name()
+                if name is None:
+                    self.send_error(404)
+                    return
+                hub.gets[name] += 1
+                if name in hub.fail:
+                    hub.fail.discard(name)
+                    self.send_error(500)
+                    return
+                body = hub.files[name]
+                if hub.corrupt[name] > 0:
+                    hub.corrupt[name] -= 1
+                    body = body[:1024] + np.frombuffer(body[1024:], dtype="<u2")[::-1].tobytes()
+                start = 0
+                if "Range" in self.headers:
+                    start = int(self.headers["Range"].split("=")[1].split("-")[0])
+                    self._headers(name, 206, len(body) - start,
+                                  {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
+                else:
+                    self._headers(name, 200, len(body))
+                if name in hub.truncate:
+                    hub.truncate.discard(name)
+                    self.wfile.write(body[start:len(body) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(body[start:])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def write_v1_checkpoint(source: Path, target: Path, oldest: bool = False) -> None:
     """Rewrite the checkpoint `source` (written by today's trainer) in a layout of the first format, v1, at `target`.
     The newest v1 layout: the optimizer state in a one-element "optimizers" list, with a checksum. The oldest
@@ -364,6 +473,85 @@ def relative_difference(a: dict, b: dict) -> float:
     """|a − b| / |b| over all tensors together."""
     diff = torch.cat([(a[k] - b[k]).flatten() for k in a])
     return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
+
+
+# A stand-in with the published SOAP class's interface (plain Adam, state in lists as the published SOAP keeps its
+# factors): the repository carries no peer code.
+PUBLISHED_SOAP = textwrap.dedent('''
+    import torch
+
+    class SOAP(torch.optim.Adam):
+        def __init__(self, params, lr, betas, eps, weight_decay, precondition_frequency, max_precond_dim):
+            super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+        def step(self):
+            super().step()
+            for p, state in self.state.items():
+                state.setdefault("GG", [torch.zeros_like(p), []])
+''')
+
+
+def np_project(x, bases):
+    for q in bases:
+        x = np.tensordot(x, q, axes=([0], [0])) if q is not None else np.moveaxis(x, 0, -1)
+    return x
+
+
+def np_project_back(x, bases):
+    for q in bases:
+        x = np.tensordot(x, q, axes=([0], [1])) if q is not None else np.moveaxis(x, 0, -1)
+    return x
+
+
+def published_eigenbasis(factor):
+    """The published first basis: eigh's eigenvectors by descending eigenvalue."""
+    return np.flip(np.linalg.eigh(factor)[1], 1)
+
+
+def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, merge, pre1d, shampoo_beta,
+                   eigenbasis=published_eigenbasis):
+    """The published SOAP step (per tensor, m projected back and forth every step) in float64 NumPy; `eigenbasis`
+    takes the first bases from the first factors."""
+    from optim.soap import merged_shape
+
+    b1, b2 = betas
+    bs = b2 if shampoo_beta is None else shampoo_beta
+    states = [{} for _ in params]
+    for call in range(steps):
+        grads = grad_fn(params, call)
+        for p, g, st, wd in zip(params, grads, states, wds):
+            shape = merged_shape(p.shape, max_dim) if merge and p.ndim > 1 else p.shape
+            g = g.reshape(shape)
+            if "Q" not in st:
+                rot = [pre1d and p.size <= max_dim] if p.ndim == 1 else [s <= max_dim for s in shape]
+                st.update(step=0, m=np.zeros(shape), v=np.zeros(shape), Q=None,
+                          GG=[np.zeros((s, s)) if r else None for s, r in zip(shape, rot)])
+            else:
+                gp = np_project(g, st["Q"])
+                st["step"] += 1
+                t = st["step"]
+                st["m"] = b1 * st["m"] + (1 - b1) * gp
+                st["v"] = b2 * st["v"] + (1 - b2) * gp**2
+                n = np_project_back(st["m"] / (np.sqrt(st["v"]) + eps), st["Q"]).reshape(p.shape)
+                p -= lr * np.sqrt(1 - b2**t) / (1 - b1**t) * n
+                if wd > 0:
+                    p -= lr * wd * p
+                st["m"] = np_project_back(st["m"], st["Q"])
+            for d, f in enumerate(st["GG"]):
+                if f is not None:
+                    others = [k for k in range(g.ndim) if k != d]
+                    st["GG"][d] = bs * f + (1 - bs) * np.tensordot(g, g, axes=(others, others))
+            if st["Q"] is None:
+                st["Q"] = [eigenbasis(f) if f is not None else None for f in st["GG"]]
+            elif st["step"] % freq == 0:
+                for d, (f, q) in enumerate(zip(st["GG"], st["Q"])):
+                    if f is not None:
+                        order = np.argsort(-np.diag(q.T @ f @ q), kind="stable")
+                        st["v"] = np.take(st["v"], order, axis=d)
+                        st["Q"][d] = np.linalg.qr(f @ q[:, order])[0]
+            if st["step"] > 0:
+                st["m"] = np_project(st["m"], st["Q"])
+    return params
 
 
 def patch_triton_interpreter() -> None:
