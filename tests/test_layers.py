@@ -2,7 +2,8 @@
 at the top of a module or inside a function, goes to a layer left of the importer's or stays in its own package;
 kernels imports nothing else of the project; only train_gpt imports hooks; nothing but grid imports eval; no module
 imports itself through a chain of others. The diagram is read from the README, so the page and the code cannot
-drift apart. Each package's docstring maps its modules, and the map is checked against the tree.
+drift apart. Each package's docstring maps its modules, and the map is checked against the tree; no test module
+imports another.
 
 What is read: every .py file at any depth but tests/ (tests.helpers.repository_modules), its import statements and
 its calls of importlib.import_module / __import__ with a literal name (run.directory.imported_names). What is not:
@@ -131,6 +132,17 @@ def test_every_package_docstring_maps_its_modules():
         problems += [f"{where}: names {path}, which is no file"
                      for path in re.findall(r"[\w/]+/\w+\.py\b", doc) if not (ROOT / path).is_file()]
     assert not problems, "package docstrings (their module maps):\n" + "\n".join(problems)
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/helpers.py, their shared fixtures in conftest.py: pytest imports a test
+    module under its file's name (`test_grid`), so another module's `from tests.test_grid import ...` runs it a second
+    time, as another module."""
+    tests = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+    found = sorted({f"{path.relative_to(ROOT)} imports {module}" for path in (ROOT / "tests").rglob("*.py")
+                    for name in imported_names(path) if (module := name.removeprefix("tests.").split(".")[0]) in tests})
+    assert not found, "test modules importing test modules (move what they share to tests/helpers.py):\n" + \
+        "\n".join(found)
 
 
 def test_the_run_directory_keeps_the_trainers_modules_derived_from_its_imports():
