@@ -5,10 +5,11 @@ imports itself through a chain of others. The diagram is read from the README, s
 drift apart. Each package's docstring maps its modules, and the map is checked against the tree; no test module
 imports another.
 
-What is read: every .py file at any depth but tests/ (tests.helpers.repository_modules), its import statements and
-its calls of importlib.import_module / __import__ with a literal name (run.directory.imported_names). What is not:
-a name computed at run time (`import_module(f"optim.{name}")`, a variable), an alias of import_module, and code run
-by other means (runpy, exec, importlib.util.spec_from_file_location)."""
+What is read: every .py file at any depth but the tests, build outputs, runs and hidden folders
+(tests.helpers.repository_modules), its import statements and its calls of importlib.import_module / __import__
+with a literal name (run.directory.imported_names). What is not: a name computed at run time
+(`import_module(f"optim.{name}")`, a variable), an alias of import_module, and code run by other means (runpy, exec,
+importlib.util.spec_from_file_location)."""
 from __future__ import annotations
 
 import ast
