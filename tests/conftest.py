@@ -22,9 +22,9 @@ Fixtures:
   comparisons between a run in the test process and one in a subprocess.
 - `tiny_flags` (module scope): the trainer's flags for a grid's tiny CPU runs on random GPT-2 tokens
   (`python -m grid ... -- *tiny_flags`, with tests.helpers.GRID_ENV).
-A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)` (its configuration:
-`tests.helpers.tiny_config(**overrides)`). A trainer subprocess to signal at a
-known step: `tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
+A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)` (its configuration alone:
+`tests.helpers.tiny_config(**overrides)`). A trainer subprocess to signal at a known step:
+`tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
 `tests.helpers.PipedLines(proc).wait_for("held after step STEP")`.
 Waits are bounded by `tests.helpers.wait_until` (never an assertion on how long something took).
 """

@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128  # the synthetic corpus' vocabulary
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one thread: bit-exact runs on the CPU
-GRID_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # `python -m grid`: it gives each of its workers their threads
+GRID_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # `python -m grid`, which gives each worker its share of threads
 
 
 # Top-level folders whose .py files are not the repository's modules: the tests, build outputs, and the trainer's

@@ -123,7 +123,7 @@ def test_every_package_docstring_maps_its_modules():
         source = module_file(package)
         if source is None or source.name != "__init__.py":
             problems.append(f"{package.replace('.', '/')}/ holds modules but no __init__.py; add one whose docstring "
-                            f"maps them")
+                            "maps them")
             continue
         doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8")), clean=False) or ""
         rows = set(re.findall(rf"^ +({re.escape(package)}\.\w+)(?: |$)", doc, re.MULTILINE))
