@@ -1,8 +1,14 @@
-"""A grid of training runs from one command: `python -m grid` (docs/grid.md).
+"""A grid of training runs from one command: `python -m grid` (docs/grid.md). Nothing is imported here:
 
-plan.py: the axes and shared flags (command line or TOML), one run per combination, each checked by train_gpt.py's
-own parser, and its command. execute.py: placement on GPUs or CPU workers, the queue, signals, `grid.jsonl` and the
-directory's lock. progress.py: the live table and `python -m grid status`. report.py: eval.report per finished run
-and eval.compare over the grid. slurm.py: the grid as a Slurm job array (its script, its submission with the report
-after it, and what each task runs).
+    grid.__main__  the command: plan, check, place and run the grid, `status`, `report` and `task`
+    grid.plan      the axes and shared flags (command line or TOML), one run per combination, each checked by
+                   train_gpt.py's own parser, and the command that trains or resumes it
+    grid.scale     the same grid at another scale (`--scale cpu`: every run shrunk to seconds on a CPU)
+    grid.execute   placement on GPUs or CPU workers, the queue, signals, `grid.jsonl` and the directory's lock
+    grid.memory    a run's GPU memory, estimated from its configuration, and whether --runs-per-gpu of them fit
+    grid.estimate  the grid's expected wall time, from the throughput its runs measured or bench/throughput.json
+    grid.progress  the live table and `python -m grid status`
+    grid.report    eval.report for every finished run and eval.compare over the grid
+    grid.slurm     the grid as a Slurm job array: its script, its submission with the report after it, and what each
+                   task runs
 """

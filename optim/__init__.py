@@ -1,4 +1,13 @@
-"""Optimizers and the registry the trainer builds them from.
+"""Optimizers and the registry the trainer builds them from:
+
+    optim.registry          each optimizer's config (its flags), its spec, the weight-decay parameter groups
+    optim.base              the contract between an optimizer and the trainer and tools, with a default for all but
+                            the update; what the implementations share
+    optim.torch_optimizers  AdamW and SGD with Nesterov momentum from torch.optim, with the paper's defaults
+    optim.ecd               ECD q=1, energy conserving descent
+    optim.soap              SOAP: Adam in the eigenbasis of Shampoo's preconditioner
+    optim.muon              Muon for the hidden matrices with AdamW for everything else
+    optim.distributed       owner-computes sharding: parameters, gradients and state as views into flat buffers
 
 Adding an optimizer (docs/optimizers.md#adding-an-optimizer): write a module in `optim/` with a config dataclass (a
 subclass of `OptimizerConfig` whose fields, declared with `cli.flag`, are its hyperparameters with their defaults and

@@ -148,10 +148,11 @@ class RunDirectory:
 
 
 def imported_names(path: Path) -> frozenset[str]:
-    """The dotted names the import statements of source file `path` name, at the top and inside functions (for
-    `from a import b`, a and a.b: b may be a module). The repository writes every import absolute. Each version of
-    a file (its modification time and size) is parsed once per process: a process that opens many runs (a notebook,
-    the test suite) does not parse the tree again for each."""
+    """The dotted names the imports of source file `path` name, at the top and inside functions: its import
+    statements (for `from a import b`, a and a.b: b may be a module) and its calls of `importlib.import_module` or
+    `__import__` with a literal name (a name computed at run time cannot be read from the source). The repository
+    writes every import absolute. Each version of a file (its modification time and size) is parsed once per process:
+    a process that opens many runs (a notebook, the test suite) does not parse the tree again for each."""
     stat = path.stat()
     return _imported_names(path, stat.st_mtime_ns, stat.st_size)
 
@@ -161,13 +162,26 @@ def _imported_names(path: Path, mtime_ns: int, size: int) -> frozenset[str]:
     """imported_names of one version of the file (the cache's key: its path, modification time and size)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level:
+        dynamic = dynamic_import(node)
+        if (isinstance(node, ast.ImportFrom) and node.level) or (dynamic or "").startswith("."):
             raise ValueError(f"{path}:{node.lineno}: a relative import; write it absolute")
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+        elif dynamic:
+            names.add(dynamic)
     return frozenset(names)
+
+
+def dynamic_import(node: ast.AST) -> str | None:
+    """The module a call `importlib.import_module("a.b")`, `import_module("a.b")` or `__import__("a.b")` imports,
+    when its name is a literal string; None for any other node."""
+    if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)):
+        return None
+    called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+    return node.args[0].value if called in ("import_module", "__import__") else None
 
 
 def module_file(name: str) -> Path | None:

@@ -25,8 +25,11 @@ Fixtures:
   comparisons between a run in the test process and one in a subprocess.
 - `slurm_cluster` (session scope): a one-node Slurm cluster of this test process (tests/slurm_cluster.py), stopped
   with every job and process of it at the end of the session.
-A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)`. A trainer subprocess to signal at a
-known step: `tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
+- `tiny_flags` (module scope): the trainer's flags for a grid's tiny CPU runs on random GPT-2 tokens
+  (`python -m grid ... -- *tiny_flags`, with tests.helpers.GRID_ENV).
+A tiny model without a run: `tests.helpers.tiny_gpt(seed, noise, **overrides)` (its configuration alone:
+`tests.helpers.tiny_config(**overrides)`). A trainer subprocess to signal at a known step:
+`tests.helpers.stop_held_trainer(args, step, signum)`, or `env=tests.helpers.held_env(step)` and
 `tests.helpers.PipedLines(proc).wait_for("held after step STEP")`.
 Waits are bounded by `tests.helpers.wait_until` (never an assertion on how long something took).
 """
@@ -36,6 +39,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +116,18 @@ def slurm_cluster(tmp_path_factory):
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
     yield cluster
     stop_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def tiny_flags(tmp_path_factory) -> list[str]:
+    """Shared train_gpt.py flags of a grid's runs: a 1-layer, 16-wide model on random GPT-2 tokens (blocks of 64 hold
+    the logic prompts of the report), on the CPU."""
+    from data.shards import write_shard
+
+    root = tmp_path_factory.mktemp("corpus")
+    write_shard(root / "g_val_000000.bin", np.random.default_rng(0).integers(0, 50257, 4096))
+    write_shard(root / "g_train_000001.bin", np.random.default_rng(1).integers(0, 50257, 8192))
+    return ["--train-files", str(root / "g_train_*.bin"), "--val-files", str(root / "g_val_*.bin"),
+            "--block-size", "64", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
+            "--batch-tokens", "32", "--micro-batch", "2", "--val-tokens", "32", "--device", "cpu", "--no-compile",
+            "--log-every", "1"]

@@ -1,19 +1,26 @@
 """What several test modules share (fixtures live in conftest.py): the repository's modules, the synthetic corpus and
-the tiny trainer runs on it, the tiny GPT, a trainer held at a step for a signal and bounded waits for a subprocess's
-output, gloo ranks (forked with the environment torchrun gives its workers, or under torchrun itself), CUDA's graph
-API stood in for on the CPU, the v1 checkpoint layouts, and the TRITON_INTERPRET=1 subprocess runner."""
+the tiny trainer runs on it, the tiny GPT and its configuration, a trainer held at a step for a signal and bounded
+waits for a subprocess's output, a grid's environment and the runs it started, gloo ranks (forked with the
+environment torchrun gives its workers, or under torchrun itself), CUDA's graph API stood in for on the CPU, a fake
+Hugging Face Hub, the v1 checkpoint layouts, the published SOAP (a float64 NumPy transcription, a stand-in for its
+class), and the TRITON_INTERPRET=1 subprocess runner."""
 from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
+import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -23,17 +30,26 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128  # the synthetic corpus' vocabulary
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # one thread: bit-exact runs on the CPU
+GRID_ENV = {**os.environ, "PYTHONPATH": str(ROOT)}  # `python -m grid`, which gives each worker its share of threads
+
+
+# Top-level folders whose .py files are not the repository's modules: the tests, build outputs, and the trainer's
+# default run directory (each run keeps a copy of the code it ran).
+NOT_SOURCE = ("tests", "build", "runs")
 
 
 def repository_modules() -> list[str]:
-    """Every importable module of the repository (top-level modules and packages' modules, tests left out), as
-    `import` names it: the list that packaging and isolation tests check, derived rather than typed."""
+    """Every module of the repository, as `import` names it: each .py file at any depth (in a package, a sub-package
+    or a folder without __init__.py, which Python imports as a namespace package), leaving out NOT_SOURCE, hidden
+    folders (.git, .venv, caches) and __pycache__. The list that the packaging and layer tests check, derived from
+    the tree rather than typed."""
     modules = []
-    for path in sorted(ROOT.glob("*.py")) + sorted(ROOT.glob("*/*.py")):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        if parts[0] in ("tests", "build") or (len(parts) == 2 and not (path.parent / "__init__.py").is_file()):
-            continue
-        modules.append(".".join(parts).removesuffix(".__init__"))
+    for folder, subfolders, files in os.walk(ROOT):
+        where = Path(folder).relative_to(ROOT).parts
+        subfolders[:] = sorted(name for name in subfolders if not name.startswith((".", "__"))
+                               and (where or name not in NOT_SOURCE))
+        modules += [".".join((*where, name.removesuffix(".py"))).removesuffix(".__init__")
+                    for name in sorted(files) if name.endswith(".py")]
     return modules
 
 
@@ -51,14 +67,21 @@ def synthetic_tokens(num_tokens: int, seed: int, vocab: int = VOCAB) -> np.ndarr
 TINY_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)  # tiny_gpt's model
 
 
+def tiny_config(**overrides):
+    """The tiny GPT's configuration: TINY_GPT, `overrides` changing any GPTConfig field."""
+    import train_gpt
+
+    return train_gpt.GPTConfig(**{**TINY_GPT, **overrides})
+
+
 def tiny_gpt(seed: int = 0, noise: float = 0.0, **overrides):
-    """The tests' tiny GPT: TINY_GPT, `overrides` changing any GPTConfig field, initialised after
-    torch.manual_seed(seed); noise > 0 then adds noise · N(0, 1) to every parameter, so that biases, LayerNorms and
-    slopes are generic rather than at their initial values. In training mode, float32."""
+    """The tests' tiny GPT: tiny_config(**overrides), initialised after torch.manual_seed(seed); noise > 0 then adds
+    noise · N(0, 1) to every parameter, so that biases, LayerNorms and slopes are generic rather than at their initial
+    values. In training mode, float32; its configuration is `model.config`."""
     import train_gpt
 
     torch.manual_seed(seed)
-    model = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY_GPT, **overrides}))
+    model = train_gpt.GPT(tiny_config(**overrides))
     if noise:
         with torch.no_grad():
             for p in model.parameters():
@@ -168,6 +191,13 @@ def stop_held_trainer(args: list[str], step: int, signum: int) -> str:
     proc.send_signal(signum)
     assert proc.wait(timeout=300) == 128 + signum, output.text()
     return output.text()
+
+
+def started(directory: Path) -> list[str]:
+    """The runs the grid in `directory` started (grid.jsonl's `running` records), in order."""
+    from grid.execute import Journal
+
+    return [r["run"] for r in Journal(directory).records() if r.get("state") == "running"]
 
 
 class _Zygote:
@@ -309,6 +339,100 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
 
 
+HUB_REPO = "someone/fake-shards"  # the dataset FakeHub serves
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub:
+    """Serves `files` at the Hub's resolve URLs (HEAD + GET with Range) and its tree listing, with scripted faults.
+
+    truncate: names whose next GET sends half the body and drops the connection (once each).
+    fail: names whose next GET answers 500 (once each).
+    corrupt: name -> how many GETs serve the tokens reversed (valid header and ids: only the sha256 can tell).
+    """
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+        self.gets: Counter[str] = Counter()
+        self.truncate: set[str] = set()
+        self.fail: set[str] = set()
+        self.corrupt: Counter[str] = Counter()
+        hub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _name(self) -> str | None:
+                prefix = f"/datasets/{HUB_REPO}/resolve/main/"
+                name = self.path.split("?")[0][len(prefix):] if self.path.startswith(prefix) else None
+                return name if name in hub.files else None
+
+            def _headers(self, name: str, status: int, length: int, extra: dict | None = None) -> None:
+                self.send_response(status)
+                self.send_header("X-Repo-Commit", HUB_COMMIT)
+                self.send_header("ETag", f'"{hashlib.sha256(hub.files[name]).hexdigest()}"')
+                self.send_header("Content-Length", str(length))
+                self.send_header("Accept-Ranges", "bytes")
+                for key, value in (extra or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+
+            def do_HEAD(self):
+                name = self._name()
+                if name is None:
+                    self.send_error(404)
+                    return
+                self._headers(name, 200, len(hub.files[name]))
+
+            def do_GET(self):
+                if self.path.startswith(f"/api/datasets/{HUB_REPO}/tree/main"):
+                    listing = json.dumps([{"type": "file", "path": n, "size": len(b),
+                                           "oid": hashlib.sha1(b).hexdigest()} for n, b in hub.files.items()]).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(listing)))
+                    self.end_headers()
+                    self.wfile.write(listing)
+                    return
+                name = self._name()
+                if name is None:
+                    self.send_error(404)
+                    return
+                hub.gets[name] += 1
+                if name in hub.fail:
+                    hub.fail.discard(name)
+                    self.send_error(500)
+                    return
+                body = hub.files[name]
+                if hub.corrupt[name] > 0:
+                    hub.corrupt[name] -= 1
+                    body = body[:1024] + np.frombuffer(body[1024:], dtype="<u2")[::-1].tobytes()
+                start = 0
+                if "Range" in self.headers:
+                    start = int(self.headers["Range"].split("=")[1].split("-")[0])
+                    self._headers(name, 206, len(body) - start,
+                                  {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
+                else:
+                    self._headers(name, 200, len(body))
+                if name in hub.truncate:
+                    hub.truncate.discard(name)
+                    self.wfile.write(body[start:len(body) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(body[start:])
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def write_v1_checkpoint(source: Path, target: Path, oldest: bool = False) -> None:
     """Rewrite the checkpoint `source` (written by today's trainer) in a layout of the first format, v1, at `target`.
     The newest v1 layout: the optimizer state in a one-element "optimizers" list, with a checksum. The oldest
@@ -349,6 +473,85 @@ def relative_difference(a: dict, b: dict) -> float:
     """|a − b| / |b| over all tensors together."""
     diff = torch.cat([(a[k] - b[k]).flatten() for k in a])
     return (diff.norm() / torch.cat([b[k].flatten() for k in a]).norm()).item()
+
+
+# A stand-in with the published SOAP class's interface (plain Adam, state in lists as the published SOAP keeps its
+# factors): the repository carries no peer code.
+PUBLISHED_SOAP = textwrap.dedent('''
+    import torch
+
+    class SOAP(torch.optim.Adam):
+        def __init__(self, params, lr, betas, eps, weight_decay, precondition_frequency, max_precond_dim):
+            super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+        def step(self):
+            super().step()
+            for p, state in self.state.items():
+                state.setdefault("GG", [torch.zeros_like(p), []])
+''')
+
+
+def np_project(x, bases):
+    for q in bases:
+        x = np.tensordot(x, q, axes=([0], [0])) if q is not None else np.moveaxis(x, 0, -1)
+    return x
+
+
+def np_project_back(x, bases):
+    for q in bases:
+        x = np.tensordot(x, q, axes=([0], [1])) if q is not None else np.moveaxis(x, 0, -1)
+    return x
+
+
+def published_eigenbasis(factor):
+    """The published first basis: eigh's eigenvectors by descending eigenvalue."""
+    return np.flip(np.linalg.eigh(factor)[1], 1)
+
+
+def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, merge, pre1d, shampoo_beta,
+                   eigenbasis=published_eigenbasis):
+    """The published SOAP step (per tensor, m projected back and forth every step) in float64 NumPy; `eigenbasis`
+    takes the first bases from the first factors."""
+    from optim.soap import merged_shape
+
+    b1, b2 = betas
+    bs = b2 if shampoo_beta is None else shampoo_beta
+    states = [{} for _ in params]
+    for call in range(steps):
+        grads = grad_fn(params, call)
+        for p, g, st, wd in zip(params, grads, states, wds):
+            shape = merged_shape(p.shape, max_dim) if merge and p.ndim > 1 else p.shape
+            g = g.reshape(shape)
+            if "Q" not in st:
+                rot = [pre1d and p.size <= max_dim] if p.ndim == 1 else [s <= max_dim for s in shape]
+                st.update(step=0, m=np.zeros(shape), v=np.zeros(shape), Q=None,
+                          GG=[np.zeros((s, s)) if r else None for s, r in zip(shape, rot)])
+            else:
+                gp = np_project(g, st["Q"])
+                st["step"] += 1
+                t = st["step"]
+                st["m"] = b1 * st["m"] + (1 - b1) * gp
+                st["v"] = b2 * st["v"] + (1 - b2) * gp**2
+                n = np_project_back(st["m"] / (np.sqrt(st["v"]) + eps), st["Q"]).reshape(p.shape)
+                p -= lr * np.sqrt(1 - b2**t) / (1 - b1**t) * n
+                if wd > 0:
+                    p -= lr * wd * p
+                st["m"] = np_project_back(st["m"], st["Q"])
+            for d, f in enumerate(st["GG"]):
+                if f is not None:
+                    others = [k for k in range(g.ndim) if k != d]
+                    st["GG"][d] = bs * f + (1 - bs) * np.tensordot(g, g, axes=(others, others))
+            if st["Q"] is None:
+                st["Q"] = [eigenbasis(f) if f is not None else None for f in st["GG"]]
+            elif st["step"] % freq == 0:
+                for d, (f, q) in enumerate(zip(st["GG"], st["Q"])):
+                    if f is not None:
+                        order = np.argsort(-np.diag(q.T @ f @ q), kind="stable")
+                        st["v"] = np.take(st["v"], order, axis=d)
+                        st["Q"][d] = np.linalg.qr(f @ q[:, order])[0]
+            if st["step"] > 0:
+                st["m"] = np_project(st["m"], st["Q"])
+    return params
 
 
 def patch_triton_interpreter() -> None:
@@ -396,3 +599,46 @@ def write_interpreter_results(path: str, **checks) -> None:
     except Exception:
         results = {"traceback": traceback.format_exc()}
     Path(path).write_text(json.dumps(results))
+
+
+# -- the paper's runs as a finished run leaves them (the scorecard's and the published data's tests) ---------------
+
+PROTOCOL = ("--val-biases", "last-sample")  # the published trainer's validation
+
+
+def data_record(kind: str) -> dict:
+    """What config.json records of FineWeb-Edu shards (`fineweb`, or `fineweb-copy`: the same names, other
+    contents; 800M training tokens, as `python -m data.fineweb_edu --chunks 8` downloads) or of the embedded
+    corpus."""
+    prefix = {"fineweb": "finewebedu", "fineweb-copy": "finewebedu", "embedded": "embedded"}[kind]
+    files = {"train": range(1, 9), "val": (0,)}
+    split = {name: {"given": "", "pattern": f"/data/{prefix}_{name}_*.bin", "tokens": 100_000_000 * len(files[name]),
+                    "files": [{"path": f"/data/{prefix}_{name}_00000{i}.bin", "tokens": 100_000_000,
+                               "sha256": kind[0] * 64} for i in files[name]]}
+             for name in ("train", "val")}
+    return {**split, "fingerprint": {"fineweb": "f" * 16, "fineweb-copy": "c" * 16, "embedded": "e" * 16}[kind]}
+
+
+def finished_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best: float | None, *,
+                 mean_v: float | None = None, gelu: bool = False, data: str = "fineweb", flags: tuple = PROTOCOL,
+                 finished: bool = True, logic: dict | None = None, log: list[dict] | None = None) -> Path:
+    """A run directory as a finished paper run leaves it: config.json of the paper's preset with these settings,
+    log.jsonl whose best single-batch validation estimate is `best` (or `log` as given), and the paper suite's logic
+    numbers."""
+    argv = ["--preset", "gpt2-124m-gelu" if gelu else "gpt2-124m", "--optimizer", optimizer, "--bias-mode", bias,
+            "--seed", str(seed), *(["--mean-v", str(mean_v)] if mean_v is not None else []), *flags]
+    import train_gpt
+
+    config = train_gpt.parse_config(argv)
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({**config.to_dict(), "data": data_record(data)}))
+    steps = config.train.steps
+    records = [{"step": 1000, "tokens": 4096000, "val_loss_batch": best, "best_val_loss_batch": best}]
+    records += [{"summary": True, "step": steps, "best_val_loss_batch": best}] if finished else []
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (log or records)))
+    if logic is not None:
+        (run / "eval").mkdir()
+        (run / "eval" / "logic_puzzles.json").write_text(json.dumps(
+            {"suites": [{"name": "paper", "protocol": "paper", "overall": logic}]}))
+    return run

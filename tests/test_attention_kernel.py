@@ -259,12 +259,10 @@ def _model_compiles_without_graph_break() -> None:
     lifted) compiles in one graph (aot_eager, fullgraph), with the values and gradients of eager mode."""
     import kernels.attention as attn
     import kernels.attention_paths as paths
-    import train_gpt
+    from tests.helpers import tiny_gpt
 
     paths.kernel_problem = lambda *args: None
-    torch.manual_seed(0)
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=1, n_embd=64,
-                                              bias_mode="learned"))
+    model = tiny_gpt(0, block_size=16, n_layer=1, n_head=1, n_embd=64, bias_mode="learned")
     paths.set_implementation(model, "triton")
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     calls = []

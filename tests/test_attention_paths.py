@@ -237,6 +237,7 @@ def test_new_rows_replace_the_rows_of_their_gpu_head_dim_and_dtype(tmp_path: Pat
 def test_no_entry_point_imports_triton_until_a_kernel_runs() -> None:
     """Importing the trainer, sampling, export and the config, --help and a CPU forward pass on the triton path
     (which runs SDPA there) leave Triton unimported."""
+    # the child imports the entry points and nothing else (not the tests' helpers), so it builds its model itself
     code = ("import runpy, sys, torch\n"
             "import config, export, sample, train_gpt\n"
             "sys.argv = ['train_gpt.py', '--help']\n"

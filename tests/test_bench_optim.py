@@ -10,27 +10,15 @@ import pytest
 import torch
 
 from bench import optim as bench_optim
+from tests.helpers import PUBLISHED_SOAP
 
 LINE = re.compile(r"^\s*(\S+):\s+([\d.]+) ms/step \(min ([\d.]+), max ([\d.]+)\) \|\s+([\d.]+) bytes/param")
 RATIO = re.compile(r"([\d.]+)x (\S+) \(([\d.]+)-([\d.]+)\)")
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch", "1", "--seq-len", "16", "--steps", "2",
         "--rounds", "2", "--warmup", "2", "--device", "cpu"]
 
-# Stand-ins with the peers' interfaces: a published-SOAP-like class (plain Adam, state in lists as the published
-# SOAP keeps its factors), and a modded-nanogpt-like train_gpt.py whose Muon calls torch.distributed collectives
-# and whose script part must not run.
-PUBLISHED_SOAP = textwrap.dedent('''
-    import torch
-
-    class SOAP(torch.optim.Adam):
-        def __init__(self, params, lr, betas, eps, weight_decay, precondition_frequency, max_precond_dim):
-            super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-
-        def step(self):
-            super().step()
-            for p, state in self.state.items():
-                state.setdefault("GG", [torch.zeros_like(p), []])
-''')
+# Stand-ins with the peers' interfaces: a published-SOAP-like class (tests.helpers.PUBLISHED_SOAP), and a
+# modded-nanogpt-like train_gpt.py whose Muon calls torch.distributed collectives and whose script part must not run.
 MODDED = textwrap.dedent('''
     import torch
     raise SystemExit("the training script ran")

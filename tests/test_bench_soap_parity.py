@@ -7,7 +7,7 @@ import textwrap
 import torch
 
 from bench import soap_parity
-from tests.test_bench_optim import PUBLISHED_SOAP
+from tests.helpers import PUBLISHED_SOAP
 
 
 class Eigh(torch.optim.SGD):

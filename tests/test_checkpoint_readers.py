@@ -16,7 +16,7 @@ from eval import val_loss
 from eval.common import load_target_checkpoint
 from kernels import attention_paths
 from run.checkpoint import TRAINING, WEIGHTS, load_checkpoint, save_checkpoint
-from tests.helpers import tiny_args, write_v1_checkpoint
+from tests.helpers import tiny_args, tiny_gpt, write_v1_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,7 @@ def trained(corpus, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> Path:
     """A checkpoint of kind weights of a small GPT with GPT-2's vocabulary (so that `sample` can encode text)."""
-    torch.manual_seed(0)
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, block_size=32, n_layer=2, n_head=2, n_embd=32))
+    model = tiny_gpt(0, vocab_size=50304)
     path = tmp_path_factory.mktemp("weights") / "model.pt"
     save_checkpoint(path, export.checkpoint_of(model, "test"))
     return path
@@ -186,7 +185,7 @@ def test_every_reader_refuses_a_damaged_entry_in_one_line_naming_it(trained, cor
 
 
 def test_one_attention_default_a_models_and_autos_where_no_row_is():
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    model = tiny_gpt(block_size=16, n_layer=1)
     auto = attention_paths.choose("auto", torch.device("cpu"), torch.float32, 16, compiled=False)
     assert model.transformer.h[0].attn.attention_impl == attention_paths.DEFAULT_IMPLEMENTATION == auto["choice"]
 

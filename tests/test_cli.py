@@ -17,6 +17,8 @@ import pytest
 import cli
 import config
 import train_gpt
+from run.directory import module_file
+from tests.helpers import repository_modules
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,11 +32,8 @@ class _Captured(Exception):
 
 def command_modules() -> list[str]:
     """Every module of the repository that runs as a command (has a `__main__` block), as `python -m` names it."""
-    modules = []
-    for path in [*REPO.glob("*.py"), *REPO.glob("*/*.py")]:
-        if path.parent.name != "tests" and 'if __name__ == "__main__":' in path.read_text(encoding="utf-8"):
-            modules.append(".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__main__"))
-    return sorted(modules)
+    return sorted(module.removesuffix(".__main__") for module in repository_modules()
+                  if 'if __name__ == "__main__":' in module_file(module).read_text(encoding="utf-8"))
 
 
 def parser_of(module_name: str, monkeypatch) -> argparse.ArgumentParser:

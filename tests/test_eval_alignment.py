@@ -16,7 +16,7 @@ from eval.alignment import (
     token_category,
     vocabulary,
 )
-from train_gpt import GPT, GPTConfig
+from tests.helpers import tiny_gpt
 
 
 @pytest.mark.parametrize("text, category", [
@@ -62,8 +62,7 @@ def test_enrichment_is_log2_ratio_with_pseudo_counts():
 
 @pytest.mark.parametrize("n_head", [1, 2])
 def test_planted_alignment_is_recovered_with_punctuation_enriched(n_head):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50304, block_size=32, n_layer=2, n_head=n_head, n_embd=64, bias_mode="bq"))
+    model = tiny_gpt(0, vocab_size=50304, n_head=n_head, n_embd=64, bias_mode="bq")
     _, categories = vocabulary()
     punct = [i for i, c in enumerate(categories) if c == "punctuation"][:20]
     noise = [i for i, c in enumerate(categories) if c == "unicode_noise"][:20]

@@ -19,7 +19,7 @@ from eval.alignment import residual_keys
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
 from run.checkpoint import save_checkpoint, training_checkpoint
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tiny_gpt
 from variants import ResearchConfig
 
 pytestmark = pytest.mark.slow  # every evaluation on two 50304-token models: ~12 s
@@ -29,14 +29,11 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def make_run(root, name: str, bias_mode: str, val_file) -> Path:
     """A run directory with config.json, log.jsonl and two checkpoints (AdamW state) of a tiny 50304-vocab model."""
-    torch.manual_seed(0)
-    model_cfg = train_gpt.GPTConfig(vocab_size=50304, block_size=64, n_layer=2, n_head=2, n_embd=64,
-                                    bias_mode=bias_mode)
+    model = tiny_gpt(0, vocab_size=50304, block_size=64, n_embd=64, bias_mode=bias_mode)
     hp = train_gpt.TrainConfig(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
                                val_tokens=256, seed=7, steps=2)
-    cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
+    cfg = RunConfig(model.config, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     saved = cfg.to_dict()
-    model = train_gpt.GPT(model_cfg)
     opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)

@@ -25,7 +25,8 @@ from eval.logic_puzzles import (
     summarize,
 )
 from run.checkpoint import save_checkpoint
-from train_gpt import GPT, GPTConfig
+from tests.helpers import tiny_gpt
+from train_gpt import GPT
 
 
 def test_generated_suite_is_deterministic_large_and_single_token():
@@ -76,8 +77,7 @@ def test_paper_suite_holds_the_papers_fourteen_items_scored_by_the_first_answer_
 def planted_padding_model() -> GPT:
     """Final features fixed to e_0 (ln_f weight 0, bias e_0), so the logits are the LM head's column 0; padding id
     50300 gets logit 5, far above every real token's (N(0, 0.02))."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32, bias_mode="bqbv")).eval()
+    model = tiny_gpt(0, vocab_size=50304, block_size=64, n_layer=1, bias_mode="bqbv").eval()
     with torch.no_grad():
         model.transformer.ln_f.weight.zero_()
         model.transformer.ln_f.bias.zero_()
@@ -106,8 +106,7 @@ def test_each_protocol_ranks_and_normalises_over_its_own_vocabulary(protocol):
 
 
 def test_scores_match_one_prompt_at_a_time_forward_under_the_paper_protocol():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32, bias_mode="bqbv")).eval()
+    model = tiny_gpt(0, vocab_size=50304, block_size=64, n_layer=1, bias_mode="bqbv").eval()
     encoded = encode_items(load_suite(PAPER_SUITE)["items"], gpt2_tokenizer(), protocol="paper")
     scores = score_items(model, encoded, torch.device("cpu"), batch_size=5, protocol="paper")
     for (tokens, target), s in zip(encoded, scores):
@@ -119,11 +118,10 @@ def test_scores_match_one_prompt_at_a_time_forward_under_the_paper_protocol():
 
 
 def test_cli_scores_each_suite_with_its_protocol(tmp_path):
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=16, bias_mode="bqbv")
+    model = tiny_gpt(0, vocab_size=50304, block_size=64, n_layer=1, n_embd=16, bias_mode="bqbv")
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
-    save_checkpoint(run / "checkpoints" / "latest.pt", checkpoint_of(GPT(config), "a test"))
+    save_checkpoint(run / "checkpoints" / "latest.pt", checkpoint_of(model, "a test"))
     paper = logic_puzzles.main(["--run", str(run), "--protocol", "paper", "--no-generated", "--out",
                                 str(tmp_path / "a")])
     assert [(s["name"], s["protocol"], s["overall"]["n"]) for s in paper["suites"]] == [("paper", "paper", 14)]
@@ -148,8 +146,7 @@ def test_bad_suites_are_rejected_with_the_file_named(tmp_path):
 
 
 def test_scores_match_one_prompt_at_a_time_forward():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32, bias_mode="bqbv")).eval()
+    model = tiny_gpt(0, vocab_size=50304, block_size=64, n_layer=1, bias_mode="bqbv").eval()
     suite = generate_suite(seed=1, per_category=2)
     encoded = encode_items(suite["items"], gpt2_tokenizer())
     scores = score_items(model, encoded, torch.device("cpu"), batch_size=5)  # padded batches

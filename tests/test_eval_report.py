@@ -19,7 +19,7 @@ from eval import common, compare, logic_puzzles, report, val_loss
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
 from run.checkpoint import load_checkpoint, save_checkpoint, training_checkpoint, weights_checkpoint
-from tests.helpers import ROOT
+from tests.helpers import ROOT, tiny_gpt
 from variants import ResearchConfig
 
 pytestmark = pytest.mark.slow  # reports on tiny runs, one in a fresh interpreter: ~12 s
@@ -32,13 +32,10 @@ def tiny_run(root: Path, name: str, val_file: Path, steps: tuple[int, ...] = (1,
              optimizer_state: bool = True) -> Path:
     """A run directory (config.json, log.jsonl, step_XXXXXX.pt per step and latest.pt) of a 1-layer, 32-wide model
     trained a step with AdamW between checkpoints."""
-    torch.manual_seed(0)
-    model_cfg = train_gpt.GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_embd=32,
-                                    bias_mode="bqbv")
+    model = tiny_gpt(0, vocab_size=50304, block_size=64, n_layer=1, bias_mode="bqbv")
     hp = train_gpt.TrainConfig(train_files=str(val_file), val_files=str(val_file), seq_len=32, micro_batch=2,
                                val_tokens=128, seed=7, steps=max(steps))
-    cfg = RunConfig(model_cfg, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
-    model = train_gpt.GPT(model_cfg)
+    cfg = RunConfig(model.config, hp, ResearchConfig(), AdamWConfig(lr=1e-3))
     opt = OPTIMIZERS["adamw"].build(model, cfg.optim)
     run = root / name
     (run / "checkpoints").mkdir(parents=True)

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import train_gpt
 from eval import structure
 from eval.structure import directionality_score, query_key_matrices, symmetry_score
 from gauge.dynamics import plain_name
 from run.checkpoint import load_checkpoint
-from tests.helpers import train_tiny_run
+from tests.helpers import tiny_gpt, train_tiny_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -109,8 +108,7 @@ def test_zero_matrix_and_bad_convention():
 
 
 def test_query_key_matrix_orientation_and_head_sum():
-    torch.manual_seed(0)
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    model = tiny_gpt(0, block_size=16, n_layer=1)
     tensors = {plain_name(n): p.detach() for n, p in model.named_parameters()}
     m, per_head = query_key_matrices(tensors, 0, n_head=2)
     w_q, w_k, _ = tensors["transformer.h.0.attn.c_attn.weight"].double().split(32)

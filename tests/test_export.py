@@ -346,9 +346,7 @@ def imported_gpt2(tmp_path) -> tuple[str, train_gpt.GPT]:
 
 def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases(imported_gpt2):
     path, source = imported_gpt2
-    torch.manual_seed(3)
-    target = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=50304, **{**TINY, "block_size": 16}, activation="gelu",
-                                               bias_mode="learned"))
+    target = tiny_gpt(3, vocab_size=50304, block_size=16, activation="gelu", bias_mode="learned")
     fresh_rows = target.transformer.wte.weight[GPT2_VOCAB:].detach().clone()
     note = load_initial_weights(target, path)
     assert "vocabulary 50257 -> 50304" in note and "positions 64 -> 16" in note and "bias mode none -> learned" in note
@@ -360,10 +358,10 @@ def test_init_from_copies_the_weights_and_adapts_vocabulary_positions_and_biases
     for name, tensor in source.state_dict().items():
         if "wte" not in name and "wpe" not in name and "lm_head" not in name:
             assert torch.equal(target.state_dict()[name], tensor), name
-    wider = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "n_embd": 64}, activation="gelu"))
+    wider = tiny_gpt(vocab_size=50304, n_embd=64, activation="gelu")
     with pytest.raises(CheckpointError, match="--n-embd 32, this run 64; set --n-embd 32"):
         load_initial_weights(wider, path)
-    longer = train_gpt.GPT(train_gpt.GPTConfig(**{**TINY, "block_size": 128}, activation="gelu"))
+    longer = tiny_gpt(vocab_size=50304, block_size=128, activation="gelu")
     with pytest.raises(CheckpointError, match="--block-size 64, this run 128"):
         load_initial_weights(longer, path)
 

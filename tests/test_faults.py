@@ -20,7 +20,8 @@ from run.checkpoint import CheckpointError, load_checkpoint, resolve_resume, sav
 from run.directory import RunDirectory, run_holds_checkpoint
 from run.log import read_log
 from tests.filesystems import bound_by_mode_bits
-from tests.helpers import ENV, ROOT, VOCAB, PipedLines, held_env, ranks, tiny_args, torchrun_in_background
+from tests.helpers import (ENV, ROOT, VOCAB, PipedLines, held_env, ranks, tiny_args, tiny_gpt,
+                           torchrun_in_background)
 
 
 def run_in_background(args: list[str], env: dict[str, str] = ENV) -> subprocess.Popen:
@@ -106,9 +107,7 @@ def validation_losses(val_files: str, rank: int = 0, world: int = 1) -> dict[str
     """Each objective's validation loss of a seeded tiny model on each of BUDGETS, on this rank of `world`."""
     losses = {}
     for objective in ("clm", "mlm"):
-        torch.manual_seed(0)
-        model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32,
-                                                  objective=objective, mask_token=VOCAB - 1))
+        model = tiny_gpt(0, vocab_size=VOCAB, objective=objective, mask_token=VOCAB - 1)
         losses[objective] = [train_gpt.evaluate(model, val_files, tokens, 32, micro, rank=rank, world=world)
                              for tokens, micro in BUDGETS]
     return losses

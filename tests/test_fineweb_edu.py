@@ -1,11 +1,7 @@
 """The FineWeb-Edu downloader (data/fineweb_edu.py) against a fake Hub on 127.0.0.1."""
 from __future__ import annotations
 
-import hashlib
-import http.server
-import json
 import socket
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -15,99 +11,7 @@ import pytest
 from data import fineweb_edu
 from data.fineweb_edu import DownloadError, download_shards, fineweb_shards_present, shard_names
 from data.shards import GPT2_VOCAB, open_shard, write_shard
-
-REPO = "someone/fake-shards"
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-class FakeHub:
-    """Serves `files` at the Hub's resolve URLs (HEAD + GET with Range) and its tree listing, with scripted faults.
-
-    truncate: names whose next GET sends half the body and drops the connection (once each).
-    fail: names whose next GET answers 500 (once each).
-    corrupt: name -> how many GETs serve the tokens reversed (valid header and ids: only the sha256 can tell).
-    """
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-        self.gets: Counter[str] = Counter()
-        self.truncate: set[str] = set()
-        self.fail: set[str] = set()
-        self.corrupt: Counter[str] = Counter()
-        hub = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _name(self) -> str | None:
-                prefix = f"/datasets/{REPO}/resolve/main/"
-                name = self.path.split("?")[0][len(prefix):] if self.path.startswith(prefix) else None
-                return name if name in hub.files else None
-
-            def _headers(self, name: str, status: int, length: int, extra: dict | None = None) -> None:
-                self.send_response(status)
-                self.send_header("X-Repo-Commit", COMMIT)
-                self.send_header("ETag", f'"{hashlib.sha256(hub.files[name]).hexdigest()}"')
-                self.send_header("Content-Length", str(length))
-                self.send_header("Accept-Ranges", "bytes")
-                for key, value in (extra or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-
-            def do_HEAD(self):
-                name = self._name()
-                if name is None:
-                    self.send_error(404)
-                    return
-                self._headers(name, 200, len(hub.files[name]))
-
-            def do_GET(self):
-                if self.path.startswith(f"/api/datasets/{REPO}/tree/main"):
-                    listing = json.dumps([{"type": "file", "path": n, "size": len(b),
-                                           "oid": hashlib.sha1(b).hexdigest()} for n, b in hub.files.items()]).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(listing)))
-                    self.end_headers()
-                    self.wfile.write(listing)
-                    return
-                name = self._name()
-                if name is None:
-                    self.send_error(404)
-                    return
-                hub.gets[name] += 1
-                if name in hub.fail:
-                    hub.fail.discard(name)
-                    self.send_error(500)
-                    return
-                body = hub.files[name]
-                if hub.corrupt[name] > 0:
-                    hub.corrupt[name] -= 1
-                    body = body[:1024] + np.frombuffer(body[1024:], dtype="<u2")[::-1].tobytes()
-                start = 0
-                if "Range" in self.headers:
-                    start = int(self.headers["Range"].split("=")[1].split("-")[0])
-                    self._headers(name, 206, len(body) - start,
-                                  {"Content-Range": f"bytes {start}-{len(body) - 1}/{len(body)}"})
-                else:
-                    self._headers(name, 200, len(body))
-                if name in hub.truncate:
-                    hub.truncate.discard(name)
-                    self.wfile.write(body[start:len(body) // 2])
-                    self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                self.wfile.write(body[start:])
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+from tests.helpers import HUB_REPO, FakeHub
 
 
 def shard_bytes(tmp: Path, name: str, seed: int, n: int) -> bytes:
@@ -127,7 +31,7 @@ def hub(tmp_path):
 
 
 def download(dest: Path, hub: FakeHub, chunks: int) -> list[Path]:
-    return download_shards(dest, chunks, repo=REPO, endpoint=hub.endpoint, progress=False)
+    return download_shards(dest, chunks, repo=HUB_REPO, endpoint=hub.endpoint, progress=False)
 
 
 def test_download_prefix_then_resume(tmp_path, hub):
@@ -188,7 +92,7 @@ def test_offline_fails_fast_with_advice(tmp_path, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(DownloadError, match="embedded corpus") as info:
-        download_shards(tmp_path, 2, repo=REPO, endpoint=f"http://127.0.0.1:{port}", progress=False)
+        download_shards(tmp_path, 2, repo=HUB_REPO, endpoint=f"http://127.0.0.1:{port}", progress=False)
     assert probes == [fineweb_edu.PROBE_TIMEOUT_S] and downloads == []
     assert "cannot reach" in str(info.value)
     assert "data.tokenize" in str(info.value) and str(tmp_path) in str(info.value)

@@ -13,36 +13,18 @@ import signal
 import subprocess
 import sys
 import types
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import train_gpt
 from run.checkpoint import load_checkpoint
 from run.log import read_log
-from data.shards import write_shard
 from grid import plan
 from grid.__main__ import main
 from grid import execute
 from grid.execute import Journal
-from tests.helpers import ROOT, PipedLines, held_env, wait_until
-
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-@pytest.fixture(scope="module")
-def tiny_flags(tmp_path_factory) -> list[str]:
-    """Shared train_gpt.py flags of a 1-layer, 16-wide model on random GPT-2 tokens (blocks of 64 hold the logic
-    prompts of the report), on the CPU."""
-    root = tmp_path_factory.mktemp("corpus")
-    write_shard(root / "g_val_000000.bin", np.random.default_rng(0).integers(0, 50257, 4096))
-    write_shard(root / "g_train_000001.bin", np.random.default_rng(1).integers(0, 50257, 8192))
-    return ["--train-files", str(root / "g_train_*.bin"), "--val-files", str(root / "g_val_*.bin"),
-            "--block-size", "64", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--seq-len", "16",
-            "--batch-tokens", "32", "--micro-batch", "2", "--val-tokens", "32", "--device", "cpu", "--no-compile",
-            "--log-every", "1"]
+from tests.helpers import GRID_ENV, ROOT, PipedLines, held_env, started, wait_until
 
 
 def markdown_rows(text: str, heading: str) -> list[list[str]]:
@@ -52,10 +34,6 @@ def markdown_rows(text: str, heading: str) -> list[list[str]]:
     end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[start:end]]
     return [rows[0]] + rows[2:]
-
-
-def started(directory: Path) -> list[str]:
-    return [r["run"] for r in Journal(directory).records() if r.get("state") == "running"]
 
 
 @pytest.mark.serial
@@ -131,7 +109,7 @@ def test_sigint_stops_every_run_with_a_checkpoint_the_same_command_completes_the
         tmp_path, tiny_flags, capsys, one_thread):
     args = ["--name", "stopped", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "2", "--no-report",
             "--", *tiny_flags, "--steps", "8"]
-    proc = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=held_env(3, ENV),
+    proc = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=held_env(3, GRID_ENV),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = PipedLines(proc)  # each run holds after step 3 until the grid passes the signal on
     outputs = [tmp_path / "stopped" / "logs" / f"seed={seed}.log" for seed in (1, 2)]

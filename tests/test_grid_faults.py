@@ -24,8 +24,7 @@ from grid import execute
 from grid.__main__ import main
 from grid.execute import Journal
 from run.log import read_log
-from tests.helpers import ROOT, train_tiny_run, wait_until
-from tests.test_grid import ENV, started, tiny_flags  # noqa: F401 (tiny_flags is a fixture)
+from tests.helpers import GRID_ENV, ROOT, started, train_tiny_run, wait_until
 
 pytestmark = pytest.mark.slow  # grids that train, are killed and wait for trainers: ~20 s
 
@@ -38,7 +37,7 @@ def test_a_killed_grid_stops_its_trainers_with_a_checkpoint_and_the_same_command
         tmp_path, tiny_flags, capsys):
     args = ["--name", "gkill", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--no-report", "--", *tiny_flags,
             "--steps", "100000"]
-    driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+    driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=GRID_ENV, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     directory, log = tmp_path / "gkill", tmp_path / "gkill" / "seed=1" / "log.jsonl"
     wait_until(lambda: log.is_file() and '"train_loss"' in log.read_text(), "the first run's first step")
@@ -67,7 +66,7 @@ def test_a_run_its_trainer_still_holds_is_waited_for_in_its_slot_then_trained(tm
     trainer = hold_lock(directory / "seed=1" / ".lock", f"pid {os.getpid()} on host test")  # as a live trainer
     args = ["--name", "held", "--run-dir", str(tmp_path), "--axis", "seed=1,2", "--workers", "1", "--no-report",
             "--", *tiny_flags, "--steps", "2"]
-    driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+    driver = subprocess.Popen([sys.executable, "-m", "grid", *args], cwd=ROOT, env=GRID_ENV, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: any(r.get("adopted") for r in Journal(directory).records()) or driver.poll() is not None,
@@ -313,7 +312,7 @@ def test_a_report_ends_with_the_grid_process_that_started_it(tmp_path):
         f"process, _ = report._start(Path({str(tmp_path / 'run')!r}), Slot('cpu', 'CPU worker 1', {{}}), "
         f"Path({str(tmp_path)!r}), [])\n"
         "print('pid', process.pid, flush=True)\n"
-        "time.sleep(600)\n")], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+        "time.sleep(600)\n")], cwd=ROOT, env=GRID_ENV, stdout=subprocess.PIPE, text=True)
     report_pid = int(next(line for line in driver.stdout if line.startswith("pid ")).split()[1])
     try:
         assert process_alive(report_pid)
@@ -356,7 +355,7 @@ def test_grid_status_into_a_closed_pipe_is_one_true_line(tmp_path):
                                                           "steps": 3, "batch_tokens": 32} for i in range(3)]})
     read, write = os.pipe()
     os.close(read)  # the reader has ended before the first line
-    result = subprocess.run([sys.executable, "-m", "grid", "status", str(directory)], cwd=ROOT, env=ENV,
+    result = subprocess.run([sys.executable, "-m", "grid", "status", str(directory)], cwd=ROOT, env=GRID_ENV,
                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=300)
     os.close(write)
     assert result.returncode == 2, result.stderr

@@ -14,7 +14,7 @@ from grid import memory
 from grid.__main__ import main
 from grid.execute import Journal
 from optim import OPTIMIZERS, optimizer_state_bytes
-from tests.helpers import VOCAB
+from tests.helpers import VOCAB, tiny_gpt
 
 
 def tiny(corpus) -> list[str]:
@@ -63,8 +63,7 @@ def test_a_graph_run_is_estimated_with_its_own_copy_of_the_activations():
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_the_estimate_counts_the_state_an_optimizer_holds_after_its_first_step(name):
-    cfg = train_gpt.GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=64, block_size=16)
-    model = train_gpt.GPT(cfg)
+    model = tiny_gpt(n_embd=16, block_size=16)
     optimizer = OPTIMIZERS[name].build(model, OPTIMIZERS[name].config())
     estimate = optimizer_state_bytes(optimizer) + optimizer.first_step_state_bytes()
     idx = torch.randint(0, 64, (2, 16))

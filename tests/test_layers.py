@@ -2,9 +2,17 @@
 at the top of a module or inside a function, goes to a layer left of the importer's or stays in its own package;
 kernels imports nothing else of the project; only train_gpt imports hooks; nothing but grid imports eval; no module
 imports itself through a chain of others. The diagram is read from the README, so the page and the code cannot
-drift apart."""
+drift apart. Each package's docstring maps its modules, and the map is checked against the tree; no test module
+imports another.
+
+What is read: every .py file at any depth but the tests, build outputs, runs and hidden folders
+(tests.helpers.repository_modules), its import statements and its calls of importlib.import_module / __import__
+with a literal name (run.directory.imported_names). What is not: a name computed at run time
+(`import_module(f"optim.{name}")`, a variable), an alias of import_module, and code run by other means (runpy, exec,
+importlib.util.spec_from_file_location)."""
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
@@ -42,6 +50,16 @@ LAYERS = readme_layers()
 
 def top(module: str) -> str:
     return module.split(".")[0]
+
+
+def package_children() -> dict[str, set[str]]:
+    """{package: its modules and sub-packages}, every folder of modules at any depth counted as a package."""
+    children: dict[str, set[str]] = {}
+    for module in MODULES:
+        parts = module.split(".")
+        for depth in range(1, len(parts)):
+            children.setdefault(".".join(parts[:depth]), set()).add(".".join(parts[:depth + 1]))
+    return children
 
 
 def test_every_module_is_in_a_layer_of_the_readme_diagram():
@@ -95,6 +113,39 @@ def test_no_module_imports_itself_through_others():
             assert found is None, "import cycle: " + " -> ".join(found)
 
 
+def test_every_package_docstring_maps_its_modules():
+    """A package's docstring is its map: one indented row per module or sub-package, the dotted name first
+    (`    run.checkpoint   the checkpoint format: ...`), as a newcomer reads it. A module without its row, a row naming
+    what is no module of the package, a path `folder/name.py` that is no file, or a folder of modules without an
+    __init__.py whose docstring maps them, fails. The prose around the rows is not read."""
+    problems = []
+    for package, children in sorted(package_children().items()):
+        source = module_file(package)
+        if source is None or source.name != "__init__.py":
+            problems.append(f"{package.replace('.', '/')}/ holds modules but no __init__.py; add one whose docstring "
+                            "maps them")
+            continue
+        doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8")), clean=False) or ""
+        rows = set(re.findall(rf"^ +({re.escape(package)}\.\w+)(?: |$)", doc, re.MULTILINE))
+        where = source.relative_to(ROOT)
+        problems += [f"{where}: no row for {name}" for name in sorted(children - rows)]
+        problems += [f"{where}: a row for {name}, which is no module" for name in sorted(rows - children)]
+        problems += [f"{where}: names {path}, which is no file"
+                     for path in re.findall(r"[\w/]+/\w+\.py\b", doc) if not (ROOT / path).is_file()]
+    assert not problems, "package docstrings (their module maps):\n" + "\n".join(problems)
+
+
+def test_no_test_module_imports_another():
+    """What test modules share lives in tests/helpers.py, their shared fixtures in conftest.py: pytest imports a test
+    module under its file's name (`test_grid`), so another module's `from tests.test_grid import ...` runs it a second
+    time, as another module."""
+    tests = {path.stem for path in (ROOT / "tests").glob("test_*.py")}
+    found = sorted({f"{path.relative_to(ROOT)} imports {module}" for path in (ROOT / "tests").rglob("*.py")
+                    for name in imported_names(path) if (module := name.removeprefix("tests.").split(".")[0]) in tests})
+    assert not found, "test modules importing test modules (move what they share to tests/helpers.py):\n" + \
+        "\n".join(found)
+
+
 def test_the_run_directory_keeps_the_trainers_modules_derived_from_its_imports():
     """<run>/code keeps what train_gpt's imports reach: the kernel imported inside a function too, no tool above the
     trainer."""
@@ -117,3 +168,17 @@ def test_imported_names_reads_a_file_again_once_it_changed(tmp_path):
     assert imported_names(source) == {"fileio"}
     source.write_text("import fileio\n\ndef late():\n    from run import log\n")
     assert imported_names(source) == {"fileio", "run", "run.log"}
+
+
+def test_imported_names_reads_the_dynamic_imports_with_a_literal_name(tmp_path):
+    """importlib.import_module and __import__ with a literal name count as imports; a computed name cannot be read,
+    and a relative name is refused as a relative import statement is."""
+    source = tmp_path / "module.py"
+    source.write_text("import importlib\nfrom importlib import import_module\n\n"
+                      "def late(name):\n"
+                      "    importlib.import_module('eval.report')\n    import_module('grid.plan')\n"
+                      "    __import__('bench.e2e')\n    importlib.import_module(f'optim.{name}')\n")
+    assert imported_names(source) == {"importlib", "importlib.import_module", "eval.report", "grid.plan", "bench.e2e"}
+    source.write_text("import importlib\nimportlib.import_module('.log', 'run')\n")
+    with pytest.raises(ValueError, match=r"module.py:2: a relative import; write it absolute"):
+        imported_names(source)

@@ -10,14 +10,11 @@ import torch
 
 import train_gpt
 from kernels.attention_paths import attention_reference
+from tests.helpers import tiny_config, tiny_gpt
 from train_gpt import GPT, BiasSampler, GPTConfig, mean_biases
 from variants import ModelVariants
 
-
-def tiny_config(**overrides) -> GPTConfig:
-    base = dict(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=16)
-    base.update(overrides)
-    return GPTConfig(**base)
+SMALL = dict(vocab_size=97, block_size=16, n_embd=16)  # this file's model: the tests' tiny GPT with these fields
 
 
 def test_gpt2_124m_parameter_count():
@@ -25,7 +22,7 @@ def test_gpt2_124m_parameter_count():
     model_cfg = cfg.model
     assert cfg.preset == "gpt2-124m"
     with torch.device("meta"):
-        model = GPT(model_cfg)
+        model = GPT(model_cfg)  # the preset's full-size model, built on the meta device: not a tiny one
     assert model.get_num_params() == 124_119_552
     assert model_cfg.activation == "prelu" and model_cfg.block_size == 512
 
@@ -33,12 +30,12 @@ def test_gpt2_124m_parameter_count():
 def test_gelu_preset_drops_prelu_slopes():
     model_cfg = train_gpt.parse_config(["--preset", "gpt2-124m-gelu"]).model
     with torch.device("meta"):
-        model = GPT(model_cfg)
+        model = GPT(model_cfg)  # the preset's full-size model, built on the meta device: not a tiny one
     assert model.get_num_params() == 124_119_552 - 12 * 4 * 768
 
 
 def test_state_dict_names_follow_nanogpt():
-    names = set(GPT(tiny_config()).state_dict())
+    names = set(tiny_gpt(**SMALL).state_dict())
     for expected in ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",
                      "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.bias",
                      "transformer.h.1.ln_2.bias", "transformer.h.1.mlp.c_fc.weight", "transformer.h.1.mlp.act.weight",
@@ -48,8 +45,7 @@ def test_state_dict_names_follow_nanogpt():
 
 
 def test_init_scales_residual_projections():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=6, n_head=4, n_embd=256))
+    model = tiny_gpt(0, block_size=8, n_layer=6, n_head=4, n_embd=256)
     block = model.transformer.h[0]
     assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
     assert block.mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(12), rel=0.05)
@@ -93,9 +89,8 @@ def test_key_bias_is_a_no_op(per_head):
     """A key bias b_K ~ N(μ_Q, σ_Q²) adds (q_i + b_Q)·b_K/√d to every logit of row i, a constant the softmax removes:
     added to every key (through the key rows of c_attn's bias), with sampled b_Q and b_V present, it changes no
     output. The same shift on the query rows does (the check can fail)."""
-    torch.manual_seed(0)
-    cfg = tiny_config(bias_per_head=per_head, mean_v=0.5)
-    model = GPT(cfg).double()
+    model = tiny_gpt(0, **SMALL, bias_per_head=per_head, mean_v=0.5).double()
+    cfg = model.config
     idx = torch.randint(0, 97, (2, 16))
     biases = BiasSampler(cfg, seed=3).sample(step=5).double()
     before = model(idx, biases=biases, all_logits=True)[0]
@@ -116,8 +111,7 @@ def test_key_bias_is_a_no_op(per_head):
 def test_without_targets_the_head_projects_the_last_position_only():
     """Generation reads the last position's logits: without targets the head runs on B rows, not B·T; all_logits
     (evaluations, export checks) and a loss see every position, the same numbers."""
-    torch.manual_seed(0)
-    model = GPT(tiny_config()).double()
+    model = tiny_gpt(0, **SMALL).double()
     idx = torch.randint(0, 97, (3, 16))
     rows = []
     model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:2]))
@@ -138,9 +132,8 @@ def test_the_model_config_lists_the_architecture_before_the_variants():
 
 @pytest.mark.parametrize("mode", ["bq", "bv", "bqbv"])
 def test_evaluation_uses_the_means(mode):
-    torch.manual_seed(0)
-    cfg = tiny_config(bias_mode=mode, mean_v=0.5)
-    model = GPT(cfg).double()
+    model = tiny_gpt(0, **SMALL, bias_mode=mode, mean_v=0.5).double()
+    cfg = model.config
     idx = torch.randint(0, 97, (2, 16))
     at_means = model(idx, biases=mean_biases(cfg).double(), all_logits=True)[0]
     torch.testing.assert_close(model(idx, all_logits=True)[0], at_means)
@@ -150,10 +143,9 @@ def test_evaluation_uses_the_means(mode):
 
 def test_mean_biases_fold_into_a_standard_gpt2():
     """At the means, q + μ_Q = x A_Q + (c_Q + μ_Q) and c_proj(y + μ_V) = c_proj(y) + W_O μ_V (docs/model.md)."""
-    torch.manual_seed(0)
-    cfg = tiny_config(bias_mode="bqbv", mean_v=0.5)
-    broken = GPT(cfg).double()
-    plain = GPT(tiny_config(bias_mode="none")).double()
+    broken = tiny_gpt(0, **SMALL, bias_mode="bqbv", mean_v=0.5).double()
+    cfg = broken.config
+    plain = tiny_gpt(**SMALL, bias_mode="none").double()
     plain.load_state_dict(broken.state_dict())
     C = cfg.n_embd
     with torch.no_grad():
@@ -166,16 +158,16 @@ def test_mean_biases_fold_into_a_standard_gpt2():
 
 def test_sampler_draws_nothing_when_the_mode_samples_no_bias():
     for mode, key_bias in (("none", False), ("none", True), ("learned", False), ("learned", True)):
-        assert BiasSampler(tiny_config(bias_mode=mode, key_bias=key_bias), seed=0).sample(0) is None
+        assert BiasSampler(tiny_config(**SMALL, bias_mode=mode, key_bias=key_bias), seed=0).sample(0) is None
     for mode in ("bq", "bv", "bqbv"):
-        assert BiasSampler(tiny_config(bias_mode=mode), seed=0).sample(0) is not None
+        assert BiasSampler(tiny_config(**SMALL, bias_mode=mode), seed=0).sample(0) is not None
 
 
 @pytest.mark.parametrize("per_head", [False, True])
 def test_sampler_keeps_the_stream_of_three_rows_per_layer(per_head):
     """Layer i's draw at a step is rows 0 and 2 of default_rng([seed, step, i]).standard_normal((3, [H,] d)) (the
     stream's rows b_Q, b_K, b_V; b_K's unused): b_Q and b_V are the draws of runs that also drew b_K."""
-    cfg = tiny_config(bias_per_head=per_head, mean_v=0.3)
+    cfg = tiny_config(**SMALL, bias_per_head=per_head, mean_v=0.3)
     std_q, std_v = train_gpt.bias_stds(cfg)
     std = torch.stack([std_q, std_v]).double()[:, None] if per_head else torch.stack([std_q, std_v]).double()
     mean = torch.tensor([cfg.mean_q, cfg.mean_v]).double().view(2, *[1] * (std.dim() - 1))
@@ -186,14 +178,14 @@ def test_sampler_keeps_the_stream_of_three_rows_per_layer(per_head):
 
 
 def test_sampler_is_a_function_of_seed_and_step():
-    cfg = tiny_config()
+    cfg = tiny_config(**SMALL)
     a, b = BiasSampler(cfg, seed=7), BiasSampler(cfg, seed=7)
     torch.testing.assert_close(a.sample(10), b.sample(10))
     assert not torch.equal(a.sample(10), a.sample(11))
     assert not torch.equal(a.sample(10), BiasSampler(cfg, seed=8).sample(10))
     assert not torch.equal(a.sample(10)[0], a.sample(10)[1])  # each layer has its own draw
     # layer i's draw does not depend on how many layers the model has
-    deeper = BiasSampler(tiny_config(n_layer=4), seed=7)
+    deeper = BiasSampler(tiny_config(**SMALL, n_layer=4), seed=7)
     torch.testing.assert_close(deeper.sample(10)[:2], a.sample(10))
 
 
@@ -215,8 +207,7 @@ def test_sampler_distribution_matches_spec(per_head):
 
 
 def test_learned_biases_are_parameters_and_get_gradients():
-    torch.manual_seed(0)
-    model = GPT(tiny_config(bias_mode="learned", bias_per_head=True))
+    model = tiny_gpt(0, **SMALL, bias_mode="learned", bias_per_head=True)
     names = dict(model.named_parameters())
     assert names["transformer.h.0.attn.b_q"].shape == (2, 8)
     assert names["transformer.h.1.attn.b_v"].mean().item() == pytest.approx(0.0, abs=0.1)
@@ -227,8 +218,7 @@ def test_learned_biases_are_parameters_and_get_gradients():
 
 
 def test_symmetric_model_ignores_biases():
-    torch.manual_seed(0)
-    model = GPT(tiny_config(bias_mode="none"))
+    model = tiny_gpt(0, **SMALL, bias_mode="none")
     idx = torch.randint(0, 97, (1, 16))
     sampled = BiasSampler(model.config, seed=0).sample(0)
     torch.testing.assert_close(model(idx, all_logits=True)[0], model(idx, biases=sampled, all_logits=True)[0])

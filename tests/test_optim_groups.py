@@ -8,7 +8,7 @@ import pytest
 from optim import OPTIMIZERS, OptimizerConfig, parameter_groups
 from optim.registry import DECAY_GROUPS
 from optim.torch_optimizers import AdamWConfig
-from train_gpt import GPT, GPTConfig
+from tests.helpers import tiny_gpt
 
 MATRICES = {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_proj.weight",
             "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"}
@@ -16,8 +16,7 @@ EMBEDDINGS = {"transformer.wte.weight", "transformer.wpe.weight"}
 
 
 def grouped_names(cfg: OptimizerConfig) -> tuple[set[str], set[str]]:
-    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=8, bias_mode="learned",
-                          bias_per_head=True))
+    model = tiny_gpt(block_size=8, n_layer=1, n_embd=8, bias_mode="learned", bias_per_head=True)
     groups = parameter_groups(model, cfg)
     decayed = {n for g in groups if g["weight_decay"] > 0 for n in g["names"]}
     plain = {n for g in groups if g["weight_decay"] == 0 for n in g["names"]}
@@ -49,7 +48,7 @@ def test_unknown_choice_is_an_error():
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_build_owns_every_parameter_once_and_refuses_a_build_that_does_not(name):
-    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    model = tiny_gpt(block_size=8, n_layer=1, n_embd=8)
     spec = OPTIMIZERS[name]
     opt = spec.build(model, spec.config())
     owned = [p for group in opt.param_groups for p in group["params"]]

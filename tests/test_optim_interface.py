@@ -14,7 +14,8 @@ from cli import _parse_bounds, field_problem, value_problem
 from optim import OPTIMIZERS
 from optim.base import OptimizerInterface
 from optim.muon import is_hidden_matrix
-from train_gpt import GPT, GPTConfig
+from tests.helpers import tiny_gpt
+from train_gpt import GPT
 
 # Where each optimizer keeps a parameter's first moment in its state dict, and whether the step moves along it.
 FIRST_MOMENT = {"ecd": lambda name, p: ("pi", True), "sgdm": lambda name, p: ("momentum_buffer", True),
@@ -24,8 +25,7 @@ ATTENTION = "transformer.h.0.attn.c_attn.weight"
 
 
 def trained(name: str, steps: int = 2) -> tuple[GPT, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, bias_mode="bqbv")).double()
+    model = tiny_gpt(0, block_size=16, n_layer=1, n_embd=16, bias_mode="bqbv").double()
     spec = OPTIMIZERS[name]
     opt = spec.build(model, spec.config())
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -118,7 +118,7 @@ def test_velocity_is_the_direction_of_motion_live_and_saved(name):
 
 def test_no_velocity_before_any_state_and_a_clear_error_without_names():
     spec = OPTIMIZERS["adamw"]
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model = tiny_gpt(block_size=16, n_layer=1, n_embd=16)
     assert spec.build(model, spec.config()).velocity() == {}
     with pytest.raises(ValueError, match="carry no 'names'"):
         spec.optimizer.saved_velocity({"state": {}, "param_groups": [{"params": [0]}]})
@@ -155,7 +155,7 @@ def test_constructors_take_their_configs_fields_with_the_configs_defaults(name):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_constructor_errors_are_the_flags_ranges(name):
     spec = OPTIMIZERS[name]
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model = tiny_gpt(block_size=16, n_layer=1, n_embd=16)
     checked = 0
     for field in dataclasses.fields(spec.config):
         bounds, choices = field.metadata.get("bounds"), field.metadata.get("choices")
@@ -177,6 +177,6 @@ def test_constructor_errors_are_the_flags_ranges(name):
 
 def test_ecd_refuses_a_zero_learning_rate_as_its_flag_does():
     spec = OPTIMIZERS["ecd"]
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model = tiny_gpt(block_size=16, n_layer=1, n_embd=16)
     with pytest.raises(ValueError, match=r"^ECD: --lr must be > 0, got 0.0$"):
         spec.optimizer(spec.groups(model, spec.config()), lr=0.0)

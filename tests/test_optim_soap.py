@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import optim.soap
-from optim.soap import SOAP, merged_shape
+from optim.soap import SOAP
+from tests.helpers import published_eigenbasis, reference_soap
 
 
 class Net(nn.Module):
@@ -51,67 +52,6 @@ def groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": [p for _, p in named if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
     ]
-
-
-def np_project(x, bases):
-    for q in bases:
-        x = np.tensordot(x, q, axes=([0], [0])) if q is not None else np.moveaxis(x, 0, -1)
-    return x
-
-
-def np_project_back(x, bases):
-    for q in bases:
-        x = np.tensordot(x, q, axes=([0], [1])) if q is not None else np.moveaxis(x, 0, -1)
-    return x
-
-
-def published_eigenbasis(factor):
-    """The published first basis: eigh's eigenvectors by descending eigenvalue."""
-    return np.flip(np.linalg.eigh(factor)[1], 1)
-
-
-def reference_soap(params, grad_fn, steps, lr, betas, eps, wds, freq, max_dim, merge, pre1d, shampoo_beta,
-                   eigenbasis=published_eigenbasis):
-    """The published SOAP step (per tensor, m projected back and forth every step) in float64 NumPy; `eigenbasis`
-    takes the first bases from the first factors."""
-    b1, b2 = betas
-    bs = b2 if shampoo_beta is None else shampoo_beta
-    states = [{} for _ in params]
-    for call in range(steps):
-        grads = grad_fn(params, call)
-        for p, g, st, wd in zip(params, grads, states, wds):
-            shape = merged_shape(p.shape, max_dim) if merge and p.ndim > 1 else p.shape
-            g = g.reshape(shape)
-            if "Q" not in st:
-                rot = [pre1d and p.size <= max_dim] if p.ndim == 1 else [s <= max_dim for s in shape]
-                st.update(step=0, m=np.zeros(shape), v=np.zeros(shape), Q=None,
-                          GG=[np.zeros((s, s)) if r else None for s, r in zip(shape, rot)])
-            else:
-                gp = np_project(g, st["Q"])
-                st["step"] += 1
-                t = st["step"]
-                st["m"] = b1 * st["m"] + (1 - b1) * gp
-                st["v"] = b2 * st["v"] + (1 - b2) * gp**2
-                n = np_project_back(st["m"] / (np.sqrt(st["v"]) + eps), st["Q"]).reshape(p.shape)
-                p -= lr * np.sqrt(1 - b2**t) / (1 - b1**t) * n
-                if wd > 0:
-                    p -= lr * wd * p
-                st["m"] = np_project_back(st["m"], st["Q"])
-            for d, f in enumerate(st["GG"]):
-                if f is not None:
-                    others = [k for k in range(g.ndim) if k != d]
-                    st["GG"][d] = bs * f + (1 - bs) * np.tensordot(g, g, axes=(others, others))
-            if st["Q"] is None:
-                st["Q"] = [eigenbasis(f) if f is not None else None for f in st["GG"]]
-            elif st["step"] % freq == 0:
-                for d, (f, q) in enumerate(zip(st["GG"], st["Q"])):
-                    if f is not None:
-                        order = np.argsort(-np.diag(q.T @ f @ q), kind="stable")
-                        st["v"] = np.take(st["v"], order, axis=d)
-                        st["Q"][d] = np.linalg.qr(f @ q[:, order])[0]
-            if st["step"] > 0:
-                st["m"] = np_project(st["m"], st["Q"])
-    return params
 
 
 @pytest.mark.parametrize("merge", [False, True])

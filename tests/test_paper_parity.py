@@ -22,8 +22,7 @@ from optim import OPTIMIZERS
 from run.checkpoint import load_checkpoint
 from run.log import read_log
 from run.process import batch_layout
-from tests.test_optim_soap import reference_soap
-from tests.helpers import tiny_args, tiny_gpt, write_v1_checkpoint
+from tests.helpers import reference_soap, tiny_args, tiny_gpt, write_v1_checkpoint
 
 ECD_STEPS, SOAP_STEPS = 20, 25
 VOCAB, SEQ, BATCH = 64, 32, 4
@@ -193,8 +192,8 @@ def published_ecd(theta: list[np.ndarray], loss_and_grad, steps: int, lr: float,
 
 
 def published_soap(theta: list[np.ndarray], loss_and_grad, steps: int, wd: float, eps: float) -> list[np.ndarray]:
-    """SOAP as published (tests/test_optim_soap.py's transcription) with the Table 9 hyperparameters but
-    SOAP_MAX_PRECOND_DIM and `eps`, decoupled decay `wd` on every parameter."""
+    """SOAP as published (tests.helpers.reference_soap, the transcription tests/test_optim_soap.py checks) with the
+    Table 9 hyperparameters but SOAP_MAX_PRECOND_DIM and `eps`, decoupled decay `wd` on every parameter."""
     cfg = TABLE_9["soap"]
     return reference_soap([t.copy() for t in theta], lambda arrays, step: loss_and_grad(arrays, step)[1], steps,
                           cfg["lr"], (cfg["beta1"], cfg["beta2"]), eps, [wd] * len(theta),

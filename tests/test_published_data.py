@@ -8,7 +8,7 @@ import re
 import pytest
 
 from eval import compare, paper_data
-from tests.test_scorecard import finished_run
+from tests.helpers import finished_run
 
 SHIPPED = paper_data.PUBLISHED.read_text(encoding="utf-8")
 TABLE1_ECD = '{ row = "ECD", column = "Symmetric", value = 3.93, runs = "ecd-sym" }'

@@ -160,8 +160,7 @@ def test_resume_refuses_other_training_data_and_warns_on_other_validation_data(o
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_optimizer_state_holds_the_tied_embedding_once(optimizer):
-    torch.manual_seed(0)
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    model = helpers.tiny_gpt(0, vocab_size=VOCAB, block_size=16, n_layer=1)
     spec = OPTIMIZERS[optimizer]
     opt = spec.build(model, spec.config())
     x = torch.randint(0, VOCAB, (2, 16))

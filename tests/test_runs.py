@@ -3,7 +3,6 @@
 tied embedding, the batch layout, a stop request, the lock a run or grid directory holds, atomic writes."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -36,7 +35,8 @@ from run.log import format_duration, read_log, record_numbers
 from run.training_state import TrainingState
 from run.process import batch_layout
 from run.stop import StopRequest
-from tests.helpers import ENV, ROOT, VOCAB, resume_in_new_directory, tiny_args, train_losses, write_v1_checkpoint
+from tests.helpers import (ENV, ROOT, VOCAB, resume_in_new_directory, tiny_args, tiny_gpt, train_losses,
+                           write_v1_checkpoint)
 
 # ----- the checkpoint format: today's written, v1, v2 and v3 read through one upgrade -----
 
@@ -131,7 +131,7 @@ def test_a_newer_or_incomplete_format_or_an_unknown_kind_is_refused_naming_what_
     torch.save({**whole, "kind": "everything"}, tmp_path / "kind.pt")
     with pytest.raises(CheckpointError, match="of kind 'everything', which this version does not know"):
         load_checkpoint(tmp_path / "kind.pt")
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    model = tiny_gpt(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8)
     with pytest.raises(ValueError, match="it has no data, preset, attention"):
         weights_checkpoint(model, {"model": {}, "train": {}, "research": {}, "optim": {}}, {"step": 0})
 
@@ -139,7 +139,7 @@ def test_a_newer_or_incomplete_format_or_an_unknown_kind_is_refused_naming_what_
 def test_a_v2_checkpoint_reads_with_its_kind_made_explicit(tmp_path):
     """v2 left the kind to the presence of an optimizer state and recorded no attention path; its checksum, over
     the same tensors, still verifies."""
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    model = tiny_gpt(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8)
     config = {key: value for key, value in BARE_CONFIG.items() if key != "attention"}
     training = {"optimizer": {}, "loader": {}, "rng": {"torch": torch.get_rng_state()}, "hooks": {}}
     for kind, extra in ((WEIGHTS, {}), (TRAINING, training)):
@@ -193,8 +193,7 @@ def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings
     state, RNG and Progress as saved; the optimizer's hyperparameters as this run built them (flags given on
     --resume take effect). A checkpoint of model weights only has nothing to restore."""
     def build(seed: int, lr: float) -> TrainingState:
-        torch.manual_seed(seed)
-        model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8))
+        model = tiny_gpt(seed, vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
         return TrainingState(model, opt, settings, Stateful(None), Stateful(None), torch.device("cpu"))
@@ -234,7 +233,7 @@ def test_the_checksum_covers_every_entry_names_the_one_that_changed_and_survives
     """Each entry has its own sha256 (each config section too): a tensor of the optimizer state, the loader's
     position and the attention path recorded in the config are each named when they change after the file was
     written; the tied names filled in on load do not count."""
-    model = train_gpt.GPT(train_gpt.GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    model = tiny_gpt(vocab_size=VOCAB, block_size=16, n_layer=1, n_embd=16)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
     opt.step()

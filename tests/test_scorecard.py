@@ -13,49 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import train_gpt
 from eval import compare, paper_data, paper_run, scorecard, verdicts
+from tests.helpers import PROTOCOL, finished_run
 
 TABLE2 = {"none": {42: 3.93, 83: 3.82, 123: 3.94, 789: 3.81}, "bqbv": {42: 3.37, 83: 3.40, 123: 3.37, 789: 3.40}}
-PROTOCOL = ("--val-biases", "last-sample")  # the published trainer's validation
-
-
-def data_record(kind: str) -> dict:
-    """What config.json records of FineWeb-Edu shards (`fineweb`, or `fineweb-copy`: the same names, other
-    contents; 800M training tokens, as `python -m data.fineweb_edu --chunks 8` downloads) or of the embedded
-    corpus."""
-    prefix = {"fineweb": "finewebedu", "fineweb-copy": "finewebedu", "embedded": "embedded"}[kind]
-    files = {"train": range(1, 9), "val": (0,)}
-    split = {name: {"given": "", "pattern": f"/data/{prefix}_{name}_*.bin", "tokens": 100_000_000 * len(files[name]),
-                    "files": [{"path": f"/data/{prefix}_{name}_00000{i}.bin", "tokens": 100_000_000,
-                               "sha256": kind[0] * 64} for i in files[name]]}
-             for name in ("train", "val")}
-    return {**split, "fingerprint": {"fineweb": "f" * 16, "fineweb-copy": "c" * 16, "embedded": "e" * 16}[kind]}
-
-
-def finished_run(root: Path, name: str, optimizer: str, bias: str, seed: int, best: float | None, *,
-                 mean_v: float | None = None, gelu: bool = False, data: str = "fineweb", flags: tuple = PROTOCOL,
-                 finished: bool = True, logic: dict | None = None, log: list[dict] | None = None) -> Path:
-    """A run directory as a finished paper run leaves it: config.json of the paper's preset with these settings,
-    log.jsonl whose best single-batch validation estimate is `best` (or `log` as given), and the paper suite's logic
-    numbers."""
-    argv = ["--preset", "gpt2-124m-gelu" if gelu else "gpt2-124m", "--optimizer", optimizer, "--bias-mode", bias,
-            "--seed", str(seed), *(["--mean-v", str(mean_v)] if mean_v is not None else []), *flags]
-    config = train_gpt.parse_config(argv)
-    run = root / name
-    run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({**config.to_dict(), "data": data_record(data)}))
-    steps = config.train.steps
-    records = [{"step": 1000, "tokens": 4096000, "val_loss_batch": best, "best_val_loss_batch": best}]
-    records += [{"summary": True, "step": steps, "best_val_loss_batch": best}] if finished else []
-    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (log or records)))
-    if logic is not None:
-        (run / "eval").mkdir()
-        (run / "eval" / "logic_puzzles.json").write_text(json.dumps(
-            {"suites": [{"name": "paper", "protocol": "paper", "overall": logic}]}))
-    return run
-
-
 def table2_runs(root: Path, **changes: float) -> list[Path]:
     """Table 2's eight runs with the published values, `changes` ({"none_789": value}) replacing some."""
     return [finished_run(root, f"{bias}-{seed}", "ecd", bias, seed, changes.get(f"{bias}_{seed}", value), mean_v=0.5)

@@ -227,7 +227,7 @@ def test_a_run_that_cannot_be_captured_says_why_and_trains_in_the_default_mode(c
 
 def test_each_reason_a_step_cannot_be_captured_is_one_line(corpus, tmp_path):
     cfg = train_gpt.parse_config(run_flags(corpus, tmp_path, "r", "ecd", **{"ecd-nu": 0.1}))
-    model = train_gpt.GPT(cfg.model)
+    model = train_gpt.GPT(cfg.model)  # the model the run's flags describe (here and below), as the trainer builds it
     ecd = OPTIMIZERS["ecd"].build(model, cfg.optim)
     assert "--ecd-nu 0" in capture.graph_problem(1, [], ecd)
     assert "2 processes" in capture.graph_problem(2, [], ecd)

@@ -21,6 +21,7 @@ from data import documents
 from data.documents import CorpusStats, TokenizeError, iter_documents, resolve_sources
 from data.tokenize import documents_to_shards
 from data.tokenizer import gpt2_tokenizer
+from tests.helpers import HUB_REPO, FakeHub
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,7 +218,6 @@ def test_small_corpus_and_existing_outputs(tmp_path):
 def test_hub_dataset_files(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow as pa
-    from test_fineweb_edu import REPO, FakeHub
 
     docs = make_docs(6, 10)
     files = {}
@@ -227,16 +227,16 @@ def test_hub_dataset_files(tmp_path):
         files[name] = (tmp_path / "t.parquet").read_bytes()
     hub = FakeHub(files)
     try:
-        fetched = documents.fetch_hub_files(REPO, "sample/10BT/*.parquet", endpoint=hub.endpoint,
+        fetched = documents.fetch_hub_files(HUB_REPO, "sample/10BT/*.parquet", endpoint=hub.endpoint,
                                             cache_dir=tmp_path / "hf")
         assert [name for name, _ in fetched] == ["sample/10BT/000.parquet", "sample/10BT/001.parquet"]
         stats = CorpusStats()
         assert list(iter_documents([path for _, path in fetched], stats)) == docs
-        assert documents.fetch_hub_files(REPO, "sample/*", 1, endpoint=hub.endpoint,
+        assert documents.fetch_hub_files(HUB_REPO, "sample/*", 1, endpoint=hub.endpoint,
                                          cache_dir=tmp_path / "hf") == fetched[:1]
         assert sum(hub.gets.values()) == 2  # the second call is served from the cache
         with pytest.raises(TokenizeError, match="match"):
-            documents.fetch_hub_files(REPO, "nothing/*", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
+            documents.fetch_hub_files(HUB_REPO, "nothing/*", endpoint=hub.endpoint, cache_dir=tmp_path / "hf")
     finally:
         hub.close()
 
