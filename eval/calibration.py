@@ -23,7 +23,7 @@ import numpy as np
 import train_gpt
 from cli import ArgumentParser
 from eval import scorecard
-from eval.common import markdown_table
+from eval.outputs import markdown_table
 from eval.paper_run import Run
 
 OUTCOMES = ("reproduced", "inconclusive", "differs")

@@ -33,8 +33,10 @@ import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
 from fileio import atomic_write, exits_on_filesystem_errors
-from eval.common import add_target_args, markdown_table, open_target, run_hyperparameters, validation_files, write_json
+from eval.configuration import run_hyperparameters, validation_files
 from eval.figures import head_maps_figure, save_figure
+from eval.outputs import markdown_table, write_json
+from eval.target import add_target_args, open_target
 from optim import OPTIMIZERS
 from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 

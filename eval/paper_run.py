@@ -16,7 +16,8 @@ from typing import Callable
 import config as run_config
 import train_gpt
 from cli import option
-from eval.common import EVAL_DIRNAME, read_config
+from eval.configuration import read_config
+from eval.outputs import EVAL_DIRNAME
 from eval.samples import best_val_loss, cell_settings, run_outcome, unused_by_bias_mode
 from run.log import read_log
 

@@ -33,11 +33,13 @@ from pathlib import Path
 from cli import ArgumentParser
 import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
-from eval.common import (add_target_args, annotate_output, checkpoint_identity, load_target_checkpoint, markdown_table,
-                         output_dir, read_config, read_manifest, resolve_target, stale_reason, write_json)
+from eval.configuration import read_config
 from eval.curves import loss_figure, validation_losses
 from eval.figures import save_figure
+from eval.outputs import (annotate_output, checkpoint_identity, markdown_table, read_manifest, stale_reason,
+                          write_json)
 from eval.samples import STATISTICS
+from eval.target import add_target_args, load_target_checkpoint, output_dir, resolve_target
 from fileio import LockHeldError, atomic_write, exits_on_filesystem_errors, hold_lock
 from run.log import read_log
 
@@ -263,7 +265,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, confi
         reason = stale_reason(eval_dir, name, identity)
         if error is None and reason is not None:
             error = (f"it ran but left no outputs recorded for this checkpoint ({reason}; see "
-                     "eval.common.record_outputs)")
+                     "eval.outputs.record_outputs)")
             print(f"report: eval.{name} failed: {error}", file=sys.stderr, flush=True)
         if error is not None:
             page.failures[name] = error

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval import verdicts
-from eval.common import markdown_table, write_json
+from eval.outputs import markdown_table, write_json
 from eval.paper_data import Cell, Published, load_published, series_key
 from eval.paper_run import METRICS, Run, matches, metric_problem
 from eval.samples import BIAS_SETTINGS, data_identity, disagreeing_seeds, per_seed

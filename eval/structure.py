@@ -26,9 +26,9 @@ from torch import Tensor
 from cli import ArgumentParser
 from run.checkpoint import run_checkpoints
 from run.process import resolve_device
-from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, resolve_target,
-                         write_json)
 from eval.figures import pyplot, save_figure, step_axis
+from eval.outputs import markdown_table, write_json
+from eval.target import add_target_args, load_target_checkpoint, output_dir, resolve_target
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 from fileio import atomic_write, exits_on_filesystem_errors
 
