@@ -8,11 +8,11 @@ from pathlib import Path
 
 from eval import verdicts
 from eval.paper_data import Cell, load_published
-from eval.paper_run import Run, matches
+from eval.paper_run import ScoredRun, matches
 from eval.scorecard import Context
 
 
-def seeds_for(cell: Cell, runs: list[Run]) -> list[int]:
+def seeds_for(cell: Cell, runs: list[ScoredRun]) -> list[int]:
     """The seeds of `cell` for which `runs` hold its configuration and its baseline."""
     def has(selectors: list[dict], seed: int) -> bool:
         return any(matches(r, s, [seed]) for r in runs for s in selectors)
@@ -24,7 +24,7 @@ def power_lines(configs: list[dict]) -> list[str]:
     they give it, its power at the paper's spread (its Std for the claim's configuration, else √2 times the metric's
     reference spread) and the seeds for verdicts.POWER; [] when they feed none."""
     published = load_published()
-    runs = [Run(Path(f"planned-{i}"), config, []) for i, config in enumerate(configs)]
+    runs = [ScoredRun(Path(f"planned-{i}"), config, []) for i, config in enumerate(configs)]
     context = Context.of(published, [])
     lines = []
     for cell in published.cells:

@@ -24,7 +24,7 @@ from pathlib import Path
 from eval import verdicts
 from eval.outputs import markdown_table, write_json
 from eval.paper_data import Cell, Published, load_published, series_key
-from eval.paper_run import METRICS, Run, matches, metric_problem
+from eval.paper_run import METRICS, ScoredRun, matches, metric_problem
 from eval.samples import BIAS_SETTINGS, data_identity, disagreeing_seeds, per_seed
 from eval.verdicts import Estimate, Spread
 from fileio import atomic_write
@@ -39,13 +39,13 @@ class Side:
     side's configurations, the runs of a seed averaged), the finished runs that gave it, and what is wrong."""
 
     values: dict = field(default_factory=dict)
-    used: list[Run] = field(default_factory=list)
+    used: list[ScoredRun] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    diverged: list[Run] = field(default_factory=list)
-    left_out: list[Run] = field(default_factory=list)
+    diverged: list[ScoredRun] = field(default_factory=list)
+    left_out: list[ScoredRun] = field(default_factory=list)
 
 
-def side(metric: str, selectors: list[dict], seeds: list[int], runs: list[Run]) -> Side:
+def side(metric: str, selectors: list[dict], seeds: list[int], runs: list[ScoredRun]) -> Side:
     """The runs of `selectors` with one of `seeds`: unfinished runs left out, diverged ones named, runs of one
     configuration that differ in a setting that changes results (samples.cell_settings) never averaged (a `mixed`
     problem), a run without the metric not evaluated, a seed whose runs disagree named."""
@@ -123,13 +123,13 @@ class Context:
     """What judging a cell needs beyond its own runs: every run, the published file, per series (Cell.series) the
     seeds of its cells and the paper's Std for it (value, number of seeds)."""
 
-    runs: list[Run]
+    runs: list[ScoredRun]
     published: Published
     series_seeds: dict[str, list[int]]
     series_std: dict[str, tuple[float, int]]
 
     @classmethod
-    def of(cls, published: Published, runs: list[Run]) -> Context:
+    def of(cls, published: Published, runs: list[ScoredRun]) -> Context:
         seeds, stds = {}, {}
         for cell in published.cells:
             seeds.setdefault(cell.series, set()).update(cell.seeds)
@@ -347,7 +347,7 @@ def judge_pool(cell: Cell, members: list[Result], context: Context) -> Result:
     return settle(result, measured, context.resolution(cell), not reasons)
 
 
-def score(published: Published, runs: list[Run]) -> list[Result]:
+def score(published: Published, runs: list[ScoredRun]) -> list[Result]:
     """Every published cell judged against `runs`."""
     context = Context.of(published, runs)
     results = {id(c): judge(c, context) for c in published.cells if not c.pool}
@@ -444,7 +444,7 @@ def _claim_ours(r: Result) -> str:
     return f"{r.ours:+{fmt}}{half} ({kind}, n = {r.n}{sd})"
 
 
-def scorecard_markdown(published: Published, results: list[Result], runs: list[Run], source: str) -> str:
+def scorecard_markdown(published: Published, results: list[Result], runs: list[ScoredRun], source: str) -> str:
     """The page: what it compares, a warning at the top when no cell with runs is comparable, the counts, the
     rule, a section per table with runs (its levels), the claims (Δ columns), the runs left out and how the runs
     differ from the paper's."""
@@ -509,7 +509,7 @@ def write_scorecard(run_dirs: list[Path], out: Path, published: Published | None
     scorecard.json; with `only_if_matched`, write nothing (and return None) when no run matches any cell.
     Returns the page's path."""
     published = published or load_published()
-    runs = [Run.read(Path(d)) for d in run_dirs]
+    runs = [ScoredRun.read(Path(d)) for d in run_dirs]
     results = score(published, runs)
     if only_if_matched and all(r.verdict == "no run" for r in results):
         return None

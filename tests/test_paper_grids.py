@@ -94,7 +94,7 @@ def test_each_grids_runs_carry_its_tables_configuration(grid):
             assert optim["initial_velocity_std"] == (0.0 if grid.stem == "table1-sgdm-at-rest" else 0.1)
             assert optim["optim_seed"] == train["seed"]
         assert paper_run.paper_differences({**c, "data": FINEWEB}, [{"summary": True, "step": train["steps"]}]) == []
-        assert paper_run.metric_problem("best_val_loss", paper_run.Run(Path("run"), c, [])) is None
+        assert paper_run.metric_problem("best_val_loss", paper_run.ScoredRun(Path("run"), c, [])) is None
 
 
 FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
@@ -104,7 +104,7 @@ FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
 
 def test_the_published_numbers_cover_every_run_of_the_grids_and_every_cell_names_a_grid_that_trains_it():
     published = scorecard.load_published()
-    runs = {grid.stem: [paper_run.Run(Path(name), config, []) for name, config in planned(grid).items()]
+    runs = {grid.stem: [paper_run.ScoredRun(Path(name), config, []) for name, config in planned(grid).items()]
             for grid in GRIDS}
     used = set()
     for cell in published.cells:
