@@ -143,7 +143,7 @@ class Page:
         if self.log:
             save_figure(loss_figure(self.log, title=run_dir.name), eval_dir / "report_loss.png")
 
-    def settle(self, name: str, reason: str | None, skip_missing: bool) -> None:
+    def take_outputs(self, name: str, reason: str | None, skip_missing: bool) -> None:
         """Take evaluation `name`'s outputs as they are: current, stale (shown with --skip-missing) or absent."""
         entry = read_manifest(self.eval_dir)["outputs"].get(name)
         if reason is None or (skip_missing and entry is not None and reason.startswith("computed from")):
@@ -244,7 +244,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, confi
             todo.append((name, reason))
             page.status[name] = f"to run: {reason}"
         else:
-            page.settle(name, reason, args.skip_missing)
+            page.take_outputs(name, reason, args.skip_missing)
     page.write()
     print(f"report: {run_dir.name}, step {step}: {len(todo)} of {len(EVALUATIONS)} evaluations to run, "
           f"{budget[0]} budget ({budget[1]})", flush=True)
@@ -272,7 +272,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, confi
             page.status[name] = f"failed: {error}"
         else:
             annotate_output(eval_dir, name, budget=budget[0])
-            page.settle(name, None, False)
+            page.take_outputs(name, None, False)
         page.write()
         print(f"report: [{i}/{len(todo)}] eval.{name} {'failed' if error else 'done'} in "
               f"{time.perf_counter() - start:.1f}s", flush=True)

@@ -196,7 +196,7 @@ def _gap(value: float, ours: Spread, paper: Spread, ours_var: float, paper_var: 
     return Estimate(value, math.sqrt(ours_var + paper_var), df)
 
 
-def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context) -> Measured:
+def measure_cell(cell: Cell, treatment: dict, baseline: dict | None, context: Context) -> Measured:
     """Ours, its error and the difference to the published value with its error, by the cell's kind: a level (the
     mean or the least of its seeds), a Δ paired by seed, an unpaired Δ, or the least of one side less the least of
     the other (Table 1)."""
@@ -265,7 +265,7 @@ def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context
                     False, null, notes)
 
 
-def settle(result: Result, measured: Measured, resolution: float, comparable: bool) -> Result:
+def fill_result(result: Result, measured: Measured, resolution: float, comparable: bool) -> Result:
     """Fill `result` from `measured`; a comparable result gets its verdict by eval.verdicts.judge (what would
     decide an inconclusive claim noted), a not comparable one keeps it."""
     cell = result.cell
@@ -289,7 +289,7 @@ def settle(result: Result, measured: Measured, resolution: float, comparable: bo
     return result
 
 
-def judge(cell: Cell, context: Context) -> Result:
+def judge_cell(cell: Cell, context: Context) -> Result:
     """The verdict of one (non-pooled) cell."""
     treatment = side(cell.metric, cell.runs, cell.seeds, context.runs)
     baseline = side(cell.metric, [cell.baseline], cell.seeds, context.runs) if cell.baseline else None
@@ -315,8 +315,8 @@ def judge(cell: Cell, context: Context) -> Result:
     if (baseline is not None and not baseline.values) or not treatment.values or evaluated:
         result.reasons = reasons or evaluated or ["no value for this cell's seeds"]
         return result
-    measured = measure(cell, treatment.values, baseline.values if baseline else None, context)
-    return settle(result, measured, context.resolution(cell), not reasons)
+    measured = measure_cell(cell, treatment.values, baseline.values if baseline else None, context)
+    return fill_result(result, measured, context.resolution(cell), not reasons)
 
 
 def judge_pool(cell: Cell, members: list[Result], context: Context) -> Result:
@@ -344,13 +344,13 @@ def judge_pool(cell: Cell, members: list[Result], context: Context) -> Result:
     ours_var, paper_var = ours.sd ** 2 / n, paper.sd ** 2 / n_paper
     measured = Measured(Estimate(value, math.sqrt(ours_var), ours.df),
                         _gap(value - cell.value, ours, paper, ours_var, paper_var), ours, n, valued)
-    return settle(result, measured, context.resolution(cell), not reasons)
+    return fill_result(result, measured, context.resolution(cell), not reasons)
 
 
 def score(published: Published, runs: list[ScoredRun]) -> list[Result]:
     """Every published cell judged against `runs`."""
     context = Context.of(published, runs)
-    results = {id(c): judge(c, context) for c in published.cells if not c.pool}
+    results = {id(c): judge_cell(c, context) for c in published.cells if not c.pool}
     for cell in published.cells:
         if cell.pool:
             members = [results[id(c)] for c in published.cells
