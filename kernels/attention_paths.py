@@ -198,15 +198,6 @@ def read_table(path: Path = TABLE) -> list[dict]:
     return rows
 
 
-def table_text(new_rows: list[dict], path: Path = TABLE) -> str:
-    """The table's JSON with `new_rows` added, each replacing any row of the same GPU, head dim and dtype."""
-    document = json.loads(path.read_text()) if path.is_file() else {"rows": []}
-    keys = {tuple(r[k] for k in TABLE_KEY) for r in new_rows}
-    rows = [r for r in document["rows"] if tuple(r[k] for k in TABLE_KEY) not in keys] + new_rows
-    document["rows"] = sorted(rows, key=lambda r: tuple(str(r[k]) for k in TABLE_KEY))
-    return json.dumps(document, indent=1) + "\n"
-
-
 def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, *, compiled: bool,
            table: Path = TABLE) -> dict:
     """The record of the path a run takes: requested, choice, source (why). A forced path that cannot run here

@@ -23,6 +23,7 @@ import torch
 
 import kernels.attention_paths as paths
 import train_gpt
+from bench import throughput
 from kernels.attention_paths import attention, attention_flex, attention_reference
 from tests.helpers import ROOT, tiny_gpt, train_tiny_run
 
@@ -227,7 +228,7 @@ def test_the_shipped_table_is_valid_and_cites_a_measurement_for_every_row() -> N
 
 def test_new_rows_replace_the_rows_of_their_gpu_head_dim_and_dtype(tmp_path: Path) -> None:
     path = table(tmp_path, row("flex"), row("sdpa", head_dim=128), row("flex", gpu="A100"))
-    path.write_text(paths.table_text([row("triton"), row("triton", dtype="bfloat16")], path))
+    path.write_text(throughput.table_text([row("triton"), row("triton", dtype="bfloat16")], path, paths.TABLE_KEY))
     got = {(r["gpu"], r["head_dim"], r["dtype"]): r["impl"] for r in paths.read_table(path)}
     assert got == {("cpu", 64, "float32"): "triton", ("cpu", 64, "bfloat16"): "triton",
                    ("cpu", 128, "float32"): "sdpa", ("A100", 64, "float32"): "flex"}
