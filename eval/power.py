@@ -39,7 +39,7 @@ def power_lines(configs: list[dict]) -> list[str]:
         else:
             se, df, needed = spread.sd / math.sqrt(n), n - 1, verdicts.seeds_to_decide(cell.value, spread.sd)
         lines.append(f"  {cell.name}: {cell.value:+g} at spread {spread.sd:.3g} ({spread.source}): {n} seed"
-                     f"{'s' * (n > 1)} here, power {100 * verdicts.power(cell.value, se, df):.0f}%"
+                     f"{'s' * (n > 1)} here, power {100 * verdicts.power_of(cell.value, se, df):.0f}%"
                      + (f"; {needed} seeds give {100 * verdicts.POWER:.0f}%" if needed else ""))
     if not lines:
         return []

@@ -24,7 +24,7 @@ import torch
 import kernels.attention_paths as paths
 import train_gpt
 from bench import throughput
-from kernels.attention_paths import attention, attention_flex, attention_reference
+from kernels.attention_paths import attend, attention_flex, attention_reference
 from tests.helpers import ROOT, tiny_gpt, train_tiny_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative, against float64
@@ -156,13 +156,13 @@ def test_attention_dispatches_by_impl() -> None:
     q, k, v = (torch.randn(1, 2, 9, 64) for _ in range(3))
     b_q, b_v = torch.randn(64), torch.randn(2, 64)
     reference = attention_reference(q, k, v, b_q, b_v)
-    assert torch.equal(attention(q, k, v, b_q, b_v, impl="sdpa"), reference)
-    assert torch.equal(attention(q, k, v, b_q, b_v, impl="triton"), reference)  # no kernel on the CPU
+    assert torch.equal(attend(q, k, v, b_q, b_v, impl="sdpa"), reference)
+    assert torch.equal(attend(q, k, v, b_q, b_v, impl="triton"), reference)  # no kernel on the CPU
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.testing.assert_close(attention(q, k, v, b_q, b_v, impl="flex"), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attend(q, k, v, b_q, b_v, impl="flex"), reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="impl 'cudnn'"):
-        attention(q, k, v, impl="cudnn")
+        attend(q, k, v, impl="cudnn")
 
 
 # -----------------------------------------------------------------------------

@@ -144,15 +144,15 @@ def test_the_dry_run_prints_what_each_claim_of_the_grid_can_decide(tmp_path, cap
     args = ["--grid", str(ROOT / "grids" / "table2.toml"), "--run-dir", str(tmp_path), "--dry-run"]
     assert grid_main(args) == 0
     out = capsys.readouterr().out
-    power = verdicts.power(-0.49, 0.09 / 2, 3)  # Table 2's Δ: four seeds at its Std 0.09
+    power = verdicts.power_of(-0.49, 0.09 / 2, 3)  # Table 2's Δ: four seeds at its Std 0.09
     assert (f"  Table 2, Mean, Δ: -0.49 at spread 0.09 (the paper's Std over 4 seeds): 4 seeds here, power "
             f"{100 * power:.0f}%; {verdicts.seeds_to_decide(-0.49, 0.09)} seeds give 80%") in out
-    per_seed = verdicts.power(-0.41, 0.09, 3)  # one seed's Δ at the same spread
+    per_seed = verdicts.power_of(-0.41, 0.09, 3)  # one seed's Δ at the same spread
     assert f"  Table 10, 789, Δ Val Loss: -0.41 at spread 0.09 (the paper's Std over 4 seeds): 1 seed here, power " \
            f"{100 * per_seed:.0f}%" in out
     assert "GELU" not in out  # grids/table23.toml's claims: not these runs'
     assert grid_main(["--grid", str(ROOT / "grids" / "table23.toml"), "--run-dir", str(tmp_path), "--dry-run"]) == 0
-    gelu = verdicts.power(-0.03, 0.018 / 3 ** 0.5, 2)  # the GELU Δ, three seeds at its Std 0.018
+    gelu = verdicts.power_of(-0.03, 0.018 / 3 ** 0.5, 2)  # the GELU Δ, three seeds at its Std 0.018
     assert (f"  Table 23, Mean, GELU Δ: -0.03 at spread 0.018 (the paper's Std over 3 seeds): 3 seeds here, power "
             f"{100 * gelu:.0f}%; {verdicts.seeds_to_decide(-0.03, 0.018)} seeds give 80%") in capsys.readouterr().out
 
