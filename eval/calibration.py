@@ -150,7 +150,7 @@ def _preset_config(preset: str, optimizer: str) -> dict:
     return {**config, "data": {**data, "fingerprint": "f" * 16}}
 
 
-def table(scenarios: list[Scenario], draws: int, seed: int = 0) -> str:
+def calibration_table(scenarios: list[Scenario], draws: int, seed: int = 0) -> str:
     """The calibration table in Markdown: per scenario and group of cells, the shares of each outcome."""
     rows = []
     for scenario in scenarios:
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="only this scenario (repeatable; default: every one)")
     args = parser.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
-    text = "\n".join(f"- {s.name}: {s.description}" for s in chosen) + "\n\n" + table(chosen, args.draws, args.seed)
+    text = ("\n".join(f"- {s.name}: {s.description}" for s in chosen) + "\n\n"
+            + calibration_table(chosen, args.draws, args.seed))
     print(text)
     return text
 
