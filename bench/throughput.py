@@ -60,8 +60,8 @@ def grid_wall_time_s(runs: int, tokens_per_run: float, gpus: int, gpu_tokens_per
 
 
 def fastest_setting(by_mode: dict[str, dict[int, float]], runs: int = PAPER_GRID["runs"],
-            tokens_per_run: float = PAPER_GRID["tokens_per_run"], gpus: int = PAPER_GRID["gpus"]
-            ) -> tuple[str, int, float] | None:
+                    tokens_per_run: float = PAPER_GRID["tokens_per_run"], gpus: int = PAPER_GRID["gpus"]
+                    ) -> tuple[str, int, float] | None:
     """(compile mode, runs per GPU, seconds) of the setting that finishes the grid soonest, from `gpu_rows`;
     None without rows. A setting with n runs per GPU needs measurements for 1..n."""
     best = None
