@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from gauge.dynamics import dynamics_summary, velocity_from_optimizer
-from gauge.sensitivity import training_summary
+from gauge.sensitivity import diagnostic_summary
 from gauge.updates import GaugeUpdates
 from optim.base import OptimizerInterface
 
@@ -55,7 +55,7 @@ class TrainingHooks:
             fields.update(dynamics_summary(model, velocity_from_optimizer(optimizer), self.n_head))
         if self.diagnostic_every and step % self.diagnostic_every == 0:
             x, y, _ = batch
-            diagnostic = training_summary(model, self.optimizer, self.optim_cfg, x, y, step)
+            diagnostic = diagnostic_summary(model, self.optimizer, self.optim_cfg, x, y, step)
             fields.update(diagnostic)
             texts.append(f"gauge ΔM QK {diagnostic['gauge_dM_QK']:.3g} VO {diagnostic['gauge_dM_VO']:.3g}")
         return fields, texts

@@ -221,7 +221,7 @@ class CausalSelfAttention(nn.Module):
             b_q, b_v = self.b_q, self.b_v
         if cache is not None:  # generation: the keys and values of the tokens read before (kv_cache.py)
             k, v = cache.update(k, v)
-        y = attention_paths.attention(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2),
+        y = attention_paths.attend(q, k, v, b_q, b_v, causal=self.causal and q.size(2) == k.size(2),
                                       impl=self.attention_impl)
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 

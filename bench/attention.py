@@ -13,7 +13,7 @@ pinned to each of its backends (`sdpa-flash`, `sdpa-efficient`, `sdpa-cudnn`), e
 sampled b_Q, b_V of shape (d,) (docs/model.md defaults, no gradient) and, for the three implementations, `+learned`
 with the same biases as trainable parameters. The library paths are SDPA (every backend) and FlexAttention; each row's
 `x` is the fastest library path's time with the same biases over this row's time (above 1: faster than the library).
-`auto` is the fastest of the three on these timings (`fastest`: within 2% the library wins). --write-table turns
+`auto` is the fastest of the three on these timings (`fastest_path`: within 2% the library wins). --write-table turns
 them into this GPU's rows of kernels/attention_table.json, which --attention-impl auto reads (`table_rows`: per head
 dim, the fastest by forward+backward time with sampled biases summed over the shapes of that head dim).
 FLOPs follow the FlashAttention convention: forward 4·B·H·T²·d, halved when causal; backward 2.5× forward.
@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import triton
 from triton.testing import do_bench
 
+from bench import throughput
 from bench.gpu_session import commit
 from cli import ArgumentParser
 import kernels.attention as attn
@@ -155,11 +156,11 @@ def auto_choices(rows: dict) -> dict[str, str | None]:
     out = {}
     for suffix in BIASES:
         timed = _timed(rows, [name + suffix for name in IMPLEMENTATIONS], "fwd_bwd_ms")
-        out[suffix or "none"] = fastest({n.removesuffix(suffix): ms for n, ms in timed.items()}) if timed else None
+        out[suffix or "none"] = fastest_path({n.removesuffix(suffix): ms for n, ms in timed.items()}) if timed else None
     return out
 
 
-def fastest(timings: dict[str, float]) -> str:
+def fastest_path(timings: dict[str, float]) -> str:
     """The fastest path; timings within TIE (relative) of the best count as ties, won by PREFERENCE order."""
     best = min(timings.values())
     tied = [name for name, ms in timings.items() if ms <= best * (1 + TIE)]
@@ -182,7 +183,7 @@ def table_rows(report: dict, commit: str) -> list[dict]:
             continue
         totals = {n.removesuffix("+bias"): sum(t[n] for t in timed) for n in common}
         sizes = ", ".join(f"{s['B']}x{s['H']}x{s['T']}x{s['d']}" for s in shapes)
-        rows.append({"gpu": report["device"], "head_dim": d, "dtype": dtype, "impl": fastest(totals), "source": (
+        rows.append({"gpu": report["device"], "head_dim": d, "dtype": dtype, "impl": fastest_path(totals), "source": (
             f"python -m bench.attention {time.strftime('%Y-%m-%d')}, commit {commit}, torch {report['torch']}, "
             f"Triton {report['triton']}: forward+backward with sampled b_Q, b_V, causal, summed over {sizes}: "
             + ", ".join(f"{n} {ms:.3f} ms" for n, ms in sorted(totals.items(), key=lambda kv: kv[1])))})
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.non_causal:
             raise SystemExit("--write-table records causal attention (the model's): drop --non-causal")
         rows = table_rows(report, commit())
-        atomic_write(args.table, paths.table_text(rows, args.table).encode())
+        atomic_write(args.table, throughput.table_text(rows, args.table, paths.TABLE_KEY).encode())
         for row in rows:
             print(f"{args.table}: {row['gpu']}, head dim {row['head_dim']}, {row['dtype']} -> {row['impl']}")
 

@@ -148,7 +148,7 @@ def autotune_launches(arch: int) -> list[Launch]:
     return launches
 
 
-def captured(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Launch]:
+def captured_launches(arch: int, subset: bool, autotune_tiles: bool = False) -> list[Launch]:
     """Every configuration's launches for one target (the training configuration only with `subset`; every
     autotuning tile too with `autotune_tiles`), each distinct build once."""
     attention = [(64, "bf16", True, True)] if subset else [
@@ -232,15 +232,15 @@ def print_row(row: dict) -> None:
 
 def build_all(targets: list[str], subset: bool, autotune_tiles: bool = False,
               show: Callable[[dict], None] = lambda row: None) -> list[dict]:
-    """Every captured launch (`captured`) built for each of `targets` in a fresh Triton cache, so that every build
-    runs ptxas and reports: a row per build (build's, with its `problems`, or the build error: a result too), each
-    also marked `shipped` (False for an autotuning candidate) and passed to `show` as it is made."""
+    """Every captured launch (`captured_launches`) built for each of `targets` in a fresh Triton cache, so that every
+    build runs ptxas and reports: a row per build (build's, with its `problems`, or the build error: a result too),
+    each also marked `shipped` (False for an autotuning candidate) and passed to `show` as it is made."""
     rows = []
     with tempfile.TemporaryDirectory() as cache, triton.knobs.cache.scope():
         triton.knobs.cache.dir = cache
         for name in targets:
             target = TARGETS[name]
-            for launch in captured(target.arch, subset, autotune_tiles):
+            for launch in captured_launches(target.arch, subset, autotune_tiles):
                 try:
                     row = build(launch, target)
                 except Exception as exc:  # a build error is a result: report it and go on

@@ -89,7 +89,7 @@ def changes(report: dict, repo: Path) -> tuple[list[str], str]:
         diffs.append(_diff(repo, "bench/throughput.json", text))
         measured = json.loads(text)["rows"]
         gpu = rows[0]["gpu"]
-        best = throughput.fastest(throughput.gpu_rows(measured, gpu))
+        best = throughput.fastest_setting(throughput.gpu_rows(measured, gpu))
         if best:
             mode, n, _ = best
             lines += [_mode_line(report, mode), _sharing_line(report, measured, gpu, n),

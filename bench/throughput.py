@@ -3,7 +3,8 @@
 bench/throughput.json holds one row per (GPU, preset, optimizer, tokens per step, compile mode, runs per GPU): the
 tokens per second of the whole GPU with that many runs sharing it, and each run's ms per step, as `bash
 bench/gpu_session.sh` measured them (its report ends with the rows to add). `grid_wall_time_s` turns a GPU's rows
-into the wall time of a grid, `fastest` picks the setting to run. Standard library only: the GPU session's driver,
+into the wall time of a grid, `fastest_setting` picks the setting to run. `table_text` adds measured rows to a table
+file, this one or kernels/attention_table.json (bench.attention's). Standard library only: the GPU session's driver,
 which any python3 runs, reads and writes these rows too.
 """
 from __future__ import annotations
@@ -23,12 +24,15 @@ def read_rows(path: Path = TABLE) -> list[dict]:
     return json.loads(path.read_text())["rows"]
 
 
-def table_text(new_rows: list[dict], path: Path = TABLE) -> str:
-    """The file's JSON with `new_rows` added, each replacing a row of the same KEY."""
-    keys = {tuple(r[k] for k in KEY) for r in new_rows}
-    rows = [r for r in read_rows(path) if tuple(r[k] for k in KEY) not in keys] + new_rows
-    rows.sort(key=lambda r: tuple(str(r[k]) for k in KEY))
-    return json.dumps({"rows": rows}, indent=1) + "\n"
+def table_text(new_rows: list[dict], path: Path = TABLE, key: tuple[str, ...] = KEY) -> str:
+    """The JSON of a table file of measured rows (this one, or kernels/attention_table.json with its TABLE_KEY) with
+    `new_rows` added, each replacing any row of the same `key`, in key order; the file's other entries are kept, and
+    a file not yet written is an empty table."""
+    document = json.loads(path.read_text()) if path.is_file() else {"rows": []}
+    keys = {tuple(r[k] for k in key) for r in new_rows}
+    rows = [r for r in document["rows"] if tuple(r[k] for k in key) not in keys] + new_rows
+    document["rows"] = sorted(rows, key=lambda r: tuple(str(r[k]) for k in key))
+    return json.dumps(document, indent=1) + "\n"
 
 
 def gpu_rows(rows: list[dict], gpu: str, preset: str = "gpt2-124m", optimizer: str = "adamw",
@@ -55,9 +59,9 @@ def grid_wall_time_s(runs: int, tokens_per_run: float, gpus: int, gpu_tokens_per
     return seconds
 
 
-def fastest(by_mode: dict[str, dict[int, float]], runs: int = PAPER_GRID["runs"],
-            tokens_per_run: float = PAPER_GRID["tokens_per_run"], gpus: int = PAPER_GRID["gpus"]
-            ) -> tuple[str, int, float] | None:
+def fastest_setting(by_mode: dict[str, dict[int, float]], runs: int = PAPER_GRID["runs"],
+                    tokens_per_run: float = PAPER_GRID["tokens_per_run"], gpus: int = PAPER_GRID["gpus"]
+                    ) -> tuple[str, int, float] | None:
     """(compile mode, runs per GPU, seconds) of the setting that finishes the grid soonest, from `gpu_rows`;
     None without rows. A setting with n runs per GPU needs measurements for 1..n."""
     best = None
@@ -73,7 +77,7 @@ def fastest(by_mode: dict[str, dict[int, float]], runs: int = PAPER_GRID["runs"]
 def wall_time_line(gpu: str, by_mode: dict[str, dict[int, float]]) -> str:
     """The paper grid's expected wall time on an 8-GPU node of `gpu`, as docs/grid.md and the session's report say
     it."""
-    mode, n, seconds = fastest(by_mode)
+    mode, n, seconds = fastest_setting(by_mode)
     grid = PAPER_GRID
     return (f"{gpu}: {seconds / 3600:.1f} h for the {grid['runs']} runs of {grid['tokens_per_run'] / 1e6:,.0f}M tokens "
             f"on {grid['gpus']} GPUs, with --compile-mode {mode} and --runs-per-gpu {n} "
@@ -103,7 +107,7 @@ NONE_YET = ("- none yet: no GPU has run `bash bench/gpu_session.sh` on this code
 def wall_time_bullets(rows: list[dict]) -> list[str]:
     """docs/grid.md's bullets: the paper grid's wall time on each GPU of `rows` (AdamW at the paper's batch)."""
     gpus = sorted({r["gpu"] for r in rows})
-    lines = [f"- {wall_time_line(gpu, gpu_rows(rows, gpu))}" for gpu in gpus if fastest(gpu_rows(rows, gpu))]
+    lines = [f"- {wall_time_line(gpu, gpu_rows(rows, gpu))}" for gpu in gpus if fastest_setting(gpu_rows(rows, gpu))]
     return lines or [NONE_YET]
 
 

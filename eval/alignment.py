@@ -30,9 +30,10 @@ import train_gpt
 from data.loader import validation_batches, validation_capacity
 from data.shards import GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import (add_target_args, markdown_table, open_target, record_outputs, run_hyperparameters,
-                         validation_files, write_json)
+from eval.configuration import run_hyperparameters, validation_files
 from eval.figures import pyplot, save_figure
+from eval.outputs import markdown_table, record_outputs, write_json
+from eval.target import add_target_args, open_target
 from fileio import atomic_write, exits_on_filesystem_errors
 
 MODES = ("raw", "ln", "residual")

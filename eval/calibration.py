@@ -23,8 +23,8 @@ import numpy as np
 import train_gpt
 from cli import ArgumentParser
 from eval import scorecard
-from eval.common import markdown_table
-from eval.paper_run import Run
+from eval.outputs import markdown_table
+from eval.paper_run import ScoredRun
 
 OUTCOMES = ("reproduced", "inconclusive", "differs")
 # A world: per configuration (a key of the table's [table.runs]) the mean and the sd of its per-seed values.
@@ -91,10 +91,10 @@ class Simulation:
         keys = _selector_keys(scenario.table)
         selectors = {json.dumps(s, sort_keys=True): s for c in self.cells for s in c.runs + [c.baseline] if s}
         seeds = sorted({s for c in self.cells for s in c.seeds})
-        self.runs = [(keys[name], seed, Run(Path(f"{keys[name]}-{seed}"), _config(selector, seed), [], []))
+        self.runs = [(keys[name], seed, ScoredRun(Path(f"{keys[name]}-{seed}"), _config(selector, seed), [], []))
                      for name, selector in selectors.items() for seed in seeds]  # (configuration, seed, template)
 
-    def draw(self, rng: np.random.Generator) -> list[Run]:
+    def draw(self, rng: np.random.Generator) -> list[ScoredRun]:
         """One world's runs: each configuration's per-seed values drawn from its N(mean, sd)."""
         runs = []
         for key, seed, template in self.runs:
@@ -102,7 +102,7 @@ class Simulation:
             value = float(rng.normal(mean, sd))
             log = [{"step": 1000, "val_loss_batch": value, "best_val_loss_batch": value},
                    {"summary": True, "step": template.config["train"]["steps"], "best_val_loss_batch": value}]
-            run = Run(template.path, template.config, log, [])
+            run = ScoredRun(template.path, template.config, log, [])
             run.__dict__.update({k: v for k, v in template.__dict__.items() if k == "settings"})  # computed once
             runs.append(run)
         return runs
@@ -150,7 +150,7 @@ def _preset_config(preset: str, optimizer: str) -> dict:
     return {**config, "data": {**data, "fingerprint": "f" * 16}}
 
 
-def table(scenarios: list[Scenario], draws: int, seed: int = 0) -> str:
+def calibration_table(scenarios: list[Scenario], draws: int, seed: int = 0) -> str:
     """The calibration table in Markdown: per scenario and group of cells, the shares of each outcome."""
     rows = []
     for scenario in scenarios:
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> str:
                         help="only this scenario (repeatable; default: every one)")
     args = parser.parse_args(argv)
     chosen = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
-    text = "\n".join(f"- {s.name}: {s.description}" for s in chosen) + "\n\n" + table(chosen, args.draws, args.seed)
+    text = ("\n".join(f"- {s.name}: {s.description}" for s in chosen) + "\n\n"
+            + calibration_table(chosen, args.draws, args.seed))
     print(text)
     return text
 

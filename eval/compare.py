@@ -28,9 +28,10 @@ from pathlib import Path
 
 from cli import ArgumentParser
 from eval import paper_data, scorecard
-from eval.common import EVAL_DIRNAME, markdown_table, read_config, write_json
-from eval.figures import pyplot, save_figure
+from eval.configuration import read_config
 from eval.curves import runs_loss_figure
+from eval.figures import pyplot, save_figure
+from eval.outputs import EVAL_DIRNAME, markdown_table, write_json
 from eval.samples import (BIAS_SETTINGS, STATISTICS, Difference, Summary, cell_settings, data_description,
                           data_identity, difference, per_seed, repeated_seeds, run_outcome)
 from fileio import atomic_write, exits_on_filesystem_errors, make_directory

@@ -19,10 +19,10 @@ from cli import ArgumentParser
 import export
 from run.checkpoint import TRAINING, run_checkpoints
 from run.log import read_log
-from eval.common import (add_target_args, checkpoint_identity, load_target_checkpoint, markdown_table, output_dir,
-                         record_outputs, resolve_target, write_json)
 from eval.curves import MARKERS_BELOW
 from eval.figures import head_maps_figure, pyplot, save_figure, step_axis
+from eval.outputs import checkpoint_identity, markdown_table, record_outputs, write_json
+from eval.target import add_target_args, load_target_checkpoint, output_dir, resolve_target
 from fileio import atomic_write, exits_on_filesystem_errors
 from gauge.dynamics import head_dynamics, plain_name, velocity_from_state_dict, weight_drift_ratio
 from optim import OPTIMIZERS

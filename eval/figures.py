@@ -1,6 +1,6 @@
-"""Figures of the evaluations: matplotlib on a non-interactive backend, PNGs written atomically, step axes and the
-layer × head heat maps. Imports no model code. Importing this module has no side effects (matplotlib is imported
-when a figure is drawn)."""
+"""Figures of the evaluations: matplotlib on a non-interactive backend, PNGs written atomically, step axes, error
+bars and the layer × head heat maps. Imports no model code. Importing this module has no side effects (matplotlib is
+imported when a figure is drawn)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,6 +37,15 @@ def step_axis(ax, steps: list[int]) -> None:
         ax.set_xticks(distinct)
     else:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def error_bars(values: list[float], intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """matplotlib's `yerr` ([below], [above]) for `values` with (low, high) intervals: never negative (a bound on
+    the wrong side of its value, or nan, gives a zero-length bar)."""
+    def length(a: float, b: float) -> float:
+        return b - a if b - a > 0 else 0.0
+    return [[length(lo, v) for v, (lo, _) in zip(values, intervals)],
+            [length(v, hi) for v, (_, hi) in zip(values, intervals)]]
 
 
 def head_maps_figure(result: dict, labels: dict[str, str], suptitle: str):

@@ -33,8 +33,10 @@ import train_gpt
 from config import config_from_dict
 from data.loader import validation_batches
 from fileio import atomic_write, exits_on_filesystem_errors
-from eval.common import add_target_args, markdown_table, open_target, run_hyperparameters, validation_files, write_json
+from eval.configuration import run_hyperparameters, validation_files
 from eval.figures import head_maps_figure, save_figure
+from eval.outputs import markdown_table, write_json
+from eval.target import add_target_args, open_target
 from optim import OPTIMIZERS
 from gauge.sensitivity import GAUGE_KINDS, SECTORS, gauge_diagnostic
 
@@ -63,7 +65,7 @@ def plot(result: dict, path: Path, title: str) -> None:
     save_figure(head_maps_figure(result, labels, suptitle), path)
 
 
-def report(result: dict, run_name: str) -> str:
+def markdown_summary(result: dict, run_name: str) -> str:
     s = result["summary"]
     labels = {"relative_difference": "relative ΔM difference (mean over gauges)",
               "relative_difference_var": "its variance over gauges",
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                   batch=args.batch_size, seq_len=seq_len, val_files=files)
     write_json(target.out / "gauge.json", result)
     plot(result, target.out / "gauge.png", target.run_dir.name)
-    atomic_write(target.out / "gauge.md", report(result, target.run_dir.name).encode())
+    atomic_write(target.out / "gauge.md", markdown_summary(result, target.run_dir.name).encode())
     s = result["summary"]
     if all(math.isnan(s[f"relative_difference_{sector}"]) for sector in SECTORS):
         print(f"note: one fresh {name} step does not move the attention weights (ΔM = 0), so the relative metrics "

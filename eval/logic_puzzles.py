@@ -32,9 +32,10 @@ from cli import ArgumentParser
 import train_gpt
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from data.tokenizer import gpt2_tokenizer
-from eval.common import (add_target_args, error_bars, markdown_table, mean_interval, open_target, record_outputs,
-                         wilson_interval, write_json)
-from eval.figures import pyplot, save_figure
+from eval.figures import error_bars, pyplot, save_figure
+from eval.outputs import markdown_table, record_outputs, write_json
+from eval.samples import mean_interval, wilson_interval
+from eval.target import add_target_args, open_target
 from fileio import atomic_write, exits_on_filesystem_errors
 
 CATEGORIES = ("pattern_numeric", "pattern_alpha", "retrieval_near", "retrieval_far", "simple_inference", "copy")

@@ -16,7 +16,8 @@ from typing import Callable
 import config as run_config
 import train_gpt
 from cli import option
-from eval.common import EVAL_DIRNAME, read_config
+from eval.configuration import read_config
+from eval.outputs import EVAL_DIRNAME
 from eval.samples import best_val_loss, cell_settings, run_outcome, unused_by_bias_mode
 from run.log import read_log
 
@@ -27,26 +28,26 @@ PAPER_VAL_EVERY = 1000  # the published runs' validation cadence (docs/optimizer
 
 @dataclass(frozen=True)
 class Metric:
-    """A number a published cell reports and where a run keeps ours: `read` takes a run (Run) and returns it or
+    """A number a published cell reports and where a run keeps ours: `read` takes a run (ScoredRun) and returns it or
     None, `lower_is_better` says which of two is the best (a cell's `least` statistic, Table 23's best
     configuration), `missing` what computes it."""
 
     label: str
     fmt: str
-    read: Callable[["Run"], float | None]
+    read: Callable[["ScoredRun"], float | None]
     missing: str
     lower_is_better: bool = True
 
 
-def _logic(key: str, scale: float = 100.0) -> Callable[["Run"], float | None]:
-    def read(run: Run) -> float | None:
+def _logic(key: str, scale: float = 100.0) -> Callable[["ScoredRun"], float | None]:
+    def read(run: ScoredRun) -> float | None:
         suite = run.logic_paper
         return None if suite is None else scale * suite["overall"][key]
     return read
 
 
-def _alignment(path: tuple[str, ...], scale: float = 1.0) -> Callable[["Run"], float | None]:
-    def read(run: Run) -> float | None:
+def _alignment(path: tuple[str, ...], scale: float = 1.0) -> Callable[["ScoredRun"], float | None]:
+    def read(run: ScoredRun) -> float | None:
         value = run.alignment_raw
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
@@ -76,7 +77,7 @@ METRICS: dict[str, Metric] = {
 }
 
 @dataclass
-class Run:
+class ScoredRun:
     """A run directory as the scorecard reads it: config.json, log.jsonl and the evaluations it needs, why it is not
     comparable with the paper's run (`problems`, empty when it is), and whether it counts at all (`outcome`:
     finished, diverged or unfinished, with `why`; samples.run_outcome)."""
@@ -89,7 +90,7 @@ class Run:
     why: str = ""
 
     @classmethod
-    def read(cls, path: Path) -> Run:
+    def read(cls, path: Path) -> ScoredRun:
         config, log = read_config(path), read_log(path)
         return cls(path, config, log, paper_differences(config, log), *run_outcome(config, log))
 
@@ -172,7 +173,7 @@ def paper_differences(config: dict, log: list[dict]) -> list[str]:
     return problems
 
 
-def metric_problem(metric: str, run: Run) -> str | None:
+def metric_problem(metric: str, run: ScoredRun) -> str | None:
     """Why `metric` of `run` is not the published quantity even where the run is the paper's: the best validation
     loss is the least single-batch estimate every 1000 steps with the last sampled biases, each estimate on a batch
     of its own (the published runs never repeat one)."""
@@ -194,7 +195,7 @@ def metric_problem(metric: str, run: Run) -> str | None:
     return None
 
 
-def matches(run: Run, selector: dict, seeds: list[int]) -> bool:
+def matches(run: ScoredRun, selector: dict, seeds: list[int]) -> bool:
     """Whether `run` is a run of `selector` (config values by field name) with one of `seeds`."""
     return run.seed in seeds and all(_same(run.setting(k), v) for k, v in selector.items())
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from eval import verdicts
 from eval.paper_data import Cell, load_published
-from eval.paper_run import Run, matches
+from eval.paper_run import ScoredRun, matches
 from eval.scorecard import Context
 
 
-def seeds_for(cell: Cell, runs: list[Run]) -> list[int]:
+def seeds_for(cell: Cell, runs: list[ScoredRun]) -> list[int]:
     """The seeds of `cell` for which `runs` hold its configuration and its baseline."""
     def has(selectors: list[dict], seed: int) -> bool:
         return any(matches(r, s, [seed]) for r in runs for s in selectors)
@@ -24,7 +24,7 @@ def power_lines(configs: list[dict]) -> list[str]:
     they give it, its power at the paper's spread (its Std for the claim's configuration, else √2 times the metric's
     reference spread) and the seeds for verdicts.POWER; [] when they feed none."""
     published = load_published()
-    runs = [Run(Path(f"planned-{i}"), config, []) for i, config in enumerate(configs)]
+    runs = [ScoredRun(Path(f"planned-{i}"), config, []) for i, config in enumerate(configs)]
     context = Context.of(published, [])
     lines = []
     for cell in published.cells:
@@ -39,7 +39,7 @@ def power_lines(configs: list[dict]) -> list[str]:
         else:
             se, df, needed = spread.sd / math.sqrt(n), n - 1, verdicts.seeds_to_decide(cell.value, spread.sd)
         lines.append(f"  {cell.name}: {cell.value:+g} at spread {spread.sd:.3g} ({spread.source}): {n} seed"
-                     f"{'s' * (n > 1)} here, power {100 * verdicts.power(cell.value, se, df):.0f}%"
+                     f"{'s' * (n > 1)} here, power {100 * verdicts.power_of(cell.value, se, df):.0f}%"
                      + (f"; {needed} seeds give {100 * verdicts.POWER:.0f}%" if needed else ""))
     if not lines:
         return []

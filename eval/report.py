@@ -33,11 +33,13 @@ from pathlib import Path
 from cli import ArgumentParser
 import export
 from eval import alignment, dynamics, logic_puzzles, val_loss
-from eval.common import (add_target_args, annotate_output, checkpoint_identity, load_target_checkpoint, markdown_table,
-                         output_dir, read_config, read_manifest, resolve_target, stale_reason, write_json)
+from eval.configuration import read_config
 from eval.curves import loss_figure, validation_losses
 from eval.figures import save_figure
+from eval.outputs import (annotate_output, checkpoint_identity, markdown_table, read_manifest, stale_reason,
+                          write_json)
 from eval.samples import STATISTICS
+from eval.target import add_target_args, load_target_checkpoint, output_dir, resolve_target
 from fileio import LockHeldError, atomic_write, exits_on_filesystem_errors, hold_lock
 from run.log import read_log
 
@@ -141,7 +143,7 @@ class Page:
         if self.log:
             save_figure(loss_figure(self.log, title=run_dir.name), eval_dir / "report_loss.png")
 
-    def settle(self, name: str, reason: str | None, skip_missing: bool) -> None:
+    def take_outputs(self, name: str, reason: str | None, skip_missing: bool) -> None:
         """Take evaluation `name`'s outputs as they are: current, stale (shown with --skip-missing) or absent."""
         entry = read_manifest(self.eval_dir)["outputs"].get(name)
         if reason is None or (skip_missing and entry is not None and reason.startswith("computed from")):
@@ -242,7 +244,7 @@ def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, confi
             todo.append((name, reason))
             page.status[name] = f"to run: {reason}"
         else:
-            page.settle(name, reason, args.skip_missing)
+            page.take_outputs(name, reason, args.skip_missing)
     page.write()
     print(f"report: {run_dir.name}, step {step}: {len(todo)} of {len(EVALUATIONS)} evaluations to run, "
           f"{budget[0]} budget ({budget[1]})", flush=True)
@@ -263,14 +265,14 @@ def write_report(args: argparse.Namespace, run_dir: Path, ckpt_path: Path, confi
         reason = stale_reason(eval_dir, name, identity)
         if error is None and reason is not None:
             error = (f"it ran but left no outputs recorded for this checkpoint ({reason}; see "
-                     "eval.common.record_outputs)")
+                     "eval.outputs.record_outputs)")
             print(f"report: eval.{name} failed: {error}", file=sys.stderr, flush=True)
         if error is not None:
             page.failures[name] = error
             page.status[name] = f"failed: {error}"
         else:
             annotate_output(eval_dir, name, budget=budget[0])
-            page.settle(name, None, False)
+            page.take_outputs(name, None, False)
         page.write()
         print(f"report: [{i}/{len(todo)}] eval.{name} {'failed' if error else 'done'} in "
               f"{time.perf_counter() - start:.1f}s", flush=True)

@@ -4,7 +4,8 @@ cell (every setting that changes results the same, the data a run's losses depen
 what the run's bias mode does not use), the validation statistics a log gives (one name each), one value per seed
 (two runs of one seed are one sample, their mean), mean ± sample std over the seeds, and the difference of two sets
 of runs with its standard error, paired by seed when both hold the same seeds (the per-seed differences' spread) and
-unpaired otherwise."""
+unpaired otherwise; and the intervals the evaluations give their own samples (a proportion's Wilson interval, a
+mean's normal interval)."""
 from __future__ import annotations
 
 import dataclasses
@@ -193,3 +194,33 @@ def difference(treatment: dict[object, float], baseline: dict[object, float]) ->
     t, b = Summary(treatment), Summary(baseline)
     se = math.sqrt(t.std ** 2 / t.n + b.std ** 2 / b.n) if t.std is not None and b.std is not None else None
     return Difference(t.mean - b.mean, se, False, (t.n, b.n))
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a binomial proportion (sensible at 0% and 100%, unlike the normal one).
+
+    (2k + z² ∓ z·√(z² + 4k(n−k)/n)) / (2(n + z²)) for k successes in n trials. The bounds are exact at the
+    edges (0 at k = 0, 1 at k = n) and always bracket k/n (rounding could otherwise put the lower bound a hair
+    above 0 at k = 0); (nan, nan) for n = 0.
+    """
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n, got {successes} of {n}")
+    if n == 0:
+        return (float("nan"), float("nan"))
+    p = successes / n
+    centre = 2 * successes + z * z
+    spread = z * math.sqrt(z * z + 4 * successes * (n - successes) / n)
+    denominator = 2 * (n + z * z)
+    low = 0.0 if successes == 0 else min((centre - spread) / denominator, p)
+    high = 1.0 if successes == n else max((centre + spread) / denominator, p)
+    return (low, high)
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """(mean, low, high) with a normal 95% interval of the mean."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, float("nan"), float("nan")
+    sem = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+    return mean, mean - z * sem, mean + z * sem

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval import verdicts
-from eval.common import markdown_table, write_json
+from eval.outputs import markdown_table, write_json
 from eval.paper_data import Cell, Published, load_published, series_key
-from eval.paper_run import METRICS, Run, matches, metric_problem
+from eval.paper_run import METRICS, ScoredRun, matches, metric_problem
 from eval.samples import BIAS_SETTINGS, data_identity, disagreeing_seeds, per_seed
 from eval.verdicts import Estimate, Spread
 from fileio import atomic_write
@@ -39,13 +39,13 @@ class Side:
     side's configurations, the runs of a seed averaged), the finished runs that gave it, and what is wrong."""
 
     values: dict = field(default_factory=dict)
-    used: list[Run] = field(default_factory=list)
+    used: list[ScoredRun] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    diverged: list[Run] = field(default_factory=list)
-    left_out: list[Run] = field(default_factory=list)
+    diverged: list[ScoredRun] = field(default_factory=list)
+    left_out: list[ScoredRun] = field(default_factory=list)
 
 
-def side(metric: str, selectors: list[dict], seeds: list[int], runs: list[Run]) -> Side:
+def side(metric: str, selectors: list[dict], seeds: list[int], runs: list[ScoredRun]) -> Side:
     """The runs of `selectors` with one of `seeds`: unfinished runs left out, diverged ones named, runs of one
     configuration that differ in a setting that changes results (samples.cell_settings) never averaged (a `mixed`
     problem), a run without the metric not evaluated, a seed whose runs disagree named."""
@@ -123,13 +123,13 @@ class Context:
     """What judging a cell needs beyond its own runs: every run, the published file, per series (Cell.series) the
     seeds of its cells and the paper's Std for it (value, number of seeds)."""
 
-    runs: list[Run]
+    runs: list[ScoredRun]
     published: Published
     series_seeds: dict[str, list[int]]
     series_std: dict[str, tuple[float, int]]
 
     @classmethod
-    def of(cls, published: Published, runs: list[Run]) -> Context:
+    def of(cls, published: Published, runs: list[ScoredRun]) -> Context:
         seeds, stds = {}, {}
         for cell in published.cells:
             seeds.setdefault(cell.series, set()).update(cell.seeds)
@@ -196,7 +196,7 @@ def _gap(value: float, ours: Spread, paper: Spread, ours_var: float, paper_var: 
     return Estimate(value, math.sqrt(ours_var + paper_var), df)
 
 
-def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context) -> Measured:
+def measure_cell(cell: Cell, treatment: dict, baseline: dict | None, context: Context) -> Measured:
     """Ours, its error and the difference to the published value with its error, by the cell's kind: a level (the
     mean or the least of its seeds), a Δ paired by seed, an unpaired Δ, or the least of one side less the least of
     the other (Table 1)."""
@@ -265,7 +265,7 @@ def measure(cell: Cell, treatment: dict, baseline: dict | None, context: Context
                     False, null, notes)
 
 
-def settle(result: Result, measured: Measured, resolution: float, comparable: bool) -> Result:
+def fill_result(result: Result, measured: Measured, resolution: float, comparable: bool) -> Result:
     """Fill `result` from `measured`; a comparable result gets its verdict by eval.verdicts.judge (what would
     decide an inconclusive claim noted), a not comparable one keeps it."""
     cell = result.cell
@@ -289,7 +289,7 @@ def settle(result: Result, measured: Measured, resolution: float, comparable: bo
     return result
 
 
-def judge(cell: Cell, context: Context) -> Result:
+def judge_cell(cell: Cell, context: Context) -> Result:
     """The verdict of one (non-pooled) cell."""
     treatment = side(cell.metric, cell.runs, cell.seeds, context.runs)
     baseline = side(cell.metric, [cell.baseline], cell.seeds, context.runs) if cell.baseline else None
@@ -315,8 +315,8 @@ def judge(cell: Cell, context: Context) -> Result:
     if (baseline is not None and not baseline.values) or not treatment.values or evaluated:
         result.reasons = reasons or evaluated or ["no value for this cell's seeds"]
         return result
-    measured = measure(cell, treatment.values, baseline.values if baseline else None, context)
-    return settle(result, measured, context.resolution(cell), not reasons)
+    measured = measure_cell(cell, treatment.values, baseline.values if baseline else None, context)
+    return fill_result(result, measured, context.resolution(cell), not reasons)
 
 
 def judge_pool(cell: Cell, members: list[Result], context: Context) -> Result:
@@ -344,13 +344,13 @@ def judge_pool(cell: Cell, members: list[Result], context: Context) -> Result:
     ours_var, paper_var = ours.sd ** 2 / n, paper.sd ** 2 / n_paper
     measured = Measured(Estimate(value, math.sqrt(ours_var), ours.df),
                         _gap(value - cell.value, ours, paper, ours_var, paper_var), ours, n, valued)
-    return settle(result, measured, context.resolution(cell), not reasons)
+    return fill_result(result, measured, context.resolution(cell), not reasons)
 
 
-def score(published: Published, runs: list[Run]) -> list[Result]:
+def score(published: Published, runs: list[ScoredRun]) -> list[Result]:
     """Every published cell judged against `runs`."""
     context = Context.of(published, runs)
-    results = {id(c): judge(c, context) for c in published.cells if not c.pool}
+    results = {id(c): judge_cell(c, context) for c in published.cells if not c.pool}
     for cell in published.cells:
         if cell.pool:
             members = [results[id(c)] for c in published.cells
@@ -444,7 +444,7 @@ def _claim_ours(r: Result) -> str:
     return f"{r.ours:+{fmt}}{half} ({kind}, n = {r.n}{sd})"
 
 
-def scorecard_markdown(published: Published, results: list[Result], runs: list[Run], source: str) -> str:
+def scorecard_markdown(published: Published, results: list[Result], runs: list[ScoredRun], source: str) -> str:
     """The page: what it compares, a warning at the top when no cell with runs is comparable, the counts, the
     rule, a section per table with runs (its levels), the claims (Δ columns), the runs left out and how the runs
     differ from the paper's."""
@@ -509,7 +509,7 @@ def write_scorecard(run_dirs: list[Path], out: Path, published: Published | None
     scorecard.json; with `only_if_matched`, write nothing (and return None) when no run matches any cell.
     Returns the page's path."""
     published = published or load_published()
-    runs = [Run.read(Path(d)) for d in run_dirs]
+    runs = [ScoredRun.read(Path(d)) for d in run_dirs]
     results = score(published, runs)
     if only_if_matched and all(r.verdict == "no run" for r in results):
         return None

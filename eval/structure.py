@@ -26,9 +26,9 @@ from torch import Tensor
 from cli import ArgumentParser
 from run.checkpoint import run_checkpoints
 from run.process import resolve_device
-from eval.common import (add_target_args, load_target_checkpoint, markdown_table, output_dir, resolve_target,
-                         write_json)
 from eval.figures import pyplot, save_figure, step_axis
+from eval.outputs import markdown_table, write_json
+from eval.target import add_target_args, load_target_checkpoint, output_dir, resolve_target
 from gauge.dynamics import head_factors, num_attention_layers, plain_name
 from fileio import atomic_write, exits_on_filesystem_errors
 
@@ -154,7 +154,7 @@ CONVENTION_NOTES = {
 }
 
 
-def report(results: list[dict], run_name: str, convention: str, gamma: float, stem: str) -> str:
+def markdown_summary(results: list[dict], run_name: str, convention: str, gamma: float, stem: str) -> str:
     last = results[-1]
     lines = [f"# W_QK structure ({convention} convention) — {run_name}", "",
              "Per layer M = W_Qᵀ W_K (C×C); per head M^h = A_Q^h A_K^hᵀ. Threshold of the directionality score: "
@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"convention": args.convention, "gamma": args.gamma, "checkpoints": results}
     write_json(out / f"{stem}.json", summary)
     save_figure(structure_figure(results, run_dir.name, args.convention), out / f"{stem}.png")
-    atomic_write(out / f"{stem}.md", report(results, run_dir.name, args.convention, args.gamma, stem).encode())
+    page = markdown_summary(results, run_dir.name, args.convention, args.gamma, stem)
+    atomic_write(out / f"{stem}.md", page.encode())
     print(f"wrote {out / stem}.json, .md, .png")
     return summary
 

@@ -18,9 +18,11 @@ import torch
 import train_gpt
 from cli import ArgumentParser
 from data.shards import ShardError
-from eval.common import add_target_args, open_target, record_outputs, run_hyperparameters, validation_files, write_json
+from eval.configuration import run_hyperparameters, validation_files
 from eval.curves import loss_figure, loss_series
 from eval.figures import save_figure
+from eval.outputs import record_outputs, write_json
+from eval.target import add_target_args, open_target
 from fileio import atomic_write, exits_on_filesystem_errors
 from run.log import read_log
 

@@ -107,7 +107,7 @@ def judge(difference: Estimate, published: float, resolution: float, ours: Estim
                                             f"resolution {resolution:g}"])
 
 
-def power(effect: float, se: float, df: float) -> float:
+def power_of(effect: float, se: float, df: float) -> float:
     """The chance that an estimate with standard error `se` (and `df`) is significant on the side of a true
     `effect` (normal approximation of the t test's power)."""
     if se <= 0:
@@ -122,7 +122,7 @@ def seeds_to_decide(effect: float, sd: float, extra_df: float = 0.0) -> int | No
         return None
 
     def enough(n: int) -> bool:
-        return power(effect, sd / math.sqrt(n), n - 1 + extra_df) >= POWER
+        return power_of(effect, sd / math.sqrt(n), n - 1 + extra_df) >= POWER
 
     if not enough(MAX_SEEDS):
         return None

@@ -171,7 +171,7 @@ def gauge_diagnostic(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: 
             "logit_change": logit_change, "summary": summary, "per_head": per_head}
 
 
-def training_summary(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor, step: int) -> dict:
+def diagnostic_summary(model: nn.Module, optimizer: str, optim_cfg, x: Tensor, y: Tensor, step: int) -> dict:
     """The trainer's `--gauge-diagnostic-every N` record: one GL(d) gauge (condition 10, seeded by the step) in
     float64, the mean over heads of the relative ΔM difference per sector (keys gauge_dM_QK, gauge_dM_VO) and the
     relative logit change (gauge_logit_change), not asserted. Costs three float64 copies of the model (one at a

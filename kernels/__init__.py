@@ -1,5 +1,5 @@
 """Kernels, each next to its PyTorch reference and tested against it; import from the submodules
-(`from kernels.attention_paths import attention`), which import Triton only where a kernel runs:
+(`from kernels.attention_paths import attend`), which import Triton only where a kernel runs:
 
     kernels.attention_paths  attention with b_Q, b_V on three exact paths, and which one a run takes
     kernels.attention        the Triton attention kernel with b_Q, b_V (FlashAttention-2 style)

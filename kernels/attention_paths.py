@@ -1,7 +1,7 @@
 """Attention with the symmetry-breaking biases on three exact paths, and which one a run takes
 (docs/model.md#three-exact-implementations, docs/model.md#choosing-the-implementation).
 
-`attention(q, k, v, b_q, b_v, causal, impl)` is the model's only attention call. q, k, v are (B, H, T, d); b_q and
+`attend(q, k, v, b_q, b_v, causal, impl)` is the model's only attention call. q, k, v are (B, H, T, d); b_q and
 b_v are None, (d,) shared across heads, or (H, d) per head. Semantics: scores = (q + b_Q)·kᵀ/√d, softmax (causal
 mask), output = softmax(·)(v + b_V). Because each softmax row sums to one, adding b_V to the values equals adding it
 to the output, which is what every path does. The paths:
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from kernels import ATTENTION_HEAD_DIMS
 
-IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attention(impl=...)
+IMPLEMENTATIONS = ("triton", "sdpa", "flex")  # attend(impl=...)
 # The one default path: a model's until a run chooses (and a reader of a checkpoint that recorded no choice), and
 # what --attention-impl auto takes where the table has no usable row.
 DEFAULT_IMPLEMENTATION = "sdpa"
@@ -127,7 +127,7 @@ def attention_flex(
 
 
 def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why `attention(impl="triton")` would not run the Triton kernel for these inputs; None when it does."""
+    """Why `attend(impl="triton")` would not run the Triton kernel for these inputs; None when it does."""
     if device_type != "cuda":
         return f"the Triton kernel runs on CUDA devices (this one is {device_type})"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -137,7 +137,7 @@ def kernel_problem(device_type: str, dtype: torch.dtype, head_dim: int) -> str |
     return None
 
 
-def attention(
+def attend(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -157,7 +157,7 @@ def attention(
 
             return attention_triton(q, k, v, b_q, b_v, causal)
     elif impl != "sdpa":
-        raise ValueError(f"attention: impl {impl!r} is not one of {IMPLEMENTATIONS}")
+        raise ValueError(f"attend: impl {impl!r} is not one of {IMPLEMENTATIONS}")
     return attention_reference(q, k, v, b_q, b_v, causal)
 
 
@@ -196,15 +196,6 @@ def read_table(path: Path = TABLE) -> list[dict]:
         raise AttentionChoiceError(f"{path}: not a table of attention paths ({type(exc).__name__}: {exc}); restore "
                                    "it (git checkout) or pass --attention-impl sdpa|triton|flex") from None
     return rows
-
-
-def table_text(new_rows: list[dict], path: Path = TABLE) -> str:
-    """The table's JSON with `new_rows` added, each replacing any row of the same GPU, head dim and dtype."""
-    document = json.loads(path.read_text()) if path.is_file() else {"rows": []}
-    keys = {tuple(r[k] for k in TABLE_KEY) for r in new_rows}
-    rows = [r for r in document["rows"] if tuple(r[k] for k in TABLE_KEY) not in keys] + new_rows
-    document["rows"] = sorted(rows, key=lambda r: tuple(str(r[k]) for k in TABLE_KEY))
-    return json.dumps(document, indent=1) + "\n"
 
 
 def choose(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int, *, compiled: bool,

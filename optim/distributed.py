@@ -65,7 +65,7 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Run:
+class Span:
     """Consecutive pieces of this rank's chunk, elements [lo, hi), whose parameters share `key`."""
 
     key: object
@@ -74,7 +74,7 @@ class Run:
     pieces: tuple[Piece, ...]
 
     def of(self, local: Tensor) -> Tensor:
-        """This run's 1-D view into a chunk-sized local buffer."""
+        """This span's 1-D view into a chunk-sized local buffer."""
         return local[self.lo : self.hi]
 
 
@@ -126,17 +126,17 @@ class Region:
         self._not_ready = set(self.indices)  # parameters whose gradient this backward pass has not produced yet
         self._reduced: Tensor | None = None
 
-    def runs(self, key_of) -> list[Run]:
-        """This rank's chunk cut into maximal runs of consecutive pieces with equal `key_of(index)`."""
-        runs: list[Run] = []
+    def spans(self, key_of) -> list[Span]:
+        """This rank's chunk cut into maximal spans of consecutive pieces with equal `key_of(index)`."""
+        spans: list[Span] = []
         for piece in self.pieces:
             key = key_of(piece.index)
-            if runs and runs[-1].key == key:
-                last = runs[-1]
-                runs[-1] = Run(key, last.lo, piece.offset + piece.numel, (*last.pieces, piece))
+            if spans and spans[-1].key == key:
+                last = spans[-1]
+                spans[-1] = Span(key, last.lo, piece.offset + piece.numel, (*last.pieces, piece))
             else:
-                runs.append(Run(key, piece.offset, piece.offset + piece.numel, (piece,)))
-        return runs
+                spans.append(Span(key, piece.offset, piece.offset + piece.numel, (piece,)))
+        return spans
 
     @property
     def local_params(self) -> Tensor:
@@ -278,7 +278,7 @@ class ShardedOptimizer(OptimizerInterface, torch.optim.Optimizer):
     False leaves every reduction to the update.
 
     `layout_key(index)` orders each rank's tensors in the tensor regions (`Region`): optimizers that batch
-    same-shaped matrices (SOAP, Muon) key them by shape. `Region.runs` cuts a chunk into runs of equal key.
+    same-shaped matrices (SOAP, Muon) key them by shape. `Region.spans` cuts a chunk into spans of equal key.
     Subclasses fill `self.flat_state[name]` (one chunk-aligned local buffer per region, or None where the region
     has no such state), name each parameter's first moment in it (`first_moment_of`; the base gathers and
     scatters it) and may override

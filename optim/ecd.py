@@ -130,10 +130,10 @@ class ECD(ShardedOptimizer):
         self.group_of_key = self.group_of if per_tensor else list(range(len(self.param_groups)))
         # The elementwise work runs over a table of blocks that never straddle two keys: the Triton kernels of
         # kernels/ecd.py (fused: CUDA with fp32 parameters, or Triton's CPU interpreter) take blocks of BLOCK
-        # elements; their PyTorch references, the path everywhere else, take each key's run whole.
+        # elements; their PyTorch references, the path everywhere else, take each key's span whole.
         from kernels import ecd as ecd_kernels  # Triton: imported when an ECD optimizer is built, not with this module
 
-        ranges = [[(run.key, run.lo, run.hi) for run in region.runs(self.key_of.__getitem__)]
+        ranges = [[(span.key, span.lo, span.hi) for span in region.spans(self.key_of.__getitem__)]
                   for region in self.regions]
         self.fused = fused and self.kernels_run()
         block = ecd_kernels.BLOCK if self.fused else max((hi - lo for rs in ranges for _, lo, hi in rs), default=1)

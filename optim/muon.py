@@ -111,10 +111,10 @@ class Muon(ShardedOptimizer):
         self.new_flat_state("momentum_buffer", dtype, muon)
         self.new_flat_state("exp_avg", dtype, adam)
         self.new_flat_state("exp_avg_sq", dtype, adam)
-        # Per region: runs of same-shaped matrices (one Newton–Schulz batch each) or of one group (AdamW), and a
+        # Per region: spans of same-shaped matrices (one Newton–Schulz batch each) or of one group (AdamW), and a
         # scratch buffer (the bf16 Newton–Schulz input, or AdamW's denominator) allocated once.
-        self.runs = [region.runs(self._batch_key if region.tensor_owned else self.group_of.__getitem__)
-                     for region in self.regions]
+        self.spans = [region.spans(self._batch_key if region.tensor_owned else self.group_of.__getitem__)
+                      for region in self.regions]
         self.scratch = [torch.empty(r.chunk, device=r.params.device, dtype=torch.bfloat16 if r.tensor_owned
                                     else torch.promote_types(r.params.dtype, torch.float32)) for r in self.regions]
         from kernels import bf16, soap  # Triton: imported when an optimizer is built, not with this module
@@ -161,18 +161,18 @@ class Muon(ShardedOptimizer):
         torch.lerp(g, buf, self.momentum, out=update) if self.nesterov else update.copy_(buf)
         self.copy_back([buf_state], [buf])
         theta = region.local_params
-        for run in self.runs[j]:  # adjacent matrices of one shape: views, no copies
-            group, rows, cols = run.key
-            ortho = zeropower_via_newtonschulz5(run.of(update).view(-1, rows, cols), self.ns_steps)
-            self.decoupled_step(run.of(theta).view(-1, rows, cols), ortho, group, value=max(1.0, rows / cols) ** 0.5)
+        for span in self.spans[j]:  # adjacent matrices of one shape: views, no copies
+            group, rows, cols = span.key
+            ortho = zeropower_via_newtonschulz5(span.of(update).view(-1, rows, cols), self.ns_steps)
+            self.decoupled_step(span.of(theta).view(-1, rows, cols), ortho, group, value=max(1.0, rows / cols) ** 0.5)
 
     def _adamw(self, j: int, region, g: Tensor, m: Tensor, v: Tensor) -> None:
         """torch's AdamW, its bias corrections folded into the staged step coefficient and ε (optim.base.adam_scale)."""
         direction = self.scratch[j]
         self.adam_moments(g, m, v, direction, None, *self.betas, self.staged("eps", direction.dtype))
         theta = region.local_params
-        for run in self.runs[j]:
-            self.decoupled_step(run.of(theta), run.of(direction), run.key)
+        for span in self.spans[j]:
+            self.decoupled_step(span.of(theta), span.of(direction), span.key)
 
 
 def muon_groups(model: nn.Module, cfg: MuonConfig) -> list[dict]:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cli import flag
 from optim.base import adam_scale, check_arguments, mixed_seed
-from optim.distributed import Run, ShardedOptimizer
+from optim.distributed import ShardedOptimizer, Span
 from optim.registry import OptimizerSpec, ShardedOptimizerConfig, state_dtype
 
 
@@ -126,10 +126,10 @@ class Batch:
     (`optim.distributed.Region`'s layout): (count, *shape) views of the flat buffers, with their Kronecker factors
     and bases stacked (count, d, d) per rotated dim (None for a dim that is not rotated)."""
 
-    def __init__(self, run: Run) -> None:
-        self.group, self.shape, self.rotated = run.key
-        self.indices = [piece.index for piece in run.pieces]
-        self.lo, self.hi = run.lo, run.hi
+    def __init__(self, span: Span) -> None:
+        self.group, self.shape, self.rotated = span.key
+        self.indices = [piece.index for piece in span.pieces]
+        self.lo, self.hi = span.lo, span.hi
         self.factors: list[Tensor | None] = [None] * len(self.shape)
         self.bases: list[Tensor | None] = [None] * len(self.shape)
 
@@ -179,12 +179,12 @@ class SOAP(ShardedOptimizer):
         dtype = state_dtype(optim_state_dtype, self.params_in_order)
         self.new_flat_state("exp_avg", dtype)
         self.new_flat_state("exp_avg_sq", dtype)
-        self.batches = [[Batch(run) for run in region.runs(self._batch_key)] if region.tensor_owned else []
+        self.batches = [[Batch(span) for span in region.spans(self._batch_key)] if region.tensor_owned else []
                         for region in self.regions]
         self.batch_of = {i: (batch, b) for batches in self.batches for batch in batches
                          for b, i in enumerate(batch.indices)}
-        self.group_runs = [[] if region.tensor_owned else region.runs(self.group_of.__getitem__)
-                           for region in self.regions]
+        self.group_spans = [[] if region.tensor_owned else region.spans(self.group_of.__getitem__)
+                            for region in self.regions]
         self.work = [torch.empty(r.chunk, dtype=torch.promote_types(r.params.dtype, torch.float32),
                                  device=r.params.device) for r in self.regions]  # g′, then the direction
         device = self.params_in_order[0].device
@@ -303,8 +303,8 @@ class SOAP(ShardedOptimizer):
                 rotate(batch.view(g).to(work.dtype), batch.bases, out=batch.view(work))
             self.moments(work if batches else g, m, v, work, self.tables[j], beta1, beta2, self.eps, seed)
             theta = region.local_params
-            for run in self.group_runs[j]:
-                self.decoupled_step(run.of(theta), run.of(work), run.key)
+            for span in self.group_spans[j]:
+                self.decoupled_step(span.of(theta), span.of(work), span.key)
             for batch in batches:
                 self._apply(batch.view(theta), batch.view(work), batch.bases, batch.group)
                 self._update_factors(batch, batch.view(g).to(work.dtype))

@@ -306,8 +306,8 @@ def test_cuda_matches_reference(poisoned_empty, case: Case) -> None:
 
 @pytest.mark.cuda
 def test_cuda_compile_fullgraph() -> None:
-    """The model's attention() under torch.compile (inductor, fullgraph): same values and gradients as eager."""
-    from kernels.attention_paths import attention
+    """The model's attend() under torch.compile (inductor, fullgraph): same values and gradients as eager."""
+    from kernels.attention_paths import attend
 
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, 256, 64, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
@@ -316,7 +316,7 @@ def test_cuda_compile_fullgraph() -> None:
     grad_out = torch.randn(2, 4, 256, 64, generator=gen).cuda().bfloat16()
 
     def loss_fn(q, k, v, b_q, b_v):
-        return (attention(q, k, v, b_q, b_v, causal=True).float() * grad_out.float()).sum()
+        return (attend(q, k, v, b_q, b_v, causal=True).float() * grad_out.float()).sum()
 
     inputs = (q, k, v, b_q, b_v)
     eager = torch.autograd.grad(loss_fn(*inputs), inputs)
@@ -409,12 +409,12 @@ def test_a_call_allocates_its_outputs_only_and_the_backward_reuses_c(monkeypatch
 
 
 def test_attention_on_cpu_is_the_reference() -> None:
-    from kernels.attention_paths import attention, attention_reference
+    from kernels.attention_paths import attend, attention_reference
 
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, 9, 64, generator=gen) for _ in range(3))
     b_q, b_v = torch.randn(64, generator=gen), torch.randn(3, 64, generator=gen)
-    assert torch.equal(attention(q, k, v, b_q, b_v), attention_reference(q, k, v, b_q, b_v))
+    assert torch.equal(attend(q, k, v, b_q, b_v), attention_reference(q, k, v, b_q, b_v))
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -23,7 +23,8 @@ import torch
 
 import kernels.attention_paths as paths
 import train_gpt
-from kernels.attention_paths import attention, attention_flex, attention_reference
+from bench import throughput
+from kernels.attention_paths import attend, attention_flex, attention_reference
 from tests.helpers import ROOT, tiny_gpt, train_tiny_run
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative, against float64
@@ -155,13 +156,13 @@ def test_attention_dispatches_by_impl() -> None:
     q, k, v = (torch.randn(1, 2, 9, 64) for _ in range(3))
     b_q, b_v = torch.randn(64), torch.randn(2, 64)
     reference = attention_reference(q, k, v, b_q, b_v)
-    assert torch.equal(attention(q, k, v, b_q, b_v, impl="sdpa"), reference)
-    assert torch.equal(attention(q, k, v, b_q, b_v, impl="triton"), reference)  # no kernel on the CPU
+    assert torch.equal(attend(q, k, v, b_q, b_v, impl="sdpa"), reference)
+    assert torch.equal(attend(q, k, v, b_q, b_v, impl="triton"), reference)  # no kernel on the CPU
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.testing.assert_close(attention(q, k, v, b_q, b_v, impl="flex"), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attend(q, k, v, b_q, b_v, impl="flex"), reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="impl 'cudnn'"):
-        attention(q, k, v, impl="cudnn")
+        attend(q, k, v, impl="cudnn")
 
 
 # -----------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def test_the_shipped_table_is_valid_and_cites_a_measurement_for_every_row() -> N
 
 def test_new_rows_replace_the_rows_of_their_gpu_head_dim_and_dtype(tmp_path: Path) -> None:
     path = table(tmp_path, row("flex"), row("sdpa", head_dim=128), row("flex", gpu="A100"))
-    path.write_text(paths.table_text([row("triton"), row("triton", dtype="bfloat16")], path))
+    path.write_text(throughput.table_text([row("triton"), row("triton", dtype="bfloat16")], path, paths.TABLE_KEY))
     got = {(r["gpu"], r["head_dim"], r["dtype"]): r["impl"] for r in paths.read_table(path)}
     assert got == {("cpu", 64, "float32"): "triton", ("cpu", 64, "bfloat16"): "triton",
                    ("cpu", 128, "float32"): "sdpa", ("A100", 64, "float32"): "flex"}

@@ -13,7 +13,7 @@ import export
 import sample
 import train_gpt
 from eval import val_loss
-from eval.common import load_target_checkpoint
+from eval.target import load_target_checkpoint
 from kernels import attention_paths
 from run.checkpoint import TRAINING, WEIGHTS, load_checkpoint, save_checkpoint
 from tests.helpers import tiny_args, tiny_gpt, write_v1_checkpoint

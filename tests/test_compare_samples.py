@@ -170,7 +170,7 @@ def test_one_name_per_statistic_on_every_page(tmp_path):
     summary = report.training_summary(read_log(run))
     assert (summary["best_val_loss"], summary["least_val_loss"]) == (9.3656, 9.3195)
     assert paper_run.METRICS["best_val_loss"].label == "best validation loss"
-    assert paper_run.METRICS["best_val_loss"].read(paper_run.Run.read(run)) == 9.3656
+    assert paper_run.METRICS["best_val_loss"].read(paper_run.ScoredRun.read(run)) == 9.3656
 
 
 def test_the_grids_report_leaves_out_its_unfinished_runs_and_says_why(tmp_path, monkeypatch):

@@ -97,7 +97,7 @@ def test_the_global_rng_is_left_alone():
     torch.manual_seed(5)
     expected = torch.rand(3)
     torch.manual_seed(5)
-    sensitivity.training_summary(model, "adamw", ADAMW, x, y, step=3)
+    sensitivity.diagnostic_summary(model, "adamw", ADAMW, x, y, step=3)
     torch.testing.assert_close(torch.rand(3), expected)
 
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from data.shards import EOT_TOKEN, GPT2_VOCAB
 from export import checkpoint_of
 from data.tokenizer import gpt2_tokenizer
-from eval.common import error_bars, wilson_interval
+from eval.figures import error_bars
+from eval.samples import wilson_interval
 from eval import logic_puzzles
 from eval.logic_puzzles import (
     CATEGORIES,

@@ -15,7 +15,7 @@ import torch
 import train_gpt
 from config import RunConfig
 from data.shards import sha256_file, write_shard
-from eval import common, compare, logic_puzzles, report, val_loss
+from eval import compare, logic_puzzles, outputs, report, val_loss
 from optim import OPTIMIZERS
 from optim.torch_optimizers import AdamWConfig
 from run.checkpoint import load_checkpoint, save_checkpoint, training_checkpoint, weights_checkpoint
@@ -105,8 +105,8 @@ def test_outputs_record_the_checkpoint_and_report_reruns_when_it_changes(tmp_pat
     assert recorded == {"path": str(step1), "step": 1, "sha256": sha256_file(step1)}
 
     hashed = []
-    monkeypatch.setattr(common, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
-    common._sha256_of_version.cache_clear()
+    monkeypatch.setattr(outputs, "sha256_file", lambda path: hashed.append(path) or sha256_file(path))
+    outputs._sha256_of_version.cache_clear()
     report.main(["--run", str(run)])
     assert calls == ["val_loss", "logic_puzzles", "alignment", "dynamics"]  # val_loss: stale, the rest: missing
     assert len(hashed) == 1  # latest.pt, once for the report and its four evaluations
@@ -202,7 +202,7 @@ def test_wilson_failure_mode_is_gone_for_logic_scoring_zero(tmp_path, val_file):
     result = logic_puzzles.main(["--run", str(run), "--suite", str(suite), "--no-generated"])
     overall = result["suites"][0]["overall"]
     assert overall["n"] == 11 and overall["top5"] == 0.0 and overall["top5_ci"][0] == 0.0
-    assert common.stale_reason(run / "eval", "logic_puzzles", result["checkpoint"]) is None
+    assert outputs.stale_reason(run / "eval", "logic_puzzles", result["checkpoint"]) is None
 
 
 def test_report_budget_follows_the_run_with_progress_and_a_full_report_reruns_quick_outputs(tmp_path, val_file,

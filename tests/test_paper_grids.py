@@ -94,7 +94,7 @@ def test_each_grids_runs_carry_its_tables_configuration(grid):
             assert optim["initial_velocity_std"] == (0.0 if grid.stem == "table1-sgdm-at-rest" else 0.1)
             assert optim["optim_seed"] == train["seed"]
         assert paper_run.paper_differences({**c, "data": FINEWEB}, [{"summary": True, "step": train["steps"]}]) == []
-        assert paper_run.metric_problem("best_val_loss", paper_run.Run(Path("run"), c, [])) is None
+        assert paper_run.metric_problem("best_val_loss", paper_run.ScoredRun(Path("run"), c, [])) is None
 
 
 FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
@@ -104,7 +104,7 @@ FINEWEB = {split: {"pattern": f"/data/finewebedu_{split}_*.bin",
 
 def test_the_published_numbers_cover_every_run_of_the_grids_and_every_cell_names_a_grid_that_trains_it():
     published = scorecard.load_published()
-    runs = {grid.stem: [paper_run.Run(Path(name), config, []) for name, config in planned(grid).items()]
+    runs = {grid.stem: [paper_run.ScoredRun(Path(name), config, []) for name, config in planned(grid).items()]
             for grid in GRIDS}
     used = set()
     for cell in published.cells:
@@ -144,15 +144,15 @@ def test_the_dry_run_prints_what_each_claim_of_the_grid_can_decide(tmp_path, cap
     args = ["--grid", str(ROOT / "grids" / "table2.toml"), "--run-dir", str(tmp_path), "--dry-run"]
     assert grid_main(args) == 0
     out = capsys.readouterr().out
-    power = verdicts.power(-0.49, 0.09 / 2, 3)  # Table 2's Δ: four seeds at its Std 0.09
+    power = verdicts.power_of(-0.49, 0.09 / 2, 3)  # Table 2's Δ: four seeds at its Std 0.09
     assert (f"  Table 2, Mean, Δ: -0.49 at spread 0.09 (the paper's Std over 4 seeds): 4 seeds here, power "
             f"{100 * power:.0f}%; {verdicts.seeds_to_decide(-0.49, 0.09)} seeds give 80%") in out
-    per_seed = verdicts.power(-0.41, 0.09, 3)  # one seed's Δ at the same spread
+    per_seed = verdicts.power_of(-0.41, 0.09, 3)  # one seed's Δ at the same spread
     assert f"  Table 10, 789, Δ Val Loss: -0.41 at spread 0.09 (the paper's Std over 4 seeds): 1 seed here, power " \
            f"{100 * per_seed:.0f}%" in out
     assert "GELU" not in out  # grids/table23.toml's claims: not these runs'
     assert grid_main(["--grid", str(ROOT / "grids" / "table23.toml"), "--run-dir", str(tmp_path), "--dry-run"]) == 0
-    gelu = verdicts.power(-0.03, 0.018 / 3 ** 0.5, 2)  # the GELU Δ, three seeds at its Std 0.018
+    gelu = verdicts.power_of(-0.03, 0.018 / 3 ** 0.5, 2)  # the GELU Δ, three seeds at its Std 0.018
     assert (f"  Table 23, Mean, GELU Δ: -0.03 at spread 0.018 (the paper's Std over 3 seeds): 3 seeds here, power "
             f"{100 * gelu:.0f}%; {verdicts.seeds_to_decide(-0.03, 0.018)} seeds give 80%") in capsys.readouterr().out
 

@@ -32,7 +32,7 @@ def gelu_runs(root: Path, sym: dict, broken: dict) -> list[Path]:
 
 
 def results(run_dirs: list[Path]) -> dict[tuple[str, str, str], scorecard.Result]:
-    found = scorecard.score(paper_data.load_published(), [paper_run.Run.read(d) for d in run_dirs])
+    found = scorecard.score(paper_data.load_published(), [paper_run.ScoredRun.read(d) for d in run_dirs])
     return {(r.cell.table, r.cell.row, r.cell.column): r for r in found}
 
 
@@ -180,7 +180,7 @@ def test_unfinished_runs_are_left_out_and_named(tmp_path):
     runs = table2_runs(tmp_path)
     unfinished = finished_run(tmp_path, "none-789-again", "ecd", "none", 789, 10.65, mean_v=0.5, finished=False)
     (runs[3] / "log.jsonl").write_text(json.dumps({"step": 3000, "best_val_loss_batch": 10.6535}) + "\n")
-    loaded = [paper_run.Run.read(d) for d in runs + [unfinished]]
+    loaded = [paper_run.ScoredRun.read(d) for d in runs + [unfinished]]
     found = {(r.cell.table, r.cell.row, r.cell.column): r for r in scorecard.score(paper_data.load_published(), loaded)}
     assert found["2", "Mean", "Symmetric"].n == 3
     assert found["2", "Mean", "Symmetric"].ours == pytest.approx(statistics.fmean([3.93, 3.82, 3.94]))

@@ -31,9 +31,9 @@ def test_the_fastest_setting_needs_every_smaller_runs_per_gpu_measured():
     rows = [row("default", 1, 2e5), row("default", 2, 3.5e5), row("reduce-overhead", 1, 2.5e5),
             row("reduce-overhead", 3, 9e5)]  # 3 without 2 measured: not a setting
     by_mode = throughput.gpu_rows(rows, "NVIDIA H100 80GB HBM3")
-    mode, n, seconds = throughput.fastest(by_mode)
+    mode, n, seconds = throughput.fastest_setting(by_mode)
     assert (mode, n) == ("default", 2) and seconds == pytest.approx(500e6 * 2 / 3.5e5 + 500e6 / 2e5)
-    assert throughput.fastest({}) is None
+    assert throughput.fastest_setting({}) is None
     line = throughput.wall_time_line("NVIDIA H100 80GB HBM3", by_mode)
     assert line.startswith(f"NVIDIA H100 80GB HBM3: {seconds / 3600:.1f} h for the 24 runs of 500M tokens on 8 GPUs, "
                            "with --compile-mode default and --runs-per-gpu 2 (350,000 tokens/s per GPU)")

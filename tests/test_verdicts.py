@@ -66,6 +66,6 @@ def test_the_least_of_k_seeds_and_welchs_degrees_of_freedom():
 def test_the_seeds_that_would_decide_a_claim_are_the_fewest_with_the_power():
     for effect, sd in ((-0.49, 0.09), (-0.03, 0.018), (7.1, 10.1)):
         n = verdicts.seeds_to_decide(effect, sd)
-        assert verdicts.power(effect, sd / math.sqrt(n), n - 1) >= verdicts.POWER
-        assert n == 2 or verdicts.power(effect, sd / math.sqrt(n - 1), n - 2) < verdicts.POWER
+        assert verdicts.power_of(effect, sd / math.sqrt(n), n - 1) >= verdicts.POWER
+        assert n == 2 or verdicts.power_of(effect, sd / math.sqrt(n - 1), n - 2) < verdicts.POWER
     assert verdicts.seeds_to_decide(0.0, 0.1) is None
