@@ -30,11 +30,11 @@ from cli import ArgumentParser, option, value_problem
 from data.lookup import resolve_data_files
 from eval.power import power_lines
 from fileio import filesystem_error_line, print_error
-from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, owner
+from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, grid_holder
 from grid.estimate import wall_time_lines
 from grid.memory import GIB, fit_problem, grid_memory, memory_line
 from grid.plan import GridError, build_spec, check_flags, plan_runs, recorded_changes, train_command, train_flags
-from grid.progress import Display, run_finished, run_row, summary_line, table
+from grid.progress import Display, run_finished, progress_row, summary_line, progress_table
 from grid.report import report_grid
 from grid.scale import SCALES, scaled
 from grid.slurm import (SlurmOptions, array_script, note_in_run_log, report_script, run_task, sbatch_command,
@@ -331,16 +331,16 @@ def grid_status(argv: list[str]) -> int:
     journal = Journal(args.directory)
     plan = journal.plan()
     states = journal.states()
-    holder = owner(args.directory)
+    holder = grid_holder(args.directory)
     now = {p["name"]: current_state(p, states.get(p["name"], {}),
                                     holder is not None or task_holder(args.directory, p["name"]) is not None)
            for p in plan["runs"]}
-    rows = [run_row(p, {**states.get(p["name"], {}), "state": now[p["name"]]}) for p in plan["runs"]]
+    rows = [progress_row(p, {**states.get(p["name"], {}), "state": now[p["name"]]}) for p in plan["runs"]]
     print(summary_line(args.directory.name, [row[1] for row in rows]))
     if plan.get("runs_per_gpu", 1) > 1:
         heaviest = max((p.get("memory_gib", 0) for p in plan["runs"]), default=0)
         print(f"{plan['runs_per_gpu']} runs share each GPU (about {heaviest:.1f} GiB each at most, estimated)")
-    print("\n".join(table(rows)))
+    print("\n".join(progress_table(rows)))
     held = sum(state == "running" for state in now.values())
     if holder or not plan.get("slurm"):
         print(f"running: {holder}" if holder else "no grid process is running here: the grid command continues it"

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fileio import LockHeldError, doing, hold_lock, lock_holder, make_directory
-from grid.plan import GridError, Run, train_command
-from grid.progress import Display, run_finished, run_row, summary_line, table
+from grid.plan import GridError, PlannedRun, train_command
+from grid.progress import Display, run_finished, progress_row, summary_line, progress_table
 from run.directory import run_holder, run_holds_checkpoint
 from run.log import format_duration
 
@@ -42,7 +42,7 @@ def claim(directory: Path):
                         f"{directory}` shows it) or stop it") from None
 
 
-def owner(directory: Path) -> str | None:
+def grid_holder(directory: Path) -> str | None:
     """Who holds the grid directory's lock (None when no grid process runs there)."""
     return lock_holder(directory / LOCK)
 
@@ -78,7 +78,7 @@ class Journal:
                 raise self.damaged(number, "bytes that are not UTF-8 text") from None
             except ValueError:
                 continue  # a line cut by a crash
-            if problem := record_problem(record):
+            if problem := journal_record_problem(record):
                 raise self.damaged(number, problem)
             records.append(record)
         return records
@@ -99,7 +99,7 @@ class Journal:
         return plan
 
 
-def record_problem(record: object) -> str | None:
+def journal_record_problem(record: object) -> str | None:
     """What a grid.jsonl record lacks that `status`, `report` and the next invocation read; None when complete."""
     if not isinstance(record, dict):
         return "not a JSON object"
@@ -145,7 +145,7 @@ def make_slots(gpus: list[str], gpus_per_run: int, workers: int, cpus: int, kind
     return slots
 
 
-def initial_state(run: Run, previous: dict, retry_failed: bool) -> str:
+def initial_state(run: PlannedRun, previous: dict, retry_failed: bool) -> str:
     """What a run needs now: invalid (its flags are refused), finished, held (a trainer still runs it, one that a
     grid process which ended left behind: the grid waits for it), failed (an earlier attempt failed; skipped without
     --retry-failed), resume (it holds a checkpoint) or new."""
@@ -224,7 +224,7 @@ def output_tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 @dataclass
 class Active:
-    run: Run
+    run: PlannedRun
     slot: Slot
     process: subprocess.Popen | LeftTrainer
     output: Path
@@ -236,7 +236,7 @@ class Scheduler:
     the display; the first SIGINT/SIGTERM is passed to every run (each finishes its step, checkpoints and exits),
     and a later one is not passed on again: the runs are already stopping (docs/runs.md#signals)."""
 
-    def __init__(self, directory: Path, name: str, runs: list[Run], slots: list[Slot], journal: Journal,
+    def __init__(self, directory: Path, name: str, runs: list[PlannedRun], slots: list[Slot], journal: Journal,
                  display: Display) -> None:
         self.directory, self.name, self.runs, self.slots = directory, name, runs, slots
         self.journal, self.display = journal, display
@@ -246,14 +246,14 @@ class Scheduler:
         self.started = time.time()
         self.launched = 0  # runs this process started or waited for
 
-    def transition(self, run: Run, state: str, line: str | None = None, **fields) -> None:
+    def transition(self, run: PlannedRun, state: str, line: str | None = None, **fields) -> None:
         self.states[run.name] = {"state": state, **fields}
         self.journal.append({"run": run.name, "state": state, **fields})
         if line:
             self.display.event(f"grid: {run.name}: {line}")
 
     def rows(self) -> list[str]:
-        lines = table([run_row(r.record(), self.states.get(r.name, {})) for r in self.runs])
+        lines = progress_table([progress_row(r.record(), self.states.get(r.name, {})) for r in self.runs])
         return [summary_line(self.name, [self.states.get(r.name, {}).get("state", "queued") for r in self.runs],
                              self.started)] + lines
 
@@ -267,7 +267,7 @@ class Scheduler:
             with contextlib.suppress(ProcessLookupError):
                 active.process.send_signal(signum)
 
-    def start(self, run: Run, slot: Slot, resume: bool) -> Active:
+    def start(self, run: PlannedRun, slot: Slot, resume: bool) -> Active:
         command = train_command(run, slot.processes if slot.kind == "cuda" else 1, resume)
         output = self.directory / "logs" / f"{run.name}.log"
         make_directory(output.parent)
@@ -288,7 +288,7 @@ class Scheduler:
             raise
         return Active(run, slot, process, output, time.time())
 
-    def adopt(self, run: Run, slot: Slot) -> Active:
+    def adopt(self, run: PlannedRun, slot: Slot) -> Active:
         """Wait in `slot` for the trainer an earlier grid process left running on `run` (its pid is signalled
         with the others when it runs on this host)."""
         last = self.states.get(run.name, {})
@@ -300,7 +300,7 @@ class Scheduler:
         return Active(run, slot, LeftTrainer(run.path, pid), self.directory / "logs" / f"{run.name}.log",
                       time.time())
 
-    def settle(self, active: Active, code: int) -> None:
+    def record_outcome(self, active: Active, code: int) -> None:
         """Record how the run's attempt ended (finished, interrupted or failed), in the journal and on the display,
         and on a last line of the run's output file, so that its own log says it too."""
         run, took = active.run, format_duration(time.time() - active.started)
@@ -323,7 +323,7 @@ class Scheduler:
         with open(active.output, "a") as f:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {active.slot.label}: {verdict}\n")
 
-    def fits(self, item: tuple[Run, str], slot: Slot) -> bool:
+    def fits(self, item: tuple[PlannedRun, str], slot: Slot) -> bool:
         """Whether `slot` takes the queued (run, state): one of its kind; a held run's trainer already runs in the
         slot it was placed in (when this grid has a slot of that label)."""
         run, state = item
@@ -331,7 +331,7 @@ class Scheduler:
         return run.device == slot.kind and (state != "held" or placed == slot.label
                                             or placed not in {s.label for s in self.slots})
 
-    def execute(self, todo: list[tuple[Run, str]]) -> int:
+    def execute(self, todo: list[tuple[PlannedRun, str]]) -> int:
         """Train every (run, state) of `todo` (state: new, resume, or held, which is waited for first and resumed
         when its trainer stopped before the end); returns 0, or 128 + the signal that stopped the grid."""
         queue = sorted(todo, key=lambda item: item[1] != "held")
@@ -351,7 +351,7 @@ class Scheduler:
                     code = active.process.poll()
                     if code is not None:
                         del self.active[index]
-                        self.settle(active, code)
+                        self.record_outcome(active, code)
                         if isinstance(active.process, LeftTrainer) and not self.signals \
                                 and self.states[active.run.name]["state"] == "interrupted":
                             resume = run_holds_checkpoint(active.run.path)

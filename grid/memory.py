@@ -48,7 +48,7 @@ def gib(n: float) -> str:
 
 
 def grid_memory(runs: list, gpus_per_run: int) -> dict[str, dict[str, int]]:
-    """`run_memory` of every CUDA run of a grid that the trainer accepts (grid.plan.Run: its configuration as the
+    """`run_memory` of every CUDA run of a grid that the trainer accepts (grid.plan.PlannedRun: its configuration as the
     plan parsed it), by run name."""
     return {run.name: run_memory(run.config, gpus_per_run) for run in runs
             if run.problem is None and run.device == "cuda"}

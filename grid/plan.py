@@ -216,7 +216,7 @@ def _safe(value: str) -> str:
 
 
 @dataclass
-class Run:
+class PlannedRun:
     """One run of the grid: its name (`flag=value,...`), axis values, train_gpt.py flags, directory and what the
     trainer's parser says of them (problem, device, steps, tokens per step, the parsed configuration)."""
 
@@ -240,7 +240,7 @@ class Run:
                 "device": self.device, "problem": self.problem}
 
     @classmethod
-    def from_record(cls, record: dict) -> Run:
+    def from_record(cls, record: dict) -> PlannedRun:
         """The run a start record keeps (`record`'s inverse, without the parsed configuration)."""
         return cls(record["name"], record["values"], record["flags"], Path(record["path"]), record["problem"],
                    record["device"], record["steps"], record["batch_tokens"], record["stop_at_target"])
@@ -264,8 +264,8 @@ def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
     return None, cfg
 
 
-def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gpus: bool) -> list[Run]:
-    """One Run per combination of axis values (the first axis varying slowest), each checked by train_gpt.py's
+def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gpus: bool) -> list[PlannedRun]:
+    """One PlannedRun per combination of axis values (the first axis varying slowest), each checked by train_gpt.py's
     parser (`known`: train_flags()); a refused combination keeps its reason in `problem`. Raises GridError when
     names collide."""
     runs, directory = [], spec.directory.absolute()
@@ -276,7 +276,7 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
         for flag, value in values.items():
             flags += _flag_words(flag, value.lower() in TRUE) if known[flag] else _flag_words(flag, value)
         problem, cfg = parser_problem(flags, gpus_per_run)
-        run = Run(name, values, flags, directory / name, problem)
+        run = PlannedRun(name, values, flags, directory / name, problem)
         if cfg is not None:
             hp = cfg.train
             run.device = "cuda" if hp.device == "cuda" or (hp.device == "auto" and have_gpus) else "cpu"
@@ -287,7 +287,7 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
     if len(set(names)) < len(names):
         raise GridError("two runs get the same directory name (values that differ only in characters outside "
                         "A-Z a-z 0-9 . _ + -): choose values that differ in those")
-    same: dict[str, Run] = {}
+    same: dict[str, PlannedRun] = {}
     for run in runs:
         if run.problem is None and (twin := same.setdefault(json.dumps(run.config.to_dict()), run)) is not run:
             axis = next(a.flag for a in spec.axes if twin.values[a.flag] != run.values[a.flag])
@@ -296,7 +296,7 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
     return runs
 
 
-def recorded_changes(run: Run) -> list[str]:
+def recorded_changes(run: PlannedRun) -> list[str]:
     """How the configuration the run's trainer recorded (its config.json, or where that is gone the configuration
     its latest checkpoint holds) differs from what the grid asks now: `--flag OLD (now NEW)` for every flag but those
     the grid sets itself (RESERVED); empty when they agree or while a trainer that holds the run has not yet written
@@ -327,7 +327,7 @@ def checkpoint_config(run_dir: Path) -> dict | None:
     return None
 
 
-def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:
+def train_command(run: PlannedRun, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:
     """The command that trains `run` (in its directory), or continues it with --resume; under torchrun on
     `gpus_per_run` GPUs when that is more than one."""
     where = ["--resume", str(run.path)] if resume else ["--run-dir", str(run.path.parent), "--run-name", run.path.name]

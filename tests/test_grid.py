@@ -223,7 +223,7 @@ def test_the_slurm_script_gives_each_valid_run_an_array_task_that_runs_it_as_the
     valid = [r for r in plan.plan_runs(spec, plan.train_flags(), 2, True) if r.problem is None]
     assert shlex.split(re.search(r"^runs=\((.*)\)$", script, re.M).group(1)) == [r.name for r in valid]
     # what each task reads: the plan in grid.jsonl, with each run's flags; Slurm's output files go to logs/
-    planned = {r["name"]: plan.Run.from_record(r) for r in Journal(directory).plan()["runs"]}
+    planned = {r["name"]: plan.PlannedRun.from_record(r) for r in Journal(directory).plan()["runs"]}
     for run in valid:
         for resume in (False, True):
             assert plan.train_command(planned[run.name], 2, resume) == plan.train_command(run, 2, resume)
@@ -255,16 +255,16 @@ def test_a_slurm_task_trains_its_run_as_the_printed_plan_gives_it_and_then_has_n
 
 
 def test_the_progress_table_reads_each_runs_log_and_redraws_in_place_on_a_terminal(tmp_path):
-    from grid.progress import Display, run_row, table
+    from grid.progress import Display, progress_row, progress_table
 
     run = tmp_path / "run"
     run.mkdir()
     records = [{"step": s, "tokens": 4096 * s, "train_loss": 5.0 - s / 100, "tokens_per_s": 4096.0} for s in (50, 100)]
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 101, "trai')
-    row = run_row({"name": "run", "path": str(run), "steps": 1000, "batch_tokens": 4096},
-                  {"state": "running", "placement": "GPU 3"})
+    row = progress_row({"name": "run", "path": str(run), "steps": 1000, "batch_tokens": 4096},
+                       {"state": "running", "placement": "GPU 3"})
     assert row == ["run", "running", "100/1000", "4.0000", "4,096", "15m00s", "GPU 3"]
-    lines = table([row])
+    lines = progress_table([row])
     assert lines[0].split() == ["run", "state", "step", "loss", "tok/s", "ETA", "device"]
 
     class Terminal(io.StringIO):
@@ -302,7 +302,7 @@ def test_a_runs_log_starts_with_its_header_when_the_child_writes_at_once(tmp_pat
         return types.SimpleNamespace(pid=1)
 
     monkeypatch.setattr(execute.subprocess, "Popen", child_writes_at_once)
-    run = plan.Run(name="lr=1", values={}, flags=[], path=tmp_path / "lr=1")
+    run = plan.PlannedRun(name="lr=1", values={}, flags=[], path=tmp_path / "lr=1")
     scheduler = execute.Scheduler(tmp_path, "grid", [run], [], Quiet(), Quiet())
     scheduler.start(run, execute.Slot("cpu", "cpu 0", {}), resume=False)
     lines = (tmp_path / "logs" / "lr=1.log").read_text().splitlines()
