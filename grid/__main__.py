@@ -33,10 +33,10 @@ from fileio import filesystem_error_line, print_error
 from grid.execute import Journal, Scheduler, claim, current_state, initial_state, make_slots, grid_holder
 from grid.estimate import wall_time_lines
 from grid.memory import GIB, fit_problem, grid_memory, memory_line
-from grid.plan import GridError, build_spec, check_flags, plan_runs, recorded_changes, train_command, train_flags
+from grid.plan import (SCALES, GridError, build_spec, check_flags, plan_runs, recorded_changes, scaled, train_command,
+                       train_flags)
 from grid.progress import Display, run_finished, progress_row, summary_line, progress_table
 from grid.report import report_grid
-from grid.scale import SCALES, scaled
 from grid.slurm import (SlurmOptions, array_script, note_in_run_log, report_script, run_task, sbatch_command,
                         submit, task_holder)
 from run.directory import run_holder, run_holds_checkpoint
@@ -80,7 +80,7 @@ def run_parser() -> ArgumentParser:
     parser.add_argument("--grid", type=Path, metavar="FILE.toml", help="axes and shared flags from a TOML file "
                         "(docs/grid.md#grid-files); --name, --axis and flags after -- override it")
     parser.add_argument("--run-dir", default=None, help="parent of the grid's directory (default: runs)")
-    parser.add_argument("--scale", choices=sorted(SCALES), default="paper", help="cpu: the same grid with every run "
+    parser.add_argument("--scale", choices=SCALES, default="paper", help="cpu: the same grid with every run "
                         "shrunk to seconds on a CPU, in <name>-cpu (docs/reproduce.md#cpu-scale; default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="CPU runs: processes at once, the cores divided "
                         "between them (default: %(default)s)")

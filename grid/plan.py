@@ -1,6 +1,7 @@
 """What a grid runs: axes of train_gpt.py flags and the flags every run shares (from the command line or a TOML
-file), one run per combination of axis values with a readable, stable name, each run's flags checked by
-train_gpt.py's own parser, and the command that trains or resumes it (docs/grid.md)."""
+file), at the paper's scale or the CPU's (the trainer's cpu preset), one run per combination of axis values with a
+readable, stable name, each run's flags checked by train_gpt.py's own parser, and the command that trains or resumes
+it (docs/grid.md)."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +31,7 @@ RESERVED = {"run-dir": "give --run-dir to the grid (before --): runs go to <run-
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 TOML_KEYS = ("name", "run_dir", "axes", "flags")
 TOML_SCALARS = (str, int, float, bool)  # what a TOML value of an axis or a flag may be
+SCALES = ("paper", "cpu")  # --scale: the grid as given, or its runs resized by the trainer's preset of that name
 
 
 class GridError(ValueError):
@@ -183,6 +185,18 @@ def build_spec(name: str | None, run_dir: str | None, axes: list[str], flags: li
     if not merged:
         raise GridError("a grid needs at least one --axis FLAG=V1,V2,... (or an [axes] table in the --grid file)")
     return GridSpec(name, Path(run_dir or base["run_dir"] or "runs"), list(merged.values()), base["flags"] + flags)
+
+
+def scaled(spec: GridSpec, scale: str, given_flags: int) -> GridSpec:
+    """`spec` at `scale` (SCALES): unchanged at the paper's; otherwise with the entries of the trainer's preset of
+    that name (config.PRESETS) as flags before its last `given_flags` (those given after `--`, which win) and
+    `-<scale>` after its name. As flags, not as --preset, they change only what that preset sets: the grid's own
+    preset, optimizer, biases and schedule stay."""
+    if scale == "paper":
+        return spec
+    words = [word for key, value in config.PRESETS[scale].items() for word in _flag_words(key.replace("_", "-"), value)]
+    cut = len(spec.flags) - given_flags
+    return dataclasses.replace(spec, name=f"{spec.name}-{scale}", flags=spec.flags[:cut] + words + spec.flags[cut:])
 
 
 def check_flags(spec: GridSpec, known: dict[str, bool]) -> None:
