@@ -10,12 +10,6 @@ copy of a step's activations; and a fixed allowance for the CUDA context, the li
 allocator's slack. It is an estimate: `bench/gpu_session.sh` measures the peak of real runs."""
 from __future__ import annotations
 
-import torch
-
-import train_gpt
-from optim import OPTIMIZERS, optimizer_state_bytes
-from run.process import batch_layout
-
 GIB = 2**30
 CONTEXT_BYTES = int(1.5 * GIB)  # the CUDA context, cuBLAS/cuDNN workspaces, compiled kernels
 SLACK = 1.1  # the caching allocator's fragmentation
@@ -24,6 +18,12 @@ USABLE = 0.95  # of a GPU's memory, what runs may plan to take
 
 def run_memory(cfg, gpus_per_run: int = 1) -> dict[str, int]:
     """The bytes one process of a run (a train_gpt RunConfig) takes on its GPU, by part."""
+    import torch
+
+    import train_gpt
+    from optim import OPTIMIZERS, optimizer_state_bytes
+    from run.process import batch_layout
+
     hp, model_cfg = cfg.train, cfg.model
     with torch.device("meta"):
         model = train_gpt.GPT(model_cfg)

@@ -1,7 +1,8 @@
 """What a grid runs: axes of train_gpt.py flags and the flags every run shares (from the command line or a TOML
 file), at the paper's scale or the CPU's (the trainer's cpu preset), one run per combination of axis values with a
 readable, stable name, each run's flags checked by train_gpt.py's own parser, and the command that trains or resumes
-it (docs/grid.md)."""
+it (docs/grid.md). The trainer's modules import torch: the functions that ask them import them, so that what only
+reads a grid (`python -m grid status`, a Slurm task) never imports torch."""
 from __future__ import annotations
 
 import contextlib
@@ -11,20 +12,20 @@ import functools
 import io
 import itertools
 import json
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import config
-import train_gpt
 from cli import option
-from optim import OPTIMIZERS
-from run.checkpoint import CheckpointError, load_checkpoint, run_checkpoints
 from run.directory import directory_name_problem, run_holder
-from run.process import batch_layout
 
-TRAIN_SCRIPT = Path(train_gpt.__file__).resolve()
+if TYPE_CHECKING:
+    import config
+
+TRAIN_SCRIPT = Path(importlib.util.find_spec("train_gpt").origin).resolve()  # found, not imported
 RESERVED = {"run-dir": "give --run-dir to the grid (before --): runs go to <run-dir>/<name>/<run>",
             "run-name": "the grid names each run after its axis values",
             "resume": "the grid resumes interrupted runs itself: run the same grid command again"}
@@ -42,6 +43,10 @@ class GridError(ValueError):
 def train_flags() -> dict[str, bool]:
     """Every train_gpt.py flag (dash-separated, no leading dashes) -> whether it is a boolean, over every
     optimizer's flags."""
+    import config
+    import train_gpt
+    from optim import OPTIMIZERS
+
     flags = {"preset": False}
     for optimizer in OPTIMIZERS:
         for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer).values():
@@ -194,6 +199,8 @@ def scaled(spec: GridSpec, scale: str, given_flags: int) -> GridSpec:
     preset, optimizer, biases and schedule stay."""
     if scale == "paper":
         return spec
+    import config
+
     words = [word for key, value in config.PRESETS[scale].items() for word in _flag_words(key.replace("_", "-"), value)]
     cut = len(spec.flags) - given_flags
     return dataclasses.replace(spec, name=f"{spec.name}-{scale}", flags=spec.flags[:cut] + words + spec.flags[cut:])
@@ -263,6 +270,9 @@ class PlannedRun:
 def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
     """(train_gpt.py's refusal of `flags`, or None; the parsed RunConfig) with the batch split over `world`
     processes checked too. The parser's usage text is dropped: the error line is kept."""
+    import train_gpt
+    from run.process import batch_layout
+
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
@@ -325,6 +335,8 @@ def recorded_changes(run: PlannedRun) -> list[str]:
                                                     "trained with (restore its config.json, or move the run away)"]
     except (OSError, ValueError) as exc:
         return [f"its config.json cannot be read ({exc})"]
+    import config
+
     try:
         changed = config.changed_settings(run.config, recorded)
     except (KeyError, TypeError, AttributeError) as exc:
@@ -335,6 +347,8 @@ def recorded_changes(run: PlannedRun) -> list[str]:
 
 def checkpoint_config(run_dir: Path) -> dict | None:
     """The configuration the newest readable checkpoint of a run holds (None: it has none)."""
+    from run.checkpoint import CheckpointError, load_checkpoint, run_checkpoints
+
     for path in reversed(run_checkpoints(run_dir)):
         with contextlib.suppress(CheckpointError):
             return load_checkpoint(path, mmap=True)["config"]

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-from eval import compare, paper_data, scorecard
 from fileio import atomic_write, make_directory
 from grid.execute import Slot, output_tail, stop_with_grid
 from grid.plan import TRAIN_SCRIPT
@@ -68,6 +67,8 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     scorecard.md when runs match published cells); `failed` names the runs that did not finish: the comparison and
     the scorecard leave out those that started and say why, compare.md names the others at its end. Returns 0, 1
     when a report or the scorecard failed, or 130 when interrupted."""
+    from eval import compare, paper_data, scorecard  # the trainer's modules (torch): not imported by `status`
+
     if not run_dirs:
         print("grid: no finished run to report", flush=True)
         return 0

@@ -254,6 +254,28 @@ def test_a_slurm_task_trains_its_run_as_the_printed_plan_gives_it_and_then_has_n
     assert "its last plan has no run seed=3" in (directory / "logs" / "seed=3.log").read_text()
 
 
+def test_what_only_reads_a_grid_imports_no_torch(tmp_path):
+    """`grid status` and a Slurm task whose run has finished read the journal and the runs' logs: neither imports
+    torch (or numpy), whose import takes seconds (docs/grid.md#progress)."""
+    directory, name = tmp_path / "g", "seed=1"
+    for folder in (name, "logs"):  # logs: made by --print-slurm
+        (directory / folder).mkdir(parents=True)
+    (directory / name / "log.jsonl").write_text(json.dumps({"step": 3, "train_loss": 5.0}) + "\n"
+                                                + json.dumps({"step": 3, "summary": True}) + "\n")
+    Journal(directory).append({"event": "start", "runs": [
+        {"name": name, "values": {"seed": "1"}, "flags": ["--seed=1"], "path": str(directory / name), "steps": 3,
+         "batch_tokens": 32, "stop_at_target": False, "device": "cpu", "problem": None}]})
+    probe = ("import sys\nfrom grid.__main__ import main\ncode = main(sys.argv[1:])\n"
+             "print('imported:', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))\n"
+             "sys.exit(code)")
+    for command, says in ((["status", str(directory)], f"{name}  finished  3/3"),
+                          (["task", str(directory), name], f"grid: {name}: finished: nothing to do")):
+        result = subprocess.run([sys.executable, "-c", probe, *command], cwd=ROOT, env=GRID_ENV, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert says in result.stdout and "imported: []" in result.stdout, result.stdout
+
+
 def test_the_progress_table_reads_each_runs_log_and_redraws_in_place_on_a_terminal(tmp_path):
     from grid.progress import Display, progress_row, progress_table
 
