@@ -193,7 +193,7 @@ def check_history(spec, runs) -> None:
 
 def finish_grid(args, spec, runs, scheduler: execute.Scheduler, states: dict[str, str]) -> int:
     """After the runs: name each run that did not finish (with the end of its output), report and compare the
-    finished ones; 0, 1 when a run or a report failed, 130 when the reports were interrupted."""
+    finished ones; 0, 1 when a run or a report failed, 128 + the signal that interrupted the reports."""
     finished = [r for r in runs if progress.run_finished(r.path, r.steps, r.stop_at_target)]
     failed = [r for r in runs if r not in finished]
     for run in failed:

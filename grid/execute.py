@@ -1,9 +1,10 @@
 """Running a grid: one process at a time owns its directory (a lock), each run goes to a free slot (a GPU, N GPUs
-under torchrun, or a CPU worker with its share of the cores) when its turn in the queue comes, every transition is
-appended to `grid.jsonl`, a failed run is reported with the last lines of its output and never stops the others,
-SIGINT/SIGTERM stop every run cleanly (each writes its checkpoint) so the same command continues, and a trainer
-never outlives its grid process unseen: it stops with a checkpoint when the grid dies, and a run still held by a
-trainer is waited for, never started beside it (docs/grid.md#running)."""
+under torchrun, or a CPU worker with its share of the cores) when its turn in the queue comes (SlotLoop, the grid's
+one loop, which runs its reports too), every transition is appended to `grid.jsonl`, a failed run is reported with
+the last lines of its output and never stops the others, SIGINT/SIGTERM stop every run cleanly (each writes its
+checkpoint) so the same command continues, and a trainer never outlives its grid process unseen: it stops with a
+checkpoint when the grid dies, and a run still held by a trainer is waited for, never started beside it
+(docs/grid.md#running)."""
 from __future__ import annotations
 
 import contextlib
@@ -224,25 +225,96 @@ def output_tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 @dataclass
 class Active:
-    run: PlannedRun
+    """A process the loop started on a slot: a run's trainer (or one it waits for) or a finished run's report."""
+
+    run: PlannedRun | Path
     slot: Slot
     process: subprocess.Popen | LeftTrainer
     output: Path
     started: float
 
 
-class Scheduler:
-    """Runs the queue of a grid: each free slot takes the next run of its kind; transitions go to the journal and
-    the display; the first SIGINT/SIGTERM is passed to every run (each finishes its step, checkpoints and exits),
-    and a later one is not passed on again: the runs are already stopping (docs/runs.md#signals)."""
+class SlotLoop:
+    """The grid's one loop (docs/grid.md#running): each free slot takes the next queued item that `fits` it, which
+    `start` starts there; an item whose process has exited goes to `finish`, which may queue items again. The first
+    SIGINT/SIGTERM is passed to every process (each finishes its work and exits: a trainer its step and checkpoint,
+    docs/runs.md#signals, a report its page) and nothing starts after it; a later one is not passed on again.
+    Subclasses say what an item is: the Scheduler's runs, grid.report's reports."""
+
+    POLL_S = 0.25  # between two looks at the processes
+    STOPPING = "each process still finishes its work"  # what a second signal is told
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
+        self.active: dict[int, Active] = {}
+        self.signals: list[int] = []
+
+    def start(self, item, slot: Slot) -> Active:
+        raise NotImplementedError
+
+    def finish(self, active: Active, code: int) -> list:
+        """Record how `active` ended (exit status `code`); the items to queue again, first."""
+        raise NotImplementedError
+
+    def fits(self, item, slot: Slot) -> bool:
+        return True
+
+    def refresh(self, force: bool = False) -> None:
+        """Show where the queue stands (each pass, and at the end with `force`)."""
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.signals.append(signum)
+        if len(self.signals) > 1:  # os.write: safe in a handler, which may interrupt a print
+            os.write(2, f"grid: {signal.Signals(signum).name} again: {self.STOPPING}; the grid waits for them\n"
+                     .encode())
+            return
+        for active in list(self.active.values()):
+            with contextlib.suppress(ProcessLookupError):
+                active.process.send_signal(signum)
+
+    def run(self, queue: list) -> int:
+        """Run every item of `queue`, in order as slots free; 0, or 128 + the signal that stopped the loop. On an
+        error of the loop itself every process it started is stopped (SIGTERM) and waited for."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while queue or self.active:
+                for index, slot in enumerate(self.slots):
+                    if self.signals or index in self.active:
+                        continue
+                    if (pick := next((item for item in queue if self.fits(item, slot)), None)) is not None:
+                        queue.remove(pick)
+                        self.active[index] = self.start(pick, slot)
+                for index, active in list(self.active.items()):
+                    if (code := active.process.poll()) is not None:
+                        del self.active[index]
+                        queue[:0] = self.finish(active, code)
+                if self.signals and all(active.process.pid is None for active in self.active.values()):
+                    break  # every process of ours has stopped (a trainer left on another host is not ours to stop)
+                self.refresh()
+                time.sleep(self.POLL_S)
+        finally:
+            for active in self.active.values():
+                if active.process.pid is not None:
+                    active.process.send_signal(signal.SIGTERM)
+                    active.process.wait()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.refresh(force=True)
+        return 128 + self.signals[0] if self.signals else 0
+
+
+class Scheduler(SlotLoop):
+    """Runs the queue of a grid's runs on the SlotLoop: each free slot takes the next run of its kind; transitions
+    go to the journal and the display."""
+
+    STOPPING = "each run still finishes its step and writes its checkpoint"
 
     def __init__(self, directory: Path, name: str, runs: list[PlannedRun], slots: list[Slot], journal: Journal,
                  display: Display) -> None:
-        self.directory, self.name, self.runs, self.slots = directory, name, runs, slots
+        super().__init__(slots)
+        self.directory, self.name, self.runs = directory, name, runs
         self.journal, self.display = journal, display
         self.states = {run.name: dict(journal.states().get(run.name, {})) for run in runs}
-        self.active: dict[int, Active] = {}
-        self.signals: list[int] = []
         self.started = time.time()
         self.launched = 0  # runs this process started or waited for
 
@@ -257,17 +329,12 @@ class Scheduler:
         return [summary_line(self.name, [self.states.get(r.name, {}).get("state", "queued") for r in self.runs],
                              self.started)] + lines
 
-    def _on_signal(self, signum: int, frame) -> None:
-        self.signals.append(signum)
-        if len(self.signals) > 1:  # os.write: safe in a handler, which may interrupt a print
-            os.write(2, f"grid: {signal.Signals(signum).name} again: each run still finishes its step and writes its "
-                        "checkpoint; the grid waits for them\n".encode())
-            return
-        for active in list(self.active.values()):
-            with contextlib.suppress(ProcessLookupError):
-                active.process.send_signal(signum)
+    def start(self, item: tuple[PlannedRun, str], slot: Slot) -> Active:
+        run, state = item
+        return self.adopt(run, slot) if state == "held" else self.train(run, slot, state == "resume")
 
-    def start(self, run: PlannedRun, slot: Slot, resume: bool) -> Active:
+    def train(self, run: PlannedRun, slot: Slot, resume: bool) -> Active:
+        """Start the run's trainer in `slot` (resuming it from its checkpoint), its output appended to its log."""
         command = train_command(run, slot.processes if slot.kind == "cuda" else 1, resume)
         output = self.directory / "logs" / f"{run.name}.log"
         make_directory(output.parent)
@@ -323,6 +390,17 @@ class Scheduler:
         with open(active.output, "a") as f:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {active.slot.label}: {verdict}\n")
 
+    def finish(self, active: Active, code: int) -> list[tuple[PlannedRun, str]]:
+        """record_outcome; a trainer waited for that stopped before the end is queued again, to resume."""
+        self.record_outcome(active, code)
+        if isinstance(active.process, LeftTrainer) and not self.signals \
+                and self.states[active.run.name]["state"] == "interrupted":
+            return [(active.run, "resume" if run_holds_checkpoint(active.run.path) else "new")]
+        return []
+
+    def refresh(self, force: bool = False) -> None:
+        self.display.refresh(self.rows(), force=force)
+
     def fits(self, item: tuple[PlannedRun, str], slot: Slot) -> bool:
         """Whether `slot` takes the queued (run, state): one of its kind; a held run's trainer already runs in the
         slot it was placed in (when this grid has a slot of that label)."""
@@ -334,38 +412,4 @@ class Scheduler:
     def execute(self, todo: list[tuple[PlannedRun, str]]) -> int:
         """Train every (run, state) of `todo` (state: new, resume, or held, which is waited for first and resumed
         when its trainer stopped before the end); returns 0, or 128 + the signal that stopped the grid."""
-        queue = sorted(todo, key=lambda item: item[1] != "held")
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while queue or self.active:
-                for index, slot in enumerate(self.slots):
-                    if self.signals or index in self.active:
-                        continue
-                    pick = next((item for item in queue if self.fits(item, slot)), None)
-                    if pick is not None:
-                        queue.remove(pick)
-                        run, state = pick
-                        self.active[index] = (self.adopt(run, slot) if state == "held"
-                                              else self.start(run, slot, state == "resume"))
-                for index, active in list(self.active.items()):
-                    code = active.process.poll()
-                    if code is not None:
-                        del self.active[index]
-                        self.record_outcome(active, code)
-                        if isinstance(active.process, LeftTrainer) and not self.signals \
-                                and self.states[active.run.name]["state"] == "interrupted":
-                            resume = run_holds_checkpoint(active.run.path)
-                            queue.insert(0, (active.run, "resume" if resume else "new"))
-                if self.signals and all(active.process.pid is None for active in self.active.values()):
-                    break  # every run of ours has stopped (a trainer left on another host is not ours to stop)
-                self.display.refresh(self.rows())
-                time.sleep(0.25)
-        finally:
-            for active in self.active.values():  # an error in the grid itself: leave no run behind
-                if active.process.pid is not None:
-                    active.process.send_signal(signal.SIGTERM)
-                    active.process.wait()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        self.display.refresh(self.rows(), force=True)
-        return 128 + self.signals[0] if self.signals else 0
+        return self.run(sorted(todo, key=lambda item: item[1] != "held"))

@@ -326,6 +326,6 @@ def test_a_runs_log_starts_with_its_header_when_the_child_writes_at_once(tmp_pat
     monkeypatch.setattr(execute.subprocess, "Popen", child_writes_at_once)
     run = plan.PlannedRun(name="lr=1", values={}, flags=[], path=tmp_path / "lr=1")
     scheduler = execute.Scheduler(tmp_path, "grid", [run], [], Quiet(), Quiet())
-    scheduler.start(run, execute.Slot("cpu", "cpu 0", {}), resume=False)
+    scheduler.train(run, execute.Slot("cpu", "cpu 0", {}), resume=False)
     lines = (tmp_path / "logs" / "lr=1.log").read_text().splitlines()
     assert lines[1].startswith("=== ") and lines[2] == "child output", lines
