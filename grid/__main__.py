@@ -70,7 +70,8 @@ def run_parser() -> cli.ArgumentParser:
                         "(docs/grid.md#grid-files); --name, --axis and flags after -- override it")
     parser.add_argument("--run-dir", default=None, help="parent of the grid's directory (default: runs)")
     parser.add_argument("--scale", choices=plan.SCALES, default="paper", help="cpu: the same grid with every run "
-                        "shrunk to seconds on a CPU, in <name>-cpu (docs/reproduce.md#cpu-scale; default: %(default)s)")
+                        "shrunk to seconds on a CPU (the trainer's cpu preset, given as flags), in <name>-cpu "
+                        "(docs/reproduce.md#cpu-scale; default: %(default)s)")
     parser.add_argument("--workers", type=int, default=1, help="CPU runs: processes at once, the cores divided "
                         "between them (default: %(default)s)")
     parser.add_argument("--gpus-per-run", type=int, default=1, help="CUDA runs: GPUs per run; more than 1 runs "
