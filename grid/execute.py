@@ -7,6 +7,7 @@ checkpoint when the grid dies, and a run still held by a trainer is waited for, 
 (docs/grid.md#running)."""
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import fcntl
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from fileio import LockHeldError, doing, hold_lock, lock_holder, make_directory
 from grid.plan import GridError, PlannedRun, train_command
-from grid.progress import Display, run_finished, progress_row, summary_line, progress_table
+from grid.progress import Display, progress_row, progress_table, run_finished, summary_line
 from run.directory import run_holder, run_holds_checkpoint
 from run.log import format_duration
 
@@ -234,7 +235,7 @@ class Active:
     started: float
 
 
-class SlotLoop:
+class SlotLoop(abc.ABC):
     """The grid's one loop (docs/grid.md#running): each free slot takes the next queued item that `fits` it, which
     `start` starts there; an item whose process has exited goes to `finish`, which may queue items again. The first
     SIGINT/SIGTERM is passed to every process (each finishes its work and exits: a trainer its step and checkpoint,
@@ -249,12 +250,13 @@ class SlotLoop:
         self.active: dict[int, Active] = {}
         self.signals: list[int] = []
 
+    @abc.abstractmethod
     def start(self, item, slot: Slot) -> Active:
-        raise NotImplementedError
+        """Start the queued `item` on `slot`."""
 
+    @abc.abstractmethod
     def finish(self, active: Active, code: int) -> list:
         """Record how `active` ended (exit status `code`); the items to queue again, first."""
-        raise NotImplementedError
 
     def fits(self, item, slot: Slot) -> bool:
         return True

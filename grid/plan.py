@@ -9,10 +9,10 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import io
 import itertools
 import json
-import importlib.util
 import re
 import sys
 from dataclasses import dataclass, field
