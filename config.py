@@ -54,12 +54,20 @@ PRESETS: dict[str, dict[str, object]] = {
         "val_every": 50, "val_tokens": 16384, "log_every": 10, "device": "cpu", "compile": False,
         "optimizer": "adamw", "lr": 2e-3,  # a preset's optimizer settings apply to its own optimizer only
     },
+    # Seconds on a CPU: only the size, the budget and the device. `python -m grid --scale cpu` gives these entries
+    # as flags after a grid's own, so its runs keep their preset, optimizer, biases and schedule (docs/reproduce.md).
+    "cpu": {
+        "device": "cpu", "compile": False, "n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 64,
+        "seq_len": 64, "batch_tokens": 512, "micro_batch": 8, "steps": 20, "val_every": 10, "val_tokens": 4096,
+        "log_every": 10, "checkpoint_every": 0,
+    },
 }
 PRESET_NOTES = {
     "gpt2-124m": "the paper's GPT-2 small (PReLU) run: model, 500M tokens, batch 8 x 512 without accumulation, "
                  "constant learning rate, and the optimizer's published update with its Table 9 hyperparameters",
     "gpt2-124m-gelu": "the paper's GPT-2 small run with GELU: as gpt2-124m but the activation",
     "smoke": "no published run (a few minutes on a CPU to check the trainer)",
+    "cpu": "no published run (seconds on a CPU: the size a grid's runs take at --scale cpu)",
 }
 PAPER_OPTIMIZERS = ("adamw", "ecd", "sgdm", "soap")  # Table 9 of the paper
 # Where the paper and its published code disagree on an optimizer's settings, and which the presets follow

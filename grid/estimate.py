@@ -10,7 +10,7 @@ from pathlib import Path
 
 from bench.throughput import read_rows
 from grid.execute import Slot
-from grid.plan import Run
+from grid.plan import PlannedRun
 from grid.progress import tail_records
 from run.log import format_duration
 
@@ -22,7 +22,7 @@ def measured_throughput(path: Path) -> float | None:
     return statistics.median(speeds) if speeds else None
 
 
-def table_throughput(run: Run, gpu: str | None, runs_per_gpu: int, rows: list[dict]) -> float | None:
+def table_throughput(run: PlannedRun, gpu: str | None, runs_per_gpu: int, rows: list[dict]) -> float | None:
     """One run's tokens/s on `gpu` while `runs_per_gpu` runs share it, from the row of bench/throughput.json for the
     run's preset, optimizer, tokens per step and compile mode (None without such a row)."""
     if gpu is None or run.config is None:
@@ -34,7 +34,7 @@ def table_throughput(run: Run, gpu: str | None, runs_per_gpu: int, rows: list[di
     return row["tokens_per_s"] / runs_per_gpu if row else None
 
 
-def remaining_tokens(run: Run, state: str) -> int:
+def remaining_tokens(run: PlannedRun, state: str) -> int:
     """The tokens `run` has left to train: none when finished or refused, else its total less what it logged."""
     if state not in ("new", "resume"):
         return 0
@@ -50,7 +50,7 @@ def busiest_slot(loads: list[float], slots: int) -> float:
     return max(heap)
 
 
-def wall_time_lines(runs: list[Run], states: dict[str, str], slots: list[Slot], gpu: str | None = None,
+def wall_time_lines(runs: list[PlannedRun], states: dict[str, str], slots: list[Slot], gpu: str | None = None,
                     runs_per_gpu: int = 1, rows: list[dict] | None = None) -> list[str]:
     """Per kind of slot (GPUs, CPU workers): how long the runs still to train take there. In seconds where some run
     of the grid measured its throughput (each run at its own, else at the grid's median), or, for GPU runs, where

@@ -1,11 +1,13 @@
 """Running a grid: one process at a time owns its directory (a lock), each run goes to a free slot (a GPU, N GPUs
-under torchrun, or a CPU worker with its share of the cores) when its turn in the queue comes, every transition is
-appended to `grid.jsonl`, a failed run is reported with the last lines of its output and never stops the others,
-SIGINT/SIGTERM stop every run cleanly (each writes its checkpoint) so the same command continues, and a trainer
-never outlives its grid process unseen: it stops with a checkpoint when the grid dies, and a run still held by a
-trainer is waited for, never started beside it (docs/grid.md#running)."""
+under torchrun, or a CPU worker with its share of the cores) when its turn in the queue comes (SlotLoop, the grid's
+one loop, which runs its reports too), every transition is appended to `grid.jsonl`, a failed run is reported with
+the last lines of its output and never stops the others, SIGINT/SIGTERM stop every run cleanly (each writes its
+checkpoint) so the same command continues, and a trainer never outlives its grid process unseen: it stops with a
+checkpoint when the grid dies, and a run still held by a trainer is waited for, never started beside it
+(docs/grid.md#running)."""
 from __future__ import annotations
 
+import abc
 import contextlib
 import ctypes
 import fcntl
@@ -21,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fileio import LockHeldError, doing, hold_lock, lock_holder, make_directory
-from grid.plan import GridError, Run, train_command
-from grid.progress import Display, run_finished, run_row, summary_line, table
+from grid.plan import GridError, PlannedRun, train_command
+from grid.progress import Display, progress_row, progress_table, run_finished, summary_line
 from run.directory import run_holder, run_holds_checkpoint
 from run.log import format_duration
 
@@ -42,7 +44,7 @@ def claim(directory: Path):
                         f"{directory}` shows it) or stop it") from None
 
 
-def owner(directory: Path) -> str | None:
+def grid_holder(directory: Path) -> str | None:
     """Who holds the grid directory's lock (None when no grid process runs there)."""
     return lock_holder(directory / LOCK)
 
@@ -78,7 +80,7 @@ class Journal:
                 raise self.damaged(number, "bytes that are not UTF-8 text") from None
             except ValueError:
                 continue  # a line cut by a crash
-            if problem := record_problem(record):
+            if problem := journal_record_problem(record):
                 raise self.damaged(number, problem)
             records.append(record)
         return records
@@ -99,7 +101,7 @@ class Journal:
         return plan
 
 
-def record_problem(record: object) -> str | None:
+def journal_record_problem(record: object) -> str | None:
     """What a grid.jsonl record lacks that `status`, `report` and the next invocation read; None when complete."""
     if not isinstance(record, dict):
         return "not a JSON object"
@@ -145,7 +147,7 @@ def make_slots(gpus: list[str], gpus_per_run: int, workers: int, cpus: int, kind
     return slots
 
 
-def initial_state(run: Run, previous: dict, retry_failed: bool) -> str:
+def initial_state(run: PlannedRun, previous: dict, retry_failed: bool) -> str:
     """What a run needs now: invalid (its flags are refused), finished, held (a trainer still runs it, one that a
     grid process which ended left behind: the grid waits for it), failed (an earlier attempt failed; skipped without
     --retry-failed), resume (it holds a checkpoint) or new."""
@@ -224,50 +226,117 @@ def output_tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 @dataclass
 class Active:
-    run: Run
+    """A process the loop started on a slot: a run's trainer (or one it waits for) or a finished run's report."""
+
+    run: PlannedRun | Path
     slot: Slot
     process: subprocess.Popen | LeftTrainer
     output: Path
     started: float
 
 
-class Scheduler:
-    """Runs the queue of a grid: each free slot takes the next run of its kind; transitions go to the journal and
-    the display; the first SIGINT/SIGTERM is passed to every run (each finishes its step, checkpoints and exits),
-    and a later one is not passed on again: the runs are already stopping (docs/runs.md#signals)."""
+class SlotLoop(abc.ABC):
+    """The grid's one loop (docs/grid.md#running): each free slot takes the next queued item that `fits` it, which
+    `start` starts there; an item whose process has exited goes to `finish`, which may queue items again. The first
+    SIGINT/SIGTERM is passed to every process (each finishes its work and exits: a trainer its step and checkpoint,
+    docs/runs.md#signals, a report its page) and nothing starts after it; a later one is not passed on again.
+    Subclasses say what an item is: the Scheduler's runs, grid.report's reports."""
 
-    def __init__(self, directory: Path, name: str, runs: list[Run], slots: list[Slot], journal: Journal,
-                 display: Display) -> None:
-        self.directory, self.name, self.runs, self.slots = directory, name, runs, slots
-        self.journal, self.display = journal, display
-        self.states = {run.name: dict(journal.states().get(run.name, {})) for run in runs}
+    POLL_S = 0.25  # between two looks at the processes
+    STOPPING = "each process still finishes its work"  # what a second signal is told
+
+    def __init__(self, slots: list[Slot]) -> None:
+        self.slots = slots
         self.active: dict[int, Active] = {}
         self.signals: list[int] = []
+
+    @abc.abstractmethod
+    def start(self, item, slot: Slot) -> Active:
+        """Start the queued `item` on `slot`."""
+
+    @abc.abstractmethod
+    def finish(self, active: Active, code: int) -> list:
+        """Record how `active` ended (exit status `code`); the items to queue again, first."""
+
+    def fits(self, item, slot: Slot) -> bool:
+        return True
+
+    def refresh(self, force: bool = False) -> None:
+        """Show where the queue stands (each pass, and at the end with `force`)."""
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.signals.append(signum)
+        if len(self.signals) > 1:  # os.write: safe in a handler, which may interrupt a print
+            os.write(2, f"grid: {signal.Signals(signum).name} again: {self.STOPPING}; the grid waits for them\n"
+                     .encode())
+            return
+        for active in list(self.active.values()):
+            with contextlib.suppress(ProcessLookupError):
+                active.process.send_signal(signum)
+
+    def run(self, queue: list) -> int:
+        """Run every item of `queue`, in order as slots free; 0, or 128 + the signal that stopped the loop. On an
+        error of the loop itself every process it started is stopped (SIGTERM) and waited for."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while queue or self.active:
+                for index, slot in enumerate(self.slots):
+                    if self.signals or index in self.active:
+                        continue
+                    if (pick := next((item for item in queue if self.fits(item, slot)), None)) is not None:
+                        queue.remove(pick)
+                        self.active[index] = self.start(pick, slot)
+                for index, active in list(self.active.items()):
+                    if (code := active.process.poll()) is not None:
+                        del self.active[index]
+                        queue[:0] = self.finish(active, code)
+                if self.signals and all(active.process.pid is None for active in self.active.values()):
+                    break  # every process of ours has stopped (a trainer left on another host is not ours to stop)
+                self.refresh()
+                time.sleep(self.POLL_S)
+        finally:
+            for active in self.active.values():
+                if active.process.pid is not None:
+                    active.process.send_signal(signal.SIGTERM)
+                    active.process.wait()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        self.refresh(force=True)
+        return 128 + self.signals[0] if self.signals else 0
+
+
+class Scheduler(SlotLoop):
+    """Runs the queue of a grid's runs on the SlotLoop: each free slot takes the next run of its kind; transitions
+    go to the journal and the display."""
+
+    STOPPING = "each run still finishes its step and writes its checkpoint"
+
+    def __init__(self, directory: Path, name: str, runs: list[PlannedRun], slots: list[Slot], journal: Journal,
+                 display: Display) -> None:
+        super().__init__(slots)
+        self.directory, self.name, self.runs = directory, name, runs
+        self.journal, self.display = journal, display
+        self.states = {run.name: dict(journal.states().get(run.name, {})) for run in runs}
         self.started = time.time()
         self.launched = 0  # runs this process started or waited for
 
-    def transition(self, run: Run, state: str, line: str | None = None, **fields) -> None:
+    def transition(self, run: PlannedRun, state: str, line: str | None = None, **fields) -> None:
         self.states[run.name] = {"state": state, **fields}
         self.journal.append({"run": run.name, "state": state, **fields})
         if line:
             self.display.event(f"grid: {run.name}: {line}")
 
     def rows(self) -> list[str]:
-        lines = table([run_row(r.record(), self.states.get(r.name, {})) for r in self.runs])
+        lines = progress_table([progress_row(r.record(), self.states.get(r.name, {})) for r in self.runs])
         return [summary_line(self.name, [self.states.get(r.name, {}).get("state", "queued") for r in self.runs],
                              self.started)] + lines
 
-    def _on_signal(self, signum: int, frame) -> None:
-        self.signals.append(signum)
-        if len(self.signals) > 1:  # os.write: safe in a handler, which may interrupt a print
-            os.write(2, f"grid: {signal.Signals(signum).name} again: each run still finishes its step and writes its "
-                        "checkpoint; the grid waits for them\n".encode())
-            return
-        for active in list(self.active.values()):
-            with contextlib.suppress(ProcessLookupError):
-                active.process.send_signal(signum)
+    def start(self, item: tuple[PlannedRun, str], slot: Slot) -> Active:
+        run, state = item
+        return self.adopt(run, slot) if state == "held" else self.train(run, slot, state == "resume")
 
-    def start(self, run: Run, slot: Slot, resume: bool) -> Active:
+    def train(self, run: PlannedRun, slot: Slot, resume: bool) -> Active:
+        """Start the run's trainer in `slot` (resuming it from its checkpoint), its output appended to its log."""
         command = train_command(run, slot.processes if slot.kind == "cuda" else 1, resume)
         output = self.directory / "logs" / f"{run.name}.log"
         make_directory(output.parent)
@@ -288,7 +357,7 @@ class Scheduler:
             raise
         return Active(run, slot, process, output, time.time())
 
-    def adopt(self, run: Run, slot: Slot) -> Active:
+    def adopt(self, run: PlannedRun, slot: Slot) -> Active:
         """Wait in `slot` for the trainer an earlier grid process left running on `run` (its pid is signalled
         with the others when it runs on this host)."""
         last = self.states.get(run.name, {})
@@ -300,7 +369,7 @@ class Scheduler:
         return Active(run, slot, LeftTrainer(run.path, pid), self.directory / "logs" / f"{run.name}.log",
                       time.time())
 
-    def settle(self, active: Active, code: int) -> None:
+    def record_outcome(self, active: Active, code: int) -> None:
         """Record how the run's attempt ended (finished, interrupted or failed), in the journal and on the display,
         and on a last line of the run's output file, so that its own log says it too."""
         run, took = active.run, format_duration(time.time() - active.started)
@@ -323,7 +392,18 @@ class Scheduler:
         with open(active.output, "a") as f:
             f.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {active.slot.label}: {verdict}\n")
 
-    def fits(self, item: tuple[Run, str], slot: Slot) -> bool:
+    def finish(self, active: Active, code: int) -> list[tuple[PlannedRun, str]]:
+        """record_outcome; a trainer waited for that stopped before the end is queued again, to resume."""
+        self.record_outcome(active, code)
+        if isinstance(active.process, LeftTrainer) and not self.signals \
+                and self.states[active.run.name]["state"] == "interrupted":
+            return [(active.run, "resume" if run_holds_checkpoint(active.run.path) else "new")]
+        return []
+
+    def refresh(self, force: bool = False) -> None:
+        self.display.refresh(self.rows(), force=force)
+
+    def fits(self, item: tuple[PlannedRun, str], slot: Slot) -> bool:
         """Whether `slot` takes the queued (run, state): one of its kind; a held run's trainer already runs in the
         slot it was placed in (when this grid has a slot of that label)."""
         run, state = item
@@ -331,41 +411,7 @@ class Scheduler:
         return run.device == slot.kind and (state != "held" or placed == slot.label
                                             or placed not in {s.label for s in self.slots})
 
-    def execute(self, todo: list[tuple[Run, str]]) -> int:
+    def execute(self, todo: list[tuple[PlannedRun, str]]) -> int:
         """Train every (run, state) of `todo` (state: new, resume, or held, which is waited for first and resumed
         when its trainer stopped before the end); returns 0, or 128 + the signal that stopped the grid."""
-        queue = sorted(todo, key=lambda item: item[1] != "held")
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while queue or self.active:
-                for index, slot in enumerate(self.slots):
-                    if self.signals or index in self.active:
-                        continue
-                    pick = next((item for item in queue if self.fits(item, slot)), None)
-                    if pick is not None:
-                        queue.remove(pick)
-                        run, state = pick
-                        self.active[index] = (self.adopt(run, slot) if state == "held"
-                                              else self.start(run, slot, state == "resume"))
-                for index, active in list(self.active.items()):
-                    code = active.process.poll()
-                    if code is not None:
-                        del self.active[index]
-                        self.settle(active, code)
-                        if isinstance(active.process, LeftTrainer) and not self.signals \
-                                and self.states[active.run.name]["state"] == "interrupted":
-                            resume = run_holds_checkpoint(active.run.path)
-                            queue.insert(0, (active.run, "resume" if resume else "new"))
-                if self.signals and all(active.process.pid is None for active in self.active.values()):
-                    break  # every run of ours has stopped (a trainer left on another host is not ours to stop)
-                self.display.refresh(self.rows())
-                time.sleep(0.25)
-        finally:
-            for active in self.active.values():  # an error in the grid itself: leave no run behind
-                if active.process.pid is not None:
-                    active.process.send_signal(signal.SIGTERM)
-                    active.process.wait()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-        self.display.refresh(self.rows(), force=True)
-        return 128 + self.signals[0] if self.signals else 0
+        return self.run(sorted(todo, key=lambda item: item[1] != "held"))

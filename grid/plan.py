@@ -1,12 +1,15 @@
 """What a grid runs: axes of train_gpt.py flags and the flags every run shares (from the command line or a TOML
-file), one run per combination of axis values with a readable, stable name, each run's flags checked by
-train_gpt.py's own parser, and the command that trains or resumes it (docs/grid.md)."""
+file), at the paper's scale or the CPU's (the trainer's cpu preset), one run per combination of axis values with a
+readable, stable name, each run's flags checked by train_gpt.py's own parser, and the command that trains or resumes
+it (docs/grid.md). The trainer's modules import torch: the functions that ask them import them, so that what only
+reads a grid (`python -m grid status`, a Slurm task) never imports torch."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import difflib
 import functools
+import importlib.util
 import io
 import itertools
 import json
@@ -14,22 +17,22 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import config
-import train_gpt
 from cli import option
-from optim import OPTIMIZERS
-from run.checkpoint import CheckpointError, load_checkpoint, run_checkpoints
 from run.directory import directory_name_problem, run_holder
-from run.process import batch_layout
 
-TRAIN_SCRIPT = Path(train_gpt.__file__).resolve()
+if TYPE_CHECKING:
+    import config
+
+TRAIN_SCRIPT = Path(importlib.util.find_spec("train_gpt").origin).resolve()  # found, not imported
 RESERVED = {"run-dir": "give --run-dir to the grid (before --): runs go to <run-dir>/<name>/<run>",
             "run-name": "the grid names each run after its axis values",
             "resume": "the grid resumes interrupted runs itself: run the same grid command again"}
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 TOML_KEYS = ("name", "run_dir", "axes", "flags")
 TOML_SCALARS = (str, int, float, bool)  # what a TOML value of an axis or a flag may be
+SCALES = ("paper", "cpu")  # --scale: the grid as given, or its runs resized by the trainer's preset of that name
 
 
 class GridError(ValueError):
@@ -40,6 +43,10 @@ class GridError(ValueError):
 def train_flags() -> dict[str, bool]:
     """Every train_gpt.py flag (dash-separated, no leading dashes) -> whether it is a boolean, over every
     optimizer's flags."""
+    import config
+    import train_gpt
+    from optim import OPTIMIZERS
+
     flags = {"preset": False}
     for optimizer in OPTIMIZERS:
         for cls in config.section_classes(train_gpt.GPTConfig, train_gpt.TrainConfig, optimizer).values():
@@ -185,6 +192,20 @@ def build_spec(name: str | None, run_dir: str | None, axes: list[str], flags: li
     return GridSpec(name, Path(run_dir or base["run_dir"] or "runs"), list(merged.values()), base["flags"] + flags)
 
 
+def scaled(spec: GridSpec, scale: str, given_flags: int) -> GridSpec:
+    """`spec` at `scale` (SCALES): unchanged at the paper's; otherwise with the entries of the trainer's preset of
+    that name (config.PRESETS) as flags before its last `given_flags` (those given after `--`, which win) and
+    `-<scale>` after its name. As flags, not as --preset, they change only what that preset sets: the grid's own
+    preset, optimizer, biases and schedule stay."""
+    if scale == "paper":
+        return spec
+    import config
+
+    words = [word for key, value in config.PRESETS[scale].items() for word in _flag_words(key.replace("_", "-"), value)]
+    cut = len(spec.flags) - given_flags
+    return dataclasses.replace(spec, name=f"{spec.name}-{scale}", flags=spec.flags[:cut] + words + spec.flags[cut:])
+
+
 def check_flags(spec: GridSpec, known: dict[str, bool]) -> None:
     """Refuse, before anything runs, an axis or shared flag that train_gpt.py does not have, one the grid sets
     itself, a boolean axis value that is not true/false, and a value repeated on an axis."""
@@ -216,7 +237,7 @@ def _safe(value: str) -> str:
 
 
 @dataclass
-class Run:
+class PlannedRun:
     """One run of the grid: its name (`flag=value,...`), axis values, train_gpt.py flags, directory and what the
     trainer's parser says of them (problem, device, steps, tokens per step, the parsed configuration)."""
 
@@ -240,7 +261,7 @@ class Run:
                 "device": self.device, "problem": self.problem}
 
     @classmethod
-    def from_record(cls, record: dict) -> Run:
+    def from_record(cls, record: dict) -> PlannedRun:
         """The run a start record keeps (`record`'s inverse, without the parsed configuration)."""
         return cls(record["name"], record["values"], record["flags"], Path(record["path"]), record["problem"],
                    record["device"], record["steps"], record["batch_tokens"], record["stop_at_target"])
@@ -249,6 +270,9 @@ class Run:
 def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
     """(train_gpt.py's refusal of `flags`, or None; the parsed RunConfig) with the batch split over `world`
     processes checked too. The parser's usage text is dropped: the error line is kept."""
+    import train_gpt
+    from run.process import batch_layout
+
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
@@ -264,8 +288,8 @@ def parser_problem(flags: list[str], world: int) -> tuple[str | None, object]:
     return None, cfg
 
 
-def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gpus: bool) -> list[Run]:
-    """One Run per combination of axis values (the first axis varying slowest), each checked by train_gpt.py's
+def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gpus: bool) -> list[PlannedRun]:
+    """One PlannedRun per combination of axis values (the first axis varying slowest), each checked by train_gpt.py's
     parser (`known`: train_flags()); a refused combination keeps its reason in `problem`. Raises GridError when
     names collide."""
     runs, directory = [], spec.directory.absolute()
@@ -276,7 +300,7 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
         for flag, value in values.items():
             flags += _flag_words(flag, value.lower() in TRUE) if known[flag] else _flag_words(flag, value)
         problem, cfg = parser_problem(flags, gpus_per_run)
-        run = Run(name, values, flags, directory / name, problem)
+        run = PlannedRun(name, values, flags, directory / name, problem)
         if cfg is not None:
             hp = cfg.train
             run.device = "cuda" if hp.device == "cuda" or (hp.device == "auto" and have_gpus) else "cpu"
@@ -287,7 +311,7 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
     if len(set(names)) < len(names):
         raise GridError("two runs get the same directory name (values that differ only in characters outside "
                         "A-Z a-z 0-9 . _ + -): choose values that differ in those")
-    same: dict[str, Run] = {}
+    same: dict[str, PlannedRun] = {}
     for run in runs:
         if run.problem is None and (twin := same.setdefault(json.dumps(run.config.to_dict()), run)) is not run:
             axis = next(a.flag for a in spec.axes if twin.values[a.flag] != run.values[a.flag])
@@ -296,7 +320,7 @@ def plan_runs(spec: GridSpec, known: dict[str, bool], gpus_per_run: int, have_gp
     return runs
 
 
-def recorded_changes(run: Run) -> list[str]:
+def recorded_changes(run: PlannedRun) -> list[str]:
     """How the configuration the run's trainer recorded (its config.json, or where that is gone the configuration
     its latest checkpoint holds) differs from what the grid asks now: `--flag OLD (now NEW)` for every flag but those
     the grid sets itself (RESERVED); empty when they agree or while a trainer that holds the run has not yet written
@@ -311,6 +335,8 @@ def recorded_changes(run: Run) -> list[str]:
                                                     "trained with (restore its config.json, or move the run away)"]
     except (OSError, ValueError) as exc:
         return [f"its config.json cannot be read ({exc})"]
+    import config
+
     try:
         changed = config.changed_settings(run.config, recorded)
     except (KeyError, TypeError, AttributeError) as exc:
@@ -321,13 +347,15 @@ def recorded_changes(run: Run) -> list[str]:
 
 def checkpoint_config(run_dir: Path) -> dict | None:
     """The configuration the newest readable checkpoint of a run holds (None: it has none)."""
+    from run.checkpoint import CheckpointError, load_checkpoint, run_checkpoints
+
     for path in reversed(run_checkpoints(run_dir)):
         with contextlib.suppress(CheckpointError):
             return load_checkpoint(path, mmap=True)["config"]
     return None
 
 
-def train_command(run: Run, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:
+def train_command(run: PlannedRun, gpus_per_run: int, resume: bool, python: str = sys.executable) -> list[str]:
     """The command that trains `run` (in its directory), or continues it with --resume; under torchrun on
     `gpus_per_run` GPUs when that is more than one."""
     where = ["--resume", str(run.path)] if resume else ["--run-dir", str(run.path.parent), "--run-name", run.path.name]

@@ -48,7 +48,7 @@ def run_finished(path: Path, steps: int, stop_at_target: bool = False) -> bool:
     return finished(records[-1] if records else {}, steps, stop_at_target)
 
 
-def run_row(run: dict, state: dict) -> list[str]:
+def progress_row(run: dict, state: dict) -> list[str]:
     """One table row from a planned run ({"name", "path", "steps", "batch_tokens"}) and its last grid.jsonl
     record: the last training record of its log gives step, loss, tokens/s and, while it runs, the ETA."""
     records = tail_records(Path(run["path"]) / "log.jsonl")
@@ -63,7 +63,7 @@ def run_row(run: dict, state: dict) -> list[str]:
             f"{speed:,.0f}" if speed else "-", eta, state.get("placement", "-")]
 
 
-def table(rows: list[list[str]]) -> list[str]:
+def progress_table(rows: list[list[str]]) -> list[str]:
     """Rows as aligned text lines under HEADER."""
     widths = [max(len(str(row[i])) for row in [list(HEADER), *rows]) for i in range(len(HEADER))]
     return ["  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()

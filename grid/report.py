@@ -1,5 +1,5 @@
 """The grid's results: `eval.report` for every finished run (the quick evaluation set for small runs), one per slot at
-a time as the runs were trained (a process each, on its slot's GPU or threads), then eval's comparison over them into
+a time on the loop that trained the runs (grid.execute.SlotLoop: a process each, on its slot's GPU or threads), then eval's comparison over them into
 the grid directory: `compare.md` with the optimizer × attention-bias table (best validation loss, mean ± std over
 seeds, Δ against the symmetric baseline with its standard error), the per-run table and the loss curves, and, when
 runs match cells of the paper's tables, `scorecard.md` (docs/grid.md#the-report, docs/reproduce.md)."""
@@ -11,55 +11,53 @@ import sys
 import time
 from pathlib import Path
 
-from eval import compare, paper_data, scorecard
 from fileio import atomic_write, make_directory
-from grid.execute import Slot, output_tail, stop_with_grid
+from grid.execute import Active, Slot, SlotLoop, output_tail, stop_with_grid
 from grid.plan import TRAIN_SCRIPT
 from run.log import format_duration
 
 
-def _start(run: Path, slot: Slot, directory: Path, budget: list[str]) -> tuple[subprocess.Popen, Path]:
-    output = directory / "logs" / f"{run.name}.report.log"
-    make_directory(output.parent)
-    env = {**os.environ, **slot.env, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(TRAIN_SCRIPT.parent), os.environ.get("PYTHONPATH")]))}
-    with open(output, "ab") as f:  # the report ends with the grid process, however that ends (stop_with_grid)
-        process = subprocess.Popen([sys.executable, "-m", "eval.report", "--run", str(run), *budget], stdout=f,
-                                   stderr=subprocess.STDOUT, env=env, preexec_fn=stop_with_grid())
-    print(f"grid: report {run.name} on {slot.label} (output {output})", flush=True)
-    return process, output
+class Reports(SlotLoop):
+    """`python -m eval.report` for each finished run on the grid's one loop: as many at once as there are slots, each
+    with its slot's GPU or threads, output in DIR/logs/<run>.report.log. Like a trainer, each report runs in a session
+    of its own (a signal reaches it through the grid, once: it then writes its partial page) and ends with the grid
+    process, however that ends (stop_with_grid). `failures`: each failed report with the end of its output."""
+
+    STOPPING = "each report still writes its page"
+
+    def __init__(self, directory: Path, budget: list[str], slots: list[Slot]) -> None:
+        super().__init__(slots)
+        self.directory, self.budget = directory, budget
+        self.failures: list[str] = []
+
+    def start(self, run: Path, slot: Slot) -> Active:
+        output = self.directory / "logs" / f"{run.name}.report.log"
+        make_directory(output.parent)
+        env = {**os.environ, **slot.env, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(TRAIN_SCRIPT.parent), os.environ.get("PYTHONPATH")]))}
+        with open(output, "ab") as f:
+            process = subprocess.Popen([sys.executable, "-m", "eval.report", "--run", str(run), *self.budget],
+                                       stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       preexec_fn=stop_with_grid())
+        print(f"grid: report {run.name} on {slot.label} (output {output})", flush=True)
+        return Active(run, slot, process, output, time.time())
+
+    def finish(self, active: Active, code: int) -> list:
+        took, name = format_duration(time.time() - active.started), active.run.name
+        if code == 0:
+            print(f"grid: report {name} done in {took}", flush=True)
+        else:
+            self.failures.append(f"{name}: exit {code}; output {active.output}, ending:\n    "
+                                 + output_tail(active.output).replace("\n", "\n    "))
+            print(f"grid: report {name} FAILED (exit {code}) after {took}", flush=True)
+        return []
 
 
-def report_runs(directory: Path, run_dirs: list[Path], budget: list[str], slots: list[Slot]) -> tuple[list[str], bool]:
-    """`python -m eval.report` for each run, as many at once as there are slots (each with its slot's GPU or
-    threads); (the failures, each with the end of its output; whether Ctrl-C interrupted them: each report then
-    writes its partial page)."""
-    queue, active, failures = list(run_dirs), {}, []
-    try:
-        while queue or active:
-            for index, slot in enumerate(slots):
-                if index not in active and queue:
-                    run = queue.pop(0)
-                    active[index] = (run, *_start(run, slot, directory, budget), time.time())
-            for index, (run, process, output, started) in list(active.items()):
-                code = process.poll()
-                if code is None:
-                    continue
-                del active[index]
-                took = format_duration(time.time() - started)
-                if code == 0:
-                    print(f"grid: report {run.name} done in {took}", flush=True)
-                else:
-                    tail = output_tail(output)
-                    failures.append(f"{run.name}: exit {code}; output {output}, ending:\n    "
-                                    + tail.replace("\n", "\n    "))
-                    print(f"grid: report {run.name} FAILED (exit {code}) after {took}", flush=True)
-            time.sleep(0.2)
-    except KeyboardInterrupt:  # the terminal's Ctrl-C reached each report too
-        for _, process, _, _ in active.values():
-            process.wait()
-        return failures, True
-    return failures, False
+def report_runs(directory: Path, run_dirs: list[Path], budget: list[str], slots: list[Slot]) -> tuple[list[str], int]:
+    """Report each run (Reports); (the failures, 0 or 128 + the signal that interrupted the reports)."""
+    reports = Reports(directory, budget, slots)
+    code = reports.run(list(run_dirs))
+    return reports.failures, code
 
 
 def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed: list[str],
@@ -67,14 +65,16 @@ def report_grid(directory: Path, run_dirs: list[Path], budget: list[str], failed
     """Report every run of `run_dirs` (finished runs), then compare them into `directory` (compare.md, and
     scorecard.md when runs match published cells); `failed` names the runs that did not finish: the comparison and
     the scorecard leave out those that started and say why, compare.md names the others at its end. Returns 0, 1
-    when a report or the scorecard failed, or 130 when interrupted."""
+    when a report or the scorecard failed, or 128 + the signal that interrupted the reports."""
+    from eval import compare, paper_data, scorecard  # the trainer's modules (torch): not imported by `status`
+
     if not run_dirs:
         print("grid: no finished run to report", flush=True)
         return 0
-    failures, interrupted = report_runs(directory, run_dirs, budget, slots)
-    if interrupted:
+    failures, code = report_runs(directory, run_dirs, budget, slots)
+    if code:
         print(f"grid: reports interrupted; `python -m grid report {directory}` finishes them", file=sys.stderr)
-        return 130
+        return code
     started = [directory / name for name in failed if (directory / name / "config.json").is_file()]
     compare.compare_runs(run_dirs + started, directory)  # which left out, and why: eval.samples.run_outcome
     try:

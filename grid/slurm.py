@@ -20,7 +20,7 @@ from pathlib import Path
 from cli import option
 from fileio import LockHeldError, atomic_write, hold_lock, lock_holder
 from grid.execute import Journal, Scheduler, Slot, initial_state
-from grid.plan import TRAIN_SCRIPT, GridError, GridSpec, Run
+from grid.plan import TRAIN_SCRIPT, GridError, GridSpec, PlannedRun
 from grid.progress import Display
 
 # Slurm's warning before a task's time limit (#SBATCH --signal=B:USR1@SECONDS): the task stops its run with a
@@ -102,7 +102,7 @@ def option_problem(flag: str, value: str) -> str | None:
     return None
 
 
-def array_script(spec: GridSpec, runs: list[Run], gpus_per_run: int, options: SlurmOptions,
+def array_script(spec: GridSpec, runs: list[PlannedRun], gpus_per_run: int, options: SlurmOptions,
                  retry_failed: bool) -> str:
     """A Slurm job-array script with one task per valid run. Every task runs `python -m grid task DIR RUN`, which
     skips a finished run, resumes one that holds a checkpoint and trains a new one, as the grid command does."""
@@ -204,7 +204,7 @@ def task_holder(directory: Path, name: str) -> str | None:
     return lock_holder(task_lock(directory, name))
 
 
-def planned_run(journal: Journal, name: str) -> tuple[Run, dict]:
+def planned_run(journal: Journal, name: str) -> tuple[PlannedRun, dict]:
     """The run `name` as the journal's last plan keeps it, and that plan; GridError when the plan lacks it."""
     plan = journal.plan()
     record = next((r for r in plan["runs"] if r["name"] == name), None)
@@ -213,7 +213,7 @@ def planned_run(journal: Journal, name: str) -> tuple[Run, dict]:
     if "flags" not in record:
         raise GridError(f"{journal.path}: its plan does not keep the runs' flags (an older grid wrote it): print the "
                         "Slurm script again (python -m grid ... --print-slurm) and submit that")
-    return Run.from_record(record), plan
+    return PlannedRun.from_record(record), plan
 
 
 def run_task(directory: Path, name: str, retry_failed: bool) -> int:
@@ -256,7 +256,7 @@ def run_task(directory: Path, name: str, retry_failed: bool) -> int:
         lock.close()
 
 
-def checkpoint_written(run: Run) -> int | None:
+def checkpoint_written(run: PlannedRun) -> int | None:
     """When the run's checkpoints/latest.pt was last written (ns; None before the first)."""
     try:
         return (run.path / "checkpoints" / "latest.pt").stat().st_mtime_ns
@@ -264,7 +264,7 @@ def checkpoint_written(run: Run) -> int | None:
         return None
 
 
-def requeue(run: Run, progressed: bool) -> None:
+def requeue(run: PlannedRun, progressed: bool) -> None:
     """Put this task back in Slurm's queue (scontrol requeue) when this attempt wrote a checkpoint: it starts
     again, resuming from it, once Slurm lets it (Slurm holds a requeued job for about two minutes). A task whose
     run wrote none would start where it did and meet the same time limit again: it is not requeued."""

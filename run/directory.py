@@ -20,13 +20,13 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from fileio import LockHeldError, atomic_write, dead_temporaries, doing, hold_lock, lock_holder, make_directory
 from run.log import RunLog, open_trackers
-from run.process import Runtime
+
+if TYPE_CHECKING:
+    from run.process import Runtime
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTION = "symgpt"  # pyproject.toml's project name
@@ -216,6 +216,8 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
     own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
     config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, opens the optional trackers at
     `step` and logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
+    import torch.distributed  # here: what reads a run directory (its lock, its checkpoints) imports no torch
+
     run_dir, refusal = None, None
     if rt.is_master:
         try:
@@ -224,8 +226,8 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
         except RunInUseError as exc:
             refusal = str(exc)
     box = [run_dir.path if run_dir else None, refusal]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box)  # every rank names the run in its messages, or exits with rank 0's refusal
+    if torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(box)  # every rank names the run in its messages, or exits with rank 0's refusal
     if box[1]:
         raise RunInUseError(box[1])
     if rt.is_master:

@@ -223,7 +223,7 @@ def test_the_slurm_script_gives_each_valid_run_an_array_task_that_runs_it_as_the
     valid = [r for r in plan.plan_runs(spec, plan.train_flags(), 2, True) if r.problem is None]
     assert shlex.split(re.search(r"^runs=\((.*)\)$", script, re.M).group(1)) == [r.name for r in valid]
     # what each task reads: the plan in grid.jsonl, with each run's flags; Slurm's output files go to logs/
-    planned = {r["name"]: plan.Run.from_record(r) for r in Journal(directory).plan()["runs"]}
+    planned = {r["name"]: plan.PlannedRun.from_record(r) for r in Journal(directory).plan()["runs"]}
     for run in valid:
         for resume in (False, True):
             assert plan.train_command(planned[run.name], 2, resume) == plan.train_command(run, 2, resume)
@@ -254,17 +254,39 @@ def test_a_slurm_task_trains_its_run_as_the_printed_plan_gives_it_and_then_has_n
     assert "its last plan has no run seed=3" in (directory / "logs" / "seed=3.log").read_text()
 
 
+def test_what_only_reads_a_grid_imports_no_torch(tmp_path):
+    """`grid status` and a Slurm task whose run has finished read the journal and the runs' logs: neither imports
+    torch (or numpy), whose import takes seconds (docs/grid.md#progress)."""
+    directory, name = tmp_path / "g", "seed=1"
+    for folder in (name, "logs"):  # logs: made by --print-slurm
+        (directory / folder).mkdir(parents=True)
+    (directory / name / "log.jsonl").write_text(json.dumps({"step": 3, "train_loss": 5.0}) + "\n"
+                                                + json.dumps({"step": 3, "summary": True}) + "\n")
+    Journal(directory).append({"event": "start", "runs": [
+        {"name": name, "values": {"seed": "1"}, "flags": ["--seed=1"], "path": str(directory / name), "steps": 3,
+         "batch_tokens": 32, "stop_at_target": False, "device": "cpu", "problem": None}]})
+    probe = ("import sys\nfrom grid.__main__ import main\ncode = main(sys.argv[1:])\n"
+             "print('imported:', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))\n"
+             "sys.exit(code)")
+    for command, says in ((["status", str(directory)], f"{name}  finished  3/3"),
+                          (["task", str(directory), name], f"grid: {name}: finished: nothing to do")):
+        result = subprocess.run([sys.executable, "-c", probe, *command], cwd=ROOT, env=GRID_ENV, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert says in result.stdout and "imported: []" in result.stdout, result.stdout
+
+
 def test_the_progress_table_reads_each_runs_log_and_redraws_in_place_on_a_terminal(tmp_path):
-    from grid.progress import Display, run_row, table
+    from grid.progress import Display, progress_row, progress_table
 
     run = tmp_path / "run"
     run.mkdir()
     records = [{"step": s, "tokens": 4096 * s, "train_loss": 5.0 - s / 100, "tokens_per_s": 4096.0} for s in (50, 100)]
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 101, "trai')
-    row = run_row({"name": "run", "path": str(run), "steps": 1000, "batch_tokens": 4096},
-                  {"state": "running", "placement": "GPU 3"})
+    row = progress_row({"name": "run", "path": str(run), "steps": 1000, "batch_tokens": 4096},
+                       {"state": "running", "placement": "GPU 3"})
     assert row == ["run", "running", "100/1000", "4.0000", "4,096", "15m00s", "GPU 3"]
-    lines = table([row])
+    lines = progress_table([row])
     assert lines[0].split() == ["run", "state", "step", "loss", "tok/s", "ETA", "device"]
 
     class Terminal(io.StringIO):
@@ -302,8 +324,8 @@ def test_a_runs_log_starts_with_its_header_when_the_child_writes_at_once(tmp_pat
         return types.SimpleNamespace(pid=1)
 
     monkeypatch.setattr(execute.subprocess, "Popen", child_writes_at_once)
-    run = plan.Run(name="lr=1", values={}, flags=[], path=tmp_path / "lr=1")
+    run = plan.PlannedRun(name="lr=1", values={}, flags=[], path=tmp_path / "lr=1")
     scheduler = execute.Scheduler(tmp_path, "grid", [run], [], Quiet(), Quiet())
-    scheduler.start(run, execute.Slot("cpu", "cpu 0", {}), resume=False)
+    scheduler.train(run, execute.Slot("cpu", "cpu 0", {}), resume=False)
     lines = (tmp_path / "logs" / "lr=1.log").read_text().splitlines()
     assert lines[1].startswith("=== ") and lines[2] == "child output", lines

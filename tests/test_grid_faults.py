@@ -309,9 +309,9 @@ def test_a_report_ends_with_the_grid_process_that_started_it(tmp_path):
         "from grid.execute import Slot\n"
         "popen = subprocess.Popen\n"
         "subprocess.Popen = lambda args, **kw: popen([sys.executable, '-c', 'import time; time.sleep(600)'], **kw)\n"
-        f"process, _ = report._start(Path({str(tmp_path / 'run')!r}), Slot('cpu', 'CPU worker 1', {{}}), "
-        f"Path({str(tmp_path)!r}), [])\n"
-        "print('pid', process.pid, flush=True)\n"
+        "slot = Slot('cpu', 'CPU worker 1', {})\n"
+        f"active = report.Reports(Path({str(tmp_path)!r}), [], [slot]).start(Path({str(tmp_path / 'run')!r}), slot)\n"
+        "print('pid', active.process.pid, flush=True)\n"
         "time.sleep(600)\n")], cwd=ROOT, env=GRID_ENV, stdout=subprocess.PIPE, text=True)
     report_pid = int(next(line for line in driver.stdout if line.startswith("pid ")).split()[1])
     try:
@@ -322,6 +322,44 @@ def test_a_report_ends_with_the_grid_process_that_started_it(tmp_path):
     finally:
         if process_alive(report_pid) and not zombie(report_pid):
             os.kill(report_pid, signal.SIGKILL)
+
+
+def test_ctrl_c_during_the_reports_reaches_each_report_once_through_the_grids_loop(tmp_path):
+    """The reports run on the trainers' loop (grid.execute.SlotLoop): in sessions of their own, so a Ctrl-C reaches
+    each through the grid, once, and the grid waits for them (each writes its partial page) and returns 130. The
+    reports here are stand-ins that count the SIGINTs they get and exit at the first."""
+    counts = tmp_path / "counts"
+    stand_in = ("import os, signal, sys, time\n"
+                "def got(signum, frame):\n"
+                f"    with open({str(counts)!r}, 'a') as f: f.write(str(os.getpid()) + '\\n')\n"
+                "    time.sleep(1)\n"  # a second SIGINT would arrive now
+                "    sys.exit(130)\n"
+                "signal.signal(signal.SIGINT, got)\n"
+                "time.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys\n"
+        "from pathlib import Path\n"
+        "from grid import report\n"
+        "from grid.execute import Slot\n"
+        "popen = subprocess.Popen\n"
+        f"subprocess.Popen = lambda args, **kw: popen([sys.executable, '-c', {stand_in!r}], **kw)\n"
+        "slots = [Slot('cpu', f'CPU worker {i}', {}) for i in (1, 2)]\n"
+        f"runs = [Path({str(tmp_path)!r}) / name for name in ('a', 'b', 'c')]\n"
+        f"failures, code = report.report_runs(Path({str(tmp_path)!r}), runs, [], slots)\n"
+        "print('code', code, len(failures), flush=True)\n")],
+        cwd=ROOT, env=GRID_ENV, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in driver.stdout:  # both slots' reports started: the third waits for a free slot
+        lines.append(line)
+        if sum(line.startswith("grid: report ") for line in lines) == 2:
+            break
+    time.sleep(1)  # the stand-ins set their handlers
+    driver.send_signal(signal.SIGINT)
+    out, _ = driver.communicate(timeout=300)
+    assert driver.returncode == 0 and "code 130 2" in out, "".join(lines) + out
+    pids = counts.read_text().split()
+    assert len(pids) == len(set(pids)) == 2  # each started report got one SIGINT; the third never started
+    assert "report c" not in "".join(lines) + out
 
 
 def zombie(pid: int) -> bool:

@@ -1,9 +1,11 @@
 """python -m grid --runs-per-gpu N (docs/grid.md#several-runs-per-gpu) with a fake list of GPUs: N slots per GPU in
 the plan, spread over the GPUs first; a memory estimate that refuses an N that does not fit, with the numbers; the
 slots in grid.jsonl and `grid status`; the estimate's optimizer state equal to what the optimizers hold after a
-step."""
+step, and its activations what the trainer's forward pass keeps on real CPU tensors."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
@@ -73,6 +75,21 @@ def test_the_estimate_counts_the_state_an_optimizer_holds_after_its_first_step(n
     optimizer.device_step(loss.detach() if OPTIMIZERS[name].needs_loss else None)  # as the trainer calls it
     optimizer.finish_step()
     assert estimate == optimizer_state_bytes(optimizer) > 0 and optimizer.first_step_state_bytes() == 0
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", [{}, {"activation": "gelu"}, {"bias_mode": "none"},
+                                     {"bias_mode": "learned", "bias_per_head": True}, {"objective": "mlm"},
+                                     {"attention": "relational", "bias_mode": "none"}], ids=json.dumps)
+def test_the_activations_are_what_the_trainers_forward_pass_keeps_on_real_tensors(variant, bf16):
+    """The estimate runs the trainer's model on fake tensors (no memory): on real CPU tensors the same forward pass
+    keeps exactly those bytes for the backward pass, in fp32 and under the CPU's bf16 autocast, for each model
+    variant; a larger micro-batch keeps more."""
+    model = tiny_gpt(**variant)
+    sizes = memory.saved_tensor_sizes(model, torch.randint(0, model.config.vocab_size, (2, 16)), bf16)
+    estimate = memory.activation_bytes(json.dumps(dataclasses.asdict(model.config)), 2, 16, bf16)
+    assert estimate == sum(sizes) + max(sizes) > 0
+    assert memory.activation_bytes(json.dumps(dataclasses.asdict(model.config)), 4, 16, bf16) > estimate
 
 
 def test_slots_are_in_the_journal_and_grid_status(tmp_path, corpus, monkeypatch, capsys):

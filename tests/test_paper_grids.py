@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+import config
 from eval import paper_run, scorecard
 from grid import plan
 from grid.__main__ import main as grid_main
-from grid.scale import scaled
 from run.log import format_duration
 from tests.helpers import ROOT
 
@@ -47,7 +47,7 @@ TABLES = {
 def planned(grid: Path, scale: str = "paper", run_dir: Path = Path("runs")) -> dict[str, dict]:
     """{run name: the configuration config.json would record} of a grid file's dry run, each run's flags
     parsed by train_gpt.py's own parser (a refusal fails the test with the trainer's message)."""
-    spec = scaled(plan.build_spec(None, str(run_dir), [], [], grid), scale, 0)
+    spec = plan.scaled(plan.build_spec(None, str(run_dir), [], [], grid), scale, 0)
     known = plan.train_flags()
     plan.check_flags(spec, known)
     configs = {}
@@ -70,6 +70,18 @@ def test_every_grid_parses_and_the_trainer_takes_every_run(grid, scale):
     if scale == "cpu":
         assert all(c["train"]["device"] == "cpu" and c["train"]["steps"] * c["train"]["batch_tokens"] < 1e5
                    for c in configs.values())
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.stem)
+def test_the_cpu_scale_changes_only_what_the_trainers_cpu_preset_sets(grid):
+    """--scale cpu is the entries of config.PRESETS["cpu"] given as flags: every run takes each of them, and nothing
+    else of its grid changes (its preset's values, optimizer, biases and schedule stay)."""
+    entries, paper, cpu = config.PRESETS["cpu"], planned(grid), planned(grid, "cpu")
+    assert list(cpu) == list(paper)
+    for name, at_paper in paper.items():
+        for section, values in cpu[name].items():
+            for key, value in values.items():
+                assert value == entries.get(key, at_paper[section][key]), f"{name}: {section}.{key}"
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g.stem)
