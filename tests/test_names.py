@@ -47,10 +47,7 @@ PARALLEL_ROLES = {
 RENAMED_ELSEWHERE = {
     "(a) FeaturePReLU",  # train_gpt.FeaturePReLU beside modeling_symgpt.FeaturePReLU
     "(a) parse_config",  # config.parse_config beside train_gpt.parse_config
-    "(a) record_problem",  # grid.execute.record_problem beside run.log.record_problem
-    "(a) run_row",  # grid.progress.run_row (a line of the status table) beside eval.compare.run_row (a run's numbers)
     "(b) train_gpt: config",  # train_gpt imports the module config, and 8 of its functions take a parameter `config`
-    "(c) grid.plan.Run",  # the grid's planned run, beside the package run
 }
 
 
