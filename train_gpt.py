@@ -21,6 +21,7 @@ import os
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -454,9 +455,9 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
 
 
 class Trainer:
-    """The run: built once from the config (data, its validation part checked before any step; model, optimizer,
-    loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `state`
-    is what a checkpoint saves and --resume restores (run.training_state); `progress`, part of it, what changes."""
+    """The run: built in __init__ from the config (data, its validation part checked before any step; model,
+    optimizer, loader, bias sampler, objective, hooks, the step), then `restore` (for --resume), `open_run`, `train`,
+    `finish`. `state` is what a checkpoint saves and --resume restores (run.training_state); `progress` what changes."""
 
     def __init__(self, cfg: config.RunConfig, rt: process.Runtime, log: runlog.RunLog) -> None:
         hp = cfg.train
@@ -483,8 +484,8 @@ class Trainer:
         self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
         self.objective = variants.objective_for(cfg.model)
         self.hooks = hooks.TrainingHooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.state = training_state.TrainingState(self.model, self.optimizer, self.peak_settings, self.loader,
-                                                  self.hooks, rt.device)
+        self.state = training_state.TrainingState(model=self.model, optimizer=self.optimizer, loader=self.loader,
+                                                  peak_settings=self.peak_settings, hooks=self.hooks, device=rt.device)
         self.run_dir: directory.RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
@@ -493,6 +494,26 @@ class Trainer:
         self.clock = timing.TrainingClock(rt.device,
                                           rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = timing.ProfileWindow(hp.profile_steps, rt.device)
+        self.step_model, self.no_sync, self.run_step = self.build_step()
+
+    def build_step(self) -> tuple[nn.Module, Callable, Callable]:
+        """(step_model, no_sync, run_step): the model compiled on CUDA, then (nanoGPT's order) in DDP when the optimizer
+        does not average gradients itself; what keeps an accumulating micro-step from averaging across ranks; and the
+        step, replayed from a CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py). Before
+        --resume's weights: compiling and capturing wait for the first step, and every rank restores the same."""
+        rt, hp = self.rt, self.cfg.train
+        step_model: nn.Module = self.model
+        if rt.device.type == "cuda" and hp.compile:
+            step_model = torch.compile(self.model, mode=COMPILE_MODES[hp.compile_mode])
+        if rt.world > 1 and not self.spec.reduces_gradients:
+            step_model = nn.parallel.DistributedDataParallel(
+                step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+        no_sync = self.optimizer.no_sync if self.spec.reduces_gradients else getattr(step_model, "no_sync",
+                                                                                     contextlib.nullcontext)
+        run_step = self.step_on_device if hp.compile_mode == "default" else capture.graph_step(
+            self.step_on_device, self.optimizer, rt, mode=hp.compile_mode, step_tools=self.hooks.step_tools(),
+            log_line=self.log.line)
+        return step_model, no_sync, run_step
 
     @property
     def progress(self) -> checkpoint.Progress:
@@ -545,8 +566,8 @@ class Trainer:
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop every rank (exit 2), saying what exists and what to do; log.jsonl records that the run diverged."""
         step = self.progress.step if step is None else step
-        self.log.line(stop.non_finite_stop_message(what, step, self.cfg.optim.lr, self.checkpoint_step, self.resumed,
-                                                   self.run_dir.path))
+        self.log.line(stop.non_finite_stop_message(what, step, lr=self.cfg.optim.lr, run_dir=self.run_dir.path,
+                                                   checkpoint_step=self.checkpoint_step, resumed=self.resumed))
         self.log.record({"step": step, "diverged": what})
         raise stop.TrainingStopped(2)
 
@@ -557,9 +578,8 @@ class Trainer:
         cfg, rt = self.cfg, self.rt
         record = {**cfg.to_dict(), "layout": rt.layout(), "data": self.data_record,
                   "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
-        self.run_dir = directory.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
-                                                    cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
-                                                    self.progress.step)
+        self.run_dir = directory.open_run_directory(cfg, rt, self.log, record=record, code=Path(__file__).read_text(),
+                                                    step=self.progress.step)
         self.log.line(config.preset_lines(record["preset"]))
         if self.resumed:
             self.log.record(self.resumed)
@@ -567,29 +587,11 @@ class Trainer:
                       f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
                       f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
 
-    def build_step_model(self) -> None:
-        """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
-        acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself; and the step,
-        replayed from a CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py)."""
-        rt, hp = self.rt, self.cfg.train
-        self.step_model: nn.Module = self.model
-        if rt.device.type == "cuda" and hp.compile:
-            self.step_model = torch.compile(self.model, mode=COMPILE_MODES[hp.compile_mode])
-        if rt.world > 1 and not self.spec.reduces_gradients:
-            self.step_model = nn.parallel.DistributedDataParallel(
-                self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-        # an accumulating micro-step's backward pass averages nothing across ranks (DDP's no_sync, or the optimizer's)
-        self.no_sync = (self.optimizer.no_sync if self.spec.reduces_gradients
-                        else getattr(self.step_model, "no_sync", contextlib.nullcontext))
-        self.run_step = self.step_on_device if hp.compile_mode == "default" else capture.graph_step(
-            self.step_on_device, rt.device, rt.world, self.hooks.step_tools(), self.optimizer, hp.compile_mode,
-            self.log.line)
-
     # -- one step -------------------------------------------------------------------------------------------------
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor (under
-        a CUDA graph, the graph's output: read it before the next step). The host's part, then `step_on_device`."""
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over grad_accum micro-batches: the host's part around `step_on_device`, whose outputs
+        it returns (under a CUDA graph, the graph's: read them before the next step)."""
         hp, rt, progress = self.cfg.train, self.rt, self.progress
         factor = lr_factor(progress.step, hp)
         for group, values in zip(self.optimizer.param_groups, self.peak_settings):
@@ -600,17 +602,21 @@ class Trainer:
             x, y, chunk = self.loader.next_batch()  # chunk * micro_batch: the first row's index in the step's batch
             batches.append(self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step)))
         self.last_batch = (*batches[-1], biases)
+        before = self.hooks.snapshot(self.model)  # what the hooks read of the weights before the step
         self.optimizer.stage_step()
-        loss = self.run_step(batches, biases)
+        outputs = self.run_step(batches, biases)
         self.optimizer.finish_step()
-        self.hooks.after_step(self.model, self.optimizer, self.before_step, progress.step + 1, factor)
+        self.hooks.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
         self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
-        return loss
+        return outputs
 
-    def step_on_device(self, batches: list[tuple[torch.Tensor, ...]], biases: torch.Tensor | None) -> torch.Tensor:
-        """The device's part of a step (a CUDA graph captures it): forward and backward, the optimizer's update."""
+    def step_on_device(self, batches: list[tuple[torch.Tensor, ...]], biases: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device's part of a step (a CUDA graph captures it): forward and backward, the optimizer's update.
+        Returns (mean loss, gradient norm before clipping or None): all the host reads of it, so that nothing it
+        writes elsewhere is read back (a replay rewrites only the captured outputs; run/capture.py)."""
         loss_sum = torch.zeros((), device=self.rt.device)
         for micro, (x, y) in enumerate(batches):
             with self.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext(), self.rt.autocast():
@@ -618,9 +624,8 @@ class Trainer:
                 (loss / len(batches)).backward()
             loss_sum += loss.detach()
         loss = loss_sum / len(batches)
-        self.before_step = self.hooks.snapshot(self.model)  # the gradients are ready
         self.optimizer.device_step(loss if self.spec.needs_loss else None)
-        return loss
+        return loss, self.optimizer.grad_norm
 
     # -- validation and logs --------------------------------------------------------------------------------------
 
@@ -650,13 +655,14 @@ class Trainer:
                       f"{progress.train_time_s:.1f}s of training ({progress.tokens:,} tokens)")
         return True
 
-    def log_later(self, loss: torch.Tensor) -> None:
-        """Start this log step's record: the loss averaged over ranks and the gradient norm go to the host behind an
-        event (no host sync) and the hooks' fields are computed now; `write_log` finishes it a step later."""
+    def log_later(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """Start this log step's record: the loss averaged over ranks and the gradient norm (with --grad-clip: before
+        clipping) go to the host behind an event (no host sync) and the hooks' fields are computed now; `write_log`
+        finishes it a step later."""
         progress = self.progress
         scalars = [optim.distributed.all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
-        if self.optimizer.grad_norm is not None:  # with --grad-clip: the norm before clipping
-            scalars.append(self.optimizer.grad_norm)
+        if grad_norm is not None:
+            scalars.append(grad_norm)
         fields, texts = self.hooks.log(self.model, self.optimizer, self.last_batch, progress.step)
         record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizer.param_groups[0]["lr"],
                   **fields, "texts": texts}  # no val_loss: not measured; texts: the hooks', popped by write_log
@@ -701,12 +707,12 @@ class Trainer:
             if self.profile.opens_at(progress.step):
                 with self.clock_paused():
                     self.profile.start(progress.step)
-            loss = self.train_step()
+            loss, grad_norm = self.train_step()
             self.profile.step_done()
             self.write_log()  # the last log step's: the device has finished it while this step was issued
             signum = stop_request.agreed()
             if progress.step % hp.log_every == 0 or progress.step == hp.steps or signum:
-                self.log_later(loss)
+                self.log_later(loss, grad_norm)
             if progress.step == first + 1:
                 per_parameter = optim.optimizer_state_bytes(self.optimizer) / self.model.get_num_params()
                 self.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {self.rt.rank}")
@@ -767,7 +773,6 @@ def main(argv: list[str] | None = None, final: bool = True) -> dict:
         if cfg.resume_from is not None:
             trainer.restore()
         trainer.open_run()
-        trainer.build_step_model()
         with stop.StopRequest(rt.world) as stop_request:  # up to the final checkpoint: no signal costs it
             trainer.train(stop_request)
             summary = trainer.finish(final)

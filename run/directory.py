@@ -210,15 +210,16 @@ def trainer_sources(entry: str = "train_gpt") -> list[Path]:
     return sorted(found)
 
 
-def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,
-                       rt: Runtime, step: int) -> RunDirectory:
-    """The directory of this run on every rank (a collective under torchrun). Rank 0 chooses it (the resumed run's
-    own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
-    config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, opens the optional trackers at
-    `step` and logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
-    run_dir, refusal = None, None
+def open_run_directory(run_config, rt: Runtime, log: RunLog, *, record: dict, code: str, step: int) -> RunDirectory:
+    """The directory of the run `run_config` (config.RunConfig) describes, on every rank (a collective under
+    torchrun). Rank 0 chooses it (the resumed run's own, --run-dir/--run-name, or a new TIMESTAMP-PRESET-OPTIMIZER),
+    claims it (see RunDirectory.claim), copies the code, writes config.json (`record`), opens log.txt (which starts
+    with `code`) and log.jsonl, opens the optional trackers at `step` and logs the header; the other ranks get its
+    path."""
+    hp, continue_in, run_dir, refusal = run_config.train, run_config.continue_in, None, None
     if rt.is_master:
         try:
+            kind = f"{run_config.preset or 'custom'}-{hp.optimizer}"
             run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
             notes = [note] * bool(note) + run_dir.claim(new_run=continue_in is None)
         except RunInUseError as exc:

@@ -14,16 +14,16 @@ from cli import option
 from run.checkpoint import TRAINING, CheckpointError, Progress, load_checkpoint, resolve_checkpoint_path
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class TrainingState:
     """The trainer's restorable parts, gathered once (torchtitan's Stateful shape): `state_dict()` is what a
     checkpoint of kind training holds besides its config (training_checkpoint), `load_state_dict(checkpoint)` puts
-    it back. The optimizer keeps this run's hyperparameters (`settings`: each parameter group's as built from the
+    it back. The optimizer keeps this run's hyperparameters (`peak_settings`: each parameter group's as built from the
     flags, which on --resume may differ from the saved ones), so flags given on --resume take effect."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    settings: list[dict]
+    peak_settings: list[dict]  # lr: the peak, which the schedule scales
     loader: object  # data.loader.DistributedTokenLoader
     hooks: object  # hooks.TrainingHooks
     device: torch.device
@@ -60,7 +60,7 @@ class TrainingState:
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise CheckpointError(f"--resume {path}: its {entry} entry does not fit this run ({reason}); restore "
                                       "the file, or resume from another checkpoint") from exc
-        for group, values in zip(self.optimizer.param_groups, self.settings, strict=True):
+        for group, values in zip(self.optimizer.param_groups, self.peak_settings, strict=True):
             group.update(values)
         recorded, given = checkpoint["rng"].get("threads"), torch.get_num_threads()
         if type(recorded) is not int or recorded == given or recorded < 1:
