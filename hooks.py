@@ -20,10 +20,10 @@ class TrainingHooks:
     """What the research flags switch on around each optimizer step: `snapshot` before the step's forward pass,
     `after_step` after its update, `log` at a log step, and the state a checkpoint keeps (`state_dict`, by tool)."""
 
-    def __init__(self, research, n_head: int, optimizer: str, optim_cfg) -> None:
-        """research: variants.ResearchConfig; optimizer, optim_cfg: the run's --optimizer and its config (the gauge
-        diagnostic steps a fresh one)."""
-        self.n_head, self.optimizer, self.optim_cfg = n_head, optimizer, optim_cfg
+    def __init__(self, research, n_head: int, optimizer_name: str, optim_cfg) -> None:
+        """research: variants.ResearchConfig; optimizer_name, optim_cfg: the run's --optimizer and its config (the
+        gauge diagnostic steps a fresh one)."""
+        self.n_head, self.optimizer_name, self.optim_cfg = n_head, optimizer_name, optim_cfg
         self.dynamics_every, self.diagnostic_every = research.dynamics_every, research.gauge_diagnostic_every
         self.gauge = None if research.gauge == "none" else GaugeUpdates(
             research.gauge, n_head, correction=research.gauge_correction, every=research.gauge_every,
@@ -57,7 +57,7 @@ class TrainingHooks:
             fields.update(dynamics_summary(model, velocity_from_optimizer(optimizer), self.n_head))
         if self.diagnostic_every and step % self.diagnostic_every == 0:
             x, y, _ = batch
-            diagnostic = training_summary(model, self.optimizer, self.optim_cfg, x, y, step=step)
+            diagnostic = training_summary(model, self.optimizer_name, self.optim_cfg, x, y, step=step)
             fields.update(diagnostic)
             texts.append(f"gauge ΔM QK {diagnostic['gauge_dM_QK']:.3g} VO {diagnostic['gauge_dM_VO']:.3g}")
         return fields, texts
