@@ -35,9 +35,9 @@ class TrainingHooks:
         return self.gauge.snapshot(model) if self.gauge else None
 
     def step_tools(self) -> list[str]:
-        """The tools, as their flags, that rewrite the weights and the optimizer's state after every step (--gauge;
-        `snapshot` and `after_step` run on the host, outside the step a CUDA graph replays): run/capture.py keeps
-        their runs out of graphs."""
+        """The tools, as their flags, that rewrite the weights (some also the optimizer's state) after every step
+        (--gauge; `snapshot` and `after_step` run on the host, outside the step a CUDA graph replays): run/capture.py
+        keeps their runs out of graphs."""
         return [f"--gauge {self.gauge.mode}"] if self.gauge else []
 
     def after_step(self, model: nn.Module, optimizer: OptimizerInterface, before: dict[str, Tensor] | None,

@@ -51,8 +51,8 @@ def graph_problem(world: int, step_tools: list[str], optimizer) -> str | None:
         return (f"a run on {world} processes averages its gradients between them, which the graph does not capture "
                 "(one process per run, e.g. `python -m grid --runs-per-gpu`, is what it is for)")
     if step_tools:
-        return (f"{', '.join(step_tools)} rewrites the weights and the optimizer's moments from the host after every "
-                "step, which replayed steps have not been validated with")
+        return (f"{', '.join(step_tools)} rewrites the weights from the host after every step, which replayed steps "
+                "have not been validated with")
     return optimizer.capture_problem()
 
 
@@ -136,13 +136,13 @@ class StepGraph:
                 outputs = self.fn(*self.static)
         except Exception as exc:  # noqa: BLE001 (whatever breaks a capture, the default mode still runs)
             self.disabled = one_line(exc)
-            self.log_line(f"CUDA graph: capturing the training step failed ({self.disabled}); the run continues in the "
-                     "default mode")
+            self.log_line(f"CUDA graph: capturing the training step failed ({self.disabled}); the run continues in "
+                          "the default mode")
             self.optimizer.zero_grad(set_to_none=True)
             return self.fn(*self.static)
         self.graph, self.outputs = graph, outputs
-        self.log_line(f"CUDA graph: the training step is captured after {self.eager_steps} eager steps and replayed "
-                 "from now on (steps that differ run eagerly)")
+        self.log_line(f"CUDA graph: the training step is captured after {self.eager_steps} eager steps and "
+                      "replayed from now on (steps that differ run eagerly)")
         graph.replay()
         self.replays += 1
         return outputs
