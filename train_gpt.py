@@ -330,8 +330,7 @@ class GPT(nn.Module):
 
     def estimate_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·d·T for attention (PaLM App. B, nanoGPT)."""
-        n_layer, n_embd = self.config.n_layer, self.config.n_embd
-        return 6 * self.get_num_params(non_embedding=True) + 12 * n_layer * n_embd * seq_len
+        return 6 * self.get_num_params(non_embedding=True) + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
 
 def model_from_checkpoint(source: str | os.PathLike | dict) -> GPT:
@@ -499,9 +498,10 @@ class Trainer:
         self.step_model, self.no_sync, self.run_step = self.build_step()
 
     def build_step(self) -> tuple[nn.Module, Callable, Callable]:
-        """(step_model, no_sync, run_step): the model compiled on CUDA, then in DDP unless the optimizer averages the
-        gradients (nanoGPT's order); what keeps an accumulating micro-step from averaging; and the step, replayed from a
-        CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py). Lazy, so before --resume."""
+        """(step_model, no_sync, run_step): the model compiled on CUDA, then in DDP unless the optimizer averages
+        gradients (nanoGPT's order); what stops an accumulating micro-step from averaging; the step, replayed from a
+        CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py). `restore` may follow: the
+        weights it loads are loaded alike on every rank, and compiling and capturing wait for the first step."""
         rt, hp = self.rt, self.run_config.train
         step_model: nn.Module = self.model
         if rt.device.type == "cuda" and hp.compile:
