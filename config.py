@@ -117,10 +117,10 @@ def saved_fields(saved: dict, cls: type) -> dict:
     return {f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved}
 
 
-def changed_settings(cfg: RunConfig, saved: dict) -> dict[str, list]:
+def changed_settings(run_config: RunConfig, saved: dict) -> dict[str, list]:
     """{"section.field": [the checkpoint's value, this run's]} for every flag a resumed run changes."""
     changed = {}
-    for name, section in cfg.sections().items():
+    for name, section in run_config.sections().items():
         old = saved_fields(saved[name], type(section))
         for key, value in asdict(section).items():
             if key != "resume" and key in old and old[key] != value:
@@ -134,19 +134,20 @@ def config_from_dict(saved: dict, cls: type):
     return cls(**saved_fields(saved, cls))
 
 
-def section_classes(model: type, train: type, optimizer: str) -> dict[str, type]:
-    return {"model": model, "train": train, "research": ResearchConfig, "optim": OPTIMIZERS[optimizer].config}
+def section_classes(model_class: type, train_class: type, optimizer_name: str) -> dict[str, type]:
+    return {"model": model_class, "train": train_class, "research": ResearchConfig,
+            "optim": OPTIMIZERS[optimizer_name].config}
 
 
-def preset_values(classes: dict[str, type], preset: str | None, optimizer: str) -> dict[str, dict]:
-    """Each section's values under `preset` for `optimizer`: the defaults, then the preset's entries (those of the
+def preset_values(classes: dict[str, type], preset: str | None, optimizer_name: str) -> dict[str, dict]:
+    """Each section's values under `preset` for `optimizer_name`: the defaults, then the preset's entries (those of the
     optimizer section only when the preset names no other optimizer)."""
     entries = PRESETS[preset] if preset else {}
     base = {section: asdict(cls()) for section, cls in classes.items()}
     for section, values in base.items():
-        if section != "optim" or entries.get("optimizer", optimizer) == optimizer:
+        if section != "optim" or entries.get("optimizer", optimizer_name) == optimizer_name:
             values.update({k: v for k, v in entries.items() if k in values})
-    base["train"]["optimizer"] = optimizer
+    base["train"]["optimizer"] = optimizer_name
     return base
 
 
@@ -166,28 +167,28 @@ def fields_where(section: object, key: str) -> list[str]:
     return [f.name for f in dataclasses.fields(section) if f.metadata.get(key)]
 
 
-def preset_report(cfg: RunConfig, dtype: str | None = None) -> dict:
+def preset_report(run_config: RunConfig, dtype: str | None = None) -> dict:
     """What a run reproduces of the published runs and what differs (config.json's "preset" entry, printed at the
     start of log.txt; docs/optimizers.md#paper-parity): every flag that affects results and differs from the paper
     preset. A run without --preset is compared with gpt2-124m, whose values are the defaults. dtype: the precision
     the run computes in (run.process.Runtime.dtype_name; default: --dtype's)."""
-    name = cfg.preset
+    name = run_config.preset
     if name is not None and name not in ("gpt2-124m", "gpt2-124m-gelu"):
         return {"name": name, "reproduces": PRESET_NOTES.get(name, ""), "differs": []}
     reference = name or "gpt2-124m"
-    optimizer = cfg.train.optimizer
-    differs = [] if optimizer in PAPER_OPTIMIZERS else [
-        f"--optimizer {optimizer} is not one of the paper's optimizers ({', '.join(PAPER_OPTIMIZERS)})"]
-    classes = {section: type(values) for section, values in cfg.sections().items()}
-    paper = preset_values(classes, reference, optimizer)
-    for section, values in cfg.sections().items():
+    optimizer_name = run_config.train.optimizer
+    differs = [] if optimizer_name in PAPER_OPTIMIZERS else [
+        f"--optimizer {optimizer_name} is not one of the paper's optimizers ({', '.join(PAPER_OPTIMIZERS)})"]
+    classes = {section: type(values) for section, values in run_config.sections().items()}
+    paper = preset_values(classes, reference, optimizer_name)
+    for section, values in run_config.sections().items():
         for field_name in fields_where(values, "affects_results"):
             value, published = getattr(values, field_name), paper[section][field_name]
             if value != published:
                 differs.append(f"{option(field_name)} {value} ({reference}: {published})")
     return {"name": name, "compared_with": reference, "reproduces": PRESET_NOTES[reference],
-            "differs": differs + [PRECISION_NOTES[dtype or cfg.train.dtype], VALIDATION_PROTOCOL_NOTE],
-            "sources": [SOURCE_CONFLICTS[optimizer]] if optimizer in SOURCE_CONFLICTS else []}
+            "differs": differs + [PRECISION_NOTES[dtype or run_config.train.dtype], VALIDATION_PROTOCOL_NOTE],
+            "sources": [SOURCE_CONFLICTS[optimizer_name]] if optimizer_name in SOURCE_CONFLICTS else []}
 
 
 def preset_lines(report: dict) -> str:
@@ -201,14 +202,14 @@ def preset_lines(report: dict) -> str:
 TRAINER = "train_gpt.py"  # how the trainer is run (python or torchrun): the name its messages give
 
 
-def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, dict]) -> ArgumentParser:
+def build_arg_parser(classes: dict[str, type], optimizer_name: str, base: dict[str, dict]) -> ArgumentParser:
     """A parser with one flag per field of every section, defaulting to `base` (defaults <- preset <- resumed
     config); the epilog lists every optimizer and the others' flags."""
     lines = ["optimizers (--optimizer NAME; its flags replace the optimizer group above):"]
     shared = {f.name for f in dataclasses.fields(OptimizerConfig)} - {"lr", "weight_decay"}
     for name, spec in sorted(OPTIMIZERS.items()):
         lines.append(f"  {name:6} {spec.description}")
-        if name != optimizer:
+        if name != optimizer_name:
             own = [f for f in dataclasses.fields(spec.config) if f.name not in shared]
             lines.append("         " + ", ".join(f"{option(f.name)} {f.default}" for f in own))
     parser = ArgumentParser(prog=TRAINER, epilog="\n".join(lines),
@@ -221,15 +222,15 @@ def build_arg_parser(classes: dict[str, type], optimizer: str, base: dict[str, d
               ("model", "model variants (docs/variants.md)", lambda name: name in variant_fields),
               ("train", f"training ({classes['train'].__name__})", None),
               ("research", "research tools (docs/gauge.md, docs/evaluation.md)", None),
-              ("optim", f"optimizer {optimizer} ({classes['optim'].__name__})", None)]
+              ("optim", f"optimizer {optimizer_name} ({classes['optim'].__name__})", None)]
     for section, title, keep in groups:
         add_flags(parser.add_argument_group(title), classes[section], base[section], keep)
     return parser
 
 
-def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
-    """Defaults <- preset <- resumed checkpoint's config <- command-line flags, then checked; model and train are the
-    trainer's flag dataclasses."""
+def parse_run_config(argv: list[str] | None, model_class: type, train_class: type) -> RunConfig:
+    """Defaults <- preset <- resumed checkpoint's config <- command-line flags, then checked, for the trainer's flag
+    dataclasses `model_class` and `train_class` (train_gpt.parse_config passes its GPTConfig and TrainConfig)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = ArgumentParser(prog=TRAINER, add_help=False)
     pre.add_argument("--preset", choices=sorted(PRESETS))
@@ -240,50 +241,51 @@ def parse_config(argv: list[str] | None, model: type, train: type) -> RunConfig:
     if known.resume:
         try:
             resume_from, notes = resolve_resume(known.resume)
-            checkpoint = read_checkpoint(resume_from, model, train, mmap=True)  # reads no tensor
-            if checkpoint["kind"] != TRAINING:
-                raise CheckpointError(f"--resume {known.resume}: a checkpoint of kind {checkpoint['kind']} (model "
+            ckpt = read_checkpoint(resume_from, model_class, train_class, mmap=True)  # reads no tensor
+            if ckpt["kind"] != TRAINING:
+                raise CheckpointError(f"--resume {known.resume}: a checkpoint of kind {ckpt['kind']} (model "
                                       f"weights, no training state); start a new run from them with --init-from "
                                       f"{known.resume}")
         except CheckpointError as exc:
             pre.error(str(exc))
-        saved = checkpoint["config"]
+        saved = ckpt["config"]
     preset = known.preset
     if saved and saved["preset"] in PRESETS:  # a resumed run keeps its preset
         if known.preset and known.preset != saved["preset"]:
             pre.error(f"--preset {known.preset}: the resumed run was started with --preset {saved['preset']}, which "
                       "it keeps (flags given with --resume change single settings)")
         preset = saved["preset"]
-    optimizer = (known.optimizer or (saved["train"]["optimizer"] if saved else None)
-                 or PRESETS.get(preset, {}).get("optimizer") or train.optimizer)
-    classes = section_classes(model, train, optimizer)
-    base = preset_values(classes, preset, optimizer)
+    optimizer_name = (known.optimizer or (saved["train"]["optimizer"] if saved else None)
+                      or PRESETS.get(preset, {}).get("optimizer") or train_class.optimizer)
+    classes = section_classes(model_class, train_class, optimizer_name)
+    base = preset_values(classes, preset, optimizer_name)
     if saved:
-        same_optimizer = saved["train"]["optimizer"] == optimizer
+        same_optimizer = saved["train"]["optimizer"] == optimizer_name
         for section, cls in classes.items():
             if section != "optim" or same_optimizer:
                 base[section].update(saved_fields(saved[section], cls))
-    base["train"]["optimizer"] = optimizer
-    parser = build_arg_parser(classes, optimizer, base)
-    if foreign := _foreign_optimizer_flag(argv, classes, optimizer):
+    base["train"]["optimizer"] = optimizer_name
+    parser = build_arg_parser(classes, optimizer_name, base)
+    if foreign := _foreign_optimizer_flag(argv, classes, optimizer_name):
         parser.error(foreign)
     args = vars(parser.parse_args(argv))
-    cfg = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), preset,
-                    resume_from=resume_from, notes=notes)
-    if getattr(cfg.optim, "optim_seed", 0) == -1:  # SGDM's initial velocity: drawn per run seed
-        cfg.optim.optim_seed = cfg.train.seed
+    run_config = RunConfig(*(config_from_dict(args, cls) for cls in classes.values()), preset,
+                           resume_from=resume_from, notes=notes)
+    if getattr(run_config.optim, "optim_seed", 0) == -1:  # SGDM's initial velocity: drawn per run seed
+        run_config.optim.optim_seed = run_config.train.seed
     if saved:
         given = {arg.split("=")[0].removeprefix("--").replace("-", "_") for arg in argv if arg.startswith("--")}
-        cfg.continue_in, note = resume_home(cfg.train, resume_from, checkpoint["step"], given)
-        cfg.notes += [note] * bool(note)
-        if cfg.continue_in is None and "run_name" not in given:
-            cfg.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
-    if problem := config_problem(cfg, world_size_from_env()) or (resume_problem(cfg, saved) if saved else None):
+        run_config.continue_in, note = resume_home(run_config.train, resume_from, ckpt["step"], given)
+        run_config.notes += [note] * bool(note)
+        if run_config.continue_in is None and "run_name" not in given:
+            run_config.train.run_name = ""  # a new directory for a resumed run gets a fresh default name
+    if problem := (config_problem(run_config, world_size_from_env())
+                   or (resume_problem(run_config, saved) if saved else None)):
         parser.error(problem)
-    return cfg
+    return run_config
 
 
-def _foreign_optimizer_flag(argv: list[str], classes: dict[str, type], optimizer: str) -> str | None:
+def _foreign_optimizer_flag(argv: list[str], classes: dict[str, type], optimizer_name: str) -> str | None:
     """An error for a flag that belongs to another optimizer's config than the chosen one, or None."""
     own = {f.name for cls in classes.values() for f in dataclasses.fields(cls)}
     for arg in argv:
@@ -293,34 +295,35 @@ def _foreign_optimizer_flag(argv: list[str], classes: dict[str, type], optimizer
         owners = [n for n, spec in sorted(OPTIMIZERS.items())
                   if name in {f.name for f in dataclasses.fields(spec.config)}]
         if owners:
-            return f"{arg.split('=')[0]} is a flag of --optimizer {' / '.join(owners)}; this run uses {optimizer}"
+            return (f"{arg.split('=')[0]} is a flag of --optimizer {' / '.join(owners)}; this run uses "
+                    f"{optimizer_name}")
     return None
 
 
-def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
+def config_problem(run_config: RunConfig, world: int = 1) -> str | None:
     """The first value outside its flag's range or inconsistency between flags, phrased as what to change; None
     when the config is valid."""
-    for section in cfg.sections().values():
+    for section in run_config.sections().values():
         if problem := field_problem(section):
             return problem
-    model, hp = cfg.model, cfg.train
-    if problem := model_problem(asdict(model), type(model)):
+    model_config, hp = run_config.model, run_config.train
+    if problem := model_problem(asdict(model_config), type(model_config)):
         return problem
-    if hp.seq_len > model.block_size:
-        return f"--seq-len {hp.seq_len} exceeds --block-size {model.block_size}"
+    if hp.seq_len > model_config.block_size:
+        return f"--seq-len {hp.seq_len} exceeds --block-size {model_config.block_size}"
     if hp.val_tokens < hp.seq_len:
         return (f"--val-tokens {hp.val_tokens} is less than one sequence of --seq-len {hp.seq_len}; raise --val-tokens "
                 f"to at least {hp.seq_len}")
     if hp.init_from and not hp.resume:
         try:
-            source = read_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"), type(model),
-                                     type(hp), mmap=True, verify=True)
+            source = read_checkpoint(resolve_checkpoint_path(hp.init_from, flag="--init-from"),
+                                     type(model_config), type(hp), mmap=True, verify=True)
         except CheckpointError as exc:
             return str(exc) if str(exc).startswith("--init-from") else f"--init-from {exc}"
         if problem := non_finite_weights(source["model"]):
             return (f"--init-from {hp.init_from}: {problem}: the run it comes from had diverged; start from a "
                     "checkpoint of an earlier step")
-    if problem := variant_problem(model, cfg.research, hp.optimizer, hp.micro_batch, hp.seq_len):
+    if problem := variant_problem(model_config, run_config.research, hp.optimizer, hp.micro_batch, hp.seq_len):
         return problem
     if hp.profile_steps:
         try:
@@ -339,7 +342,7 @@ def config_problem(cfg: RunConfig, world: int = 1) -> str | None:
         batch_layout(hp, world)
     except ValueError as exc:
         return str(exc)
-    if hp.run_name and cfg.continue_in is None:  # a new run directory, <run-dir>/<run-name>
+    if hp.run_name and run_config.continue_in is None:  # a new run directory, <run-dir>/<run-name>
         return (directory_name_problem("--run-name", hp.run_name)
                 or existing_run_problem(Path(hp.run_dir) / hp.run_name))
     return None
@@ -372,31 +375,32 @@ def model_problem(values: dict, cls: type) -> str | None:
     (read_checkpoint) check it here."""
     if problem := section_problem(values, cls, built=True):
         return f"the model configuration is {problem}" if not isinstance(values, dict) else problem
-    model = config_from_dict(values, cls)
-    if model.n_embd % model.n_head:
-        return f"--n-embd {model.n_embd} must be divisible by --n-head {model.n_head}"
+    model_config = config_from_dict(values, cls)
+    if model_config.n_embd % model_config.n_head:
+        return f"--n-embd {model_config.n_embd} must be divisible by --n-head {model_config.n_head}"
     return None
 
 
-def read_checkpoint(path: str | os.PathLike, model: type, train: type, **load) -> dict:
+def read_checkpoint(path: str | os.PathLike, model_class: type, train_class: type, **load) -> dict:
     """run.checkpoint.load_checkpoint (keyword arguments `load`), then its configuration checked against the
-    trainer's config classes `model` and `train`: the way every checkpoint reader opens a file (--resume,
+    trainer's config classes `model_class` and `train_class`: the way every checkpoint reader opens a file (--resume,
     --init-from, sample, eval, export), so a configuration no model can be built with, a section value of another
     type than its flag's or an attention path this version does not have is refused in one line naming the file and
     the entry."""
-    checkpoint = load_checkpoint(path, **load)
-    saved = checkpoint["config"]
-    if problem := model_problem(saved["model"], model):
+    ckpt = load_checkpoint(path, **load)
+    saved = ckpt["config"]
+    if problem := model_problem(saved["model"], model_class):
         raise CheckpointError(f"{path}: its model configuration builds no model ({problem}); it was altered after "
                               "the run wrote it: restore the file or use another checkpoint",
                               reason=f"invalid model configuration: {problem}")
-    optimizer = saved["train"].get("optimizer", train.optimizer)
-    known = isinstance(optimizer, str) and optimizer in OPTIMIZERS
-    sections = {"train": train, "research": ResearchConfig,
-                "optim": OPTIMIZERS[optimizer].config if known else OptimizerConfig}
+    optimizer_name = saved["train"].get("optimizer", train_class.optimizer)
+    known = isinstance(optimizer_name, str) and optimizer_name in OPTIMIZERS
+    sections = {"train": train_class, "research": ResearchConfig,
+                "optim": OPTIMIZERS[optimizer_name].config if known else OptimizerConfig}
     problems = {f"config.{name}": section_problem(saved[name], cls) for name, cls in sections.items()}
     if not known:
-        problems["config.train"] = f"--optimizer {optimizer!r} is none this version has ({', '.join(OPTIMIZERS)})"
+        problems["config.train"] = (f"--optimizer {optimizer_name!r} is none this version has "
+                                    f"({', '.join(OPTIMIZERS)})")
     attention = saved["attention"]
     if attention is not None and attention.get("choice") not in (*attention_paths.IMPLEMENTATIONS, None):
         problems["config.attention"] = f"the attention path {attention.get('choice')!r} is none this version has"
@@ -405,15 +409,15 @@ def read_checkpoint(path: str | os.PathLike, model: type, train: type, **load) -
             raise CheckpointError(f"{path}: its {entry} entry is damaged ({problem}); it was not written so by "
                                   "train_gpt.py: restore the file, or use another checkpoint",
                                   reason=f"{entry} damaged: {problem}")
-    return checkpoint
+    return ckpt
 
 
-def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
+def resume_problem(run_config: RunConfig, saved: dict) -> str | None:
     """A flag given on --resume that cannot take effect (fixed_on_resume: the model, the data order, the biases,
     the optimizer's parameter groups), phrased as what to do; None when every flag can."""
-    fixed = {f"{name}.{field_name}" for name, section in cfg.sections().items()
+    fixed = {f"{name}.{field_name}" for name, section in run_config.sections().items()
              for field_name in fields_where(section, "fixed_on_resume")}
-    for key, (old, new) in changed_settings(cfg, saved).items():
+    for key, (old, new) in changed_settings(run_config, saved).items():
         if key in fixed:
             return (f"{option(key.partition('.')[2])} cannot change when resuming (the checkpoint has {old!r}, the "
                     f"flags give {new!r}): it fixes the model, the data order, the biases or the optimizer state; "
@@ -421,16 +425,16 @@ def resume_problem(cfg: RunConfig, saved: dict) -> str | None:
     return None
 
 
-def resume_home(hp, checkpoint: Path, step: int, given: set[str]) -> tuple[Path | None, str | None]:
+def resume_home(hp, checkpoint_path: Path, step: int, given: set[str]) -> tuple[Path | None, str | None]:
     """(directory, note): the directory a resumed run goes on in, the checkpoint's run directory (run_dir_of),
     unless the flags given (`given`) name another with --run-name/--run-dir, or --resume named a checkpoint file of
     a run that holds checkpoints of later steps than `step`, which going on there would replace (then the note says
     so; --resume RUN takes the newest intact checkpoint, see resolve_resume); None means a new run directory."""
-    home = run_dir_of(checkpoint)
+    home = run_dir_of(checkpoint_path)
     if home is not None and given & {"run_name", "run_dir"}:
         home = home if hp.run_name and (Path(hp.run_dir) / hp.run_name).absolute() == home else None
     newer = newer_checkpoints(home, step) if home is not None and Path(hp.resume).is_file() else []
     if not newer:
         return home, None
-    return None, (f"--resume {checkpoint}: {home} holds later checkpoints ({', '.join(newer)}), which going on "
+    return None, (f"--resume {checkpoint_path}: {home} holds later checkpoints ({', '.join(newer)}), which going on "
                   "there would replace: this run starts a new run directory (--run-name names it)")

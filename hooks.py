@@ -17,25 +17,27 @@ from optim.base import OptimizerInterface
 
 
 class TrainingHooks:
-    """What the research flags switch on around each optimizer step: `snapshot` before the step (the gradients are
-    ready), `after_step` after it, `log` at a log step, and the state a checkpoint keeps (`state_dict`, by tool)."""
+    """What the research flags switch on around each optimizer step: `snapshot` before the step's forward pass,
+    `after_step` after its update, `log` at a log step, and the state a checkpoint keeps (`state_dict`, by tool)."""
 
-    def __init__(self, research, n_head: int, optimizer: str, optim_cfg) -> None:
-        """research: variants.ResearchConfig; optimizer, optim_cfg: the run's --optimizer and its config (the gauge
-        diagnostic steps a fresh one)."""
-        self.n_head, self.optimizer, self.optim_cfg = n_head, optimizer, optim_cfg
+    def __init__(self, research, n_head: int, optimizer_name: str, optim_cfg) -> None:
+        """research: variants.ResearchConfig; optimizer_name, optim_cfg: the run's --optimizer and its config (the
+        gauge diagnostic steps a fresh one)."""
+        self.n_head, self.optimizer_name, self.optim_cfg = n_head, optimizer_name, optim_cfg
         self.dynamics_every, self.diagnostic_every = research.dynamics_every, research.gauge_diagnostic_every
         self.gauge = None if research.gauge == "none" else GaugeUpdates(
-            research.gauge, n_head, research.gauge_correction, research.gauge_every, research.gauge_damping,
-            research.gauge_group, research.hyperball_lr, research.gauge_project_velocity)
+            research.gauge, n_head, correction=research.gauge_correction, every=research.gauge_every,
+            damping=research.gauge_damping, group=research.gauge_group, hyperball_lr=research.hyperball_lr,
+            project_velocity=research.gauge_project_velocity)
 
     def snapshot(self, model: nn.Module) -> dict[str, Tensor] | None:
         """What `after_step` needs of the model before the step (--gauge: its attention parameters)."""
         return self.gauge.snapshot(model) if self.gauge else None
 
     def step_tools(self) -> list[str]:
-        """The tools that act between the backward pass and the optimizer's update from the host (what a CUDA graph
-        of the step cannot replay: run/capture.py), as their flags."""
+        """The tools, as their flags, that rewrite the weights (some also the optimizer's state) after every step
+        (--gauge; `snapshot` and `after_step` run on the host, outside the step a CUDA graph replays): run/capture.py
+        keeps their runs out of graphs."""
         return [f"--gauge {self.gauge.mode}"] if self.gauge else []
 
     def after_step(self, model: nn.Module, optimizer: OptimizerInterface, before: dict[str, Tensor] | None,
@@ -55,7 +57,7 @@ class TrainingHooks:
             fields.update(dynamics_summary(model, velocity_from_optimizer(optimizer), self.n_head))
         if self.diagnostic_every and step % self.diagnostic_every == 0:
             x, y, _ = batch
-            diagnostic = diagnostic_summary(model, self.optimizer, self.optim_cfg, x, y, step)
+            diagnostic = diagnostic_summary(model, self.optimizer_name, self.optim_cfg, x, y, step=step)
             fields.update(diagnostic)
             texts.append(f"gauge ΔM QK {diagnostic['gauge_dM_QK']:.3g} VO {diagnostic['gauge_dM_VO']:.3g}")
         return fields, texts

@@ -22,12 +22,9 @@ class SymGPTConfig(GPT2Config):
     model_type = "symgpt"
 
 
-class FeaturePReLU(nn.Module):
-    """PReLU with one learnable negative slope per feature of the last dimension (nn.PReLU's is dim 1)."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.full((features,), 0.25))
+class FeaturePReLU(nn.PReLU):
+    """PReLU with one learnable negative slope per feature of the last dimension (nn.PReLU's is dim 1): the class of
+    symgpt's train_gpt.py, copied because this file imports only torch and transformers (a test keeps the two equal)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x >= 0, x, x * self.weight.to(x.dtype))

@@ -104,6 +104,7 @@ class ProfileWindow:
         self.profiler: torch.profiler.profile | None = None
         self.first = 0  # the step after which the profiler started
         self.host_s: list[float] = []  # host time of each profiled step
+        self.wall_start = self.step_start = 0.0  # perf_counter at `start`, and when the last step was done
 
     def opens_at(self, step: int) -> bool:
         return self.window is not None and self.profiler is None and self.window[0] <= step < self.window[1]
@@ -119,20 +120,20 @@ class ProfileWindow:
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.start()
         self.first, self.host_s = step, []
-        self._wall_start = self._step_start = time.perf_counter()
+        self.wall_start = self.step_start = time.perf_counter()
 
     def step_done(self) -> None:
         """After the host has issued a step: its host time, if the window is open."""
         if self.profiler is not None:
             now = time.perf_counter()
-            self.host_s.append(now - self._step_start)
-            self._step_start = now
+            self.host_s.append(now - self.step_start)
+            self.step_start = now
 
     def stop(self, run_dir: Path | None) -> dict:
         """Stop, write the trace into `run_dir` (None: no trace, e.g. on ranks other than the first) and summarise."""
         if self.cuda:
             torch.cuda.synchronize()
-        wall_s = time.perf_counter() - self._wall_start
+        wall_s = time.perf_counter() - self.wall_start
         profiler, self.profiler, self.window = self.profiler, None, None  # one window per run
         profiler.stop()
         steps = max(len(self.host_s), 1)

@@ -21,6 +21,7 @@ import os
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -180,8 +181,8 @@ class TrainConfig:
 
 
 def parse_config(argv: list[str] | None = None) -> config.RunConfig:
-    """Defaults ← preset ← resumed checkpoint's config ← command-line flags, then checked (config.py)."""
-    return config.parse_config(argv, GPTConfig, TrainConfig)
+    """config.parse_run_config (defaults ← preset ← resumed run ← flags) with the flag classes above."""
+    return config.parse_run_config(argv, GPTConfig, TrainConfig)
 
 
 # -----------------------------------------------------------------------------------------------------------------
@@ -191,27 +192,27 @@ def parse_config(argv: list[str] | None = None) -> config.RunConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head dot-product attention with the biases; causal under --objective clm, in both directions under mlm."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, model_config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
-        self.causal = config.objective == "clm"
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.n_head = model_config.n_head
+        self.causal = model_config.objective == "clm"
+        self.c_attn = nn.Linear(model_config.n_embd, 3 * model_config.n_embd)
+        self.c_proj = nn.Linear(model_config.n_embd, model_config.n_embd)
         self.c_proj.is_residual_projection = True
         self.attention_impl = attention_paths.DEFAULT_IMPLEMENTATION  # a run sets its choice, a reader replays it
-        self.learned_biases = config.bias_mode == "learned"
+        self.learned_biases = model_config.bias_mode == "learned"
         if self.learned_biases:
             # arXiv 2601.22257 App. F: trainable biases drawn from the sampling distribution (restore the symmetry).
-            shape = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
+            shape = mean_biases(model_config).shape[2:]  # one layer's b_Q as drawn: (d,), or (H, d) per head
             self.b_q = nn.Parameter(torch.empty(shape))
             self.b_v = nn.Parameter(torch.empty(shape))
 
     @torch.no_grad()
-    def init_weights(self, config: GPTConfig) -> None:  # after GPT._init_weights: learned biases as sampled ones
+    def init_weights(self, model_config: GPTConfig) -> None:  # after GPT._init_weights: learned biases as sampled ones
         if self.learned_biases:
-            std_q, std_v = bias_stds(config)
-            self.b_q.copy_(config.mean_q + std_q * torch.randn_like(self.b_q))
-            self.b_v.copy_(config.mean_v + std_v * torch.randn_like(self.b_v))
+            std_q, std_v = bias_stds(model_config)
+            self.b_q.copy_(model_config.mean_q + std_q * torch.randn_like(self.b_q))
+            self.b_v.copy_(model_config.mean_v + std_v * torch.randn_like(self.b_v))
 
     def forward(self, x: torch.Tensor, b_q: torch.Tensor | None, b_v: torch.Tensor | None, cache=None) -> torch.Tensor:
         B, T, C = x.shape
@@ -227,18 +228,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeaturePReLU(nn.PReLU):
-    """PReLU with one learnable negative slope per feature of the last dimension (nn.PReLU's is dim 1)."""
+    """PReLU with one learnable negative slope per feature of the last dimension (nn.PReLU's is dim 1). Also in
+    modeling_symgpt.py, which exported models load without this project; tests/test_export.py keeps the two equal."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.where(x >= 0, x, x * self.weight.to(x.dtype))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, model_config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.act = FeaturePReLU(4 * config.n_embd) if config.activation == "prelu" else nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = nn.Linear(model_config.n_embd, 4 * model_config.n_embd)
+        self.act = FeaturePReLU(4 * model_config.n_embd) if model_config.activation == "prelu" else nn.GELU()
+        self.c_proj = nn.Linear(4 * model_config.n_embd, model_config.n_embd)
         self.c_proj.is_residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,12 +251,12 @@ ATTENTION = {"standard": CausalSelfAttention, "relational": variants.RelationalA
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, model_config: GPTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = ATTENTION[config.attention](config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.ln_1 = nn.LayerNorm(model_config.n_embd)
+        self.attn = ATTENTION[model_config.attention](model_config)
+        self.ln_2 = nn.LayerNorm(model_config.n_embd)
+        self.mlp = MLP(model_config)
 
     def forward(self, x: torch.Tensor, b_q=None, b_v=None, cache=None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), b_q, b_v, cache)
@@ -269,20 +271,20 @@ class GPT(nn.Module):
     Targets equal to -1 are not scored (under --objective mlm every position but the masked ones). Without targets,
     only the last position's logits (nanoGPT's way, for sample.generate) unless all_logits. docs/variants.md."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, model_config: GPTConfig):
         super().__init__()
-        self.config = config
+        self.config = model_config
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
+            wte=nn.Embedding(model_config.vocab_size, model_config.n_embd),
+            wpe=nn.Embedding(model_config.block_size, model_config.n_embd),
+            h=nn.ModuleList([Block(model_config) for _ in range(model_config.n_layer)]),
+            ln_f=nn.LayerNorm(model_config.n_embd),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(model_config.n_embd, model_config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
-        self.register_buffer("mean_biases", mean_biases(config), persistent=False)
+        self.register_buffer("mean_biases", mean_biases(model_config), persistent=False)
         self.apply(self._init_weights)
-        if config.init == "symmetric":
+        if model_config.init == "symmetric":
             variants.symmetric_init(self)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -328,8 +330,7 @@ class GPT(nn.Module):
 
     def estimate_flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·H·d·T for attention (PaLM App. B, nanoGPT)."""
-        cfg = self.config
-        return 6 * self.get_num_params(non_embedding=True) + 12 * cfg.n_layer * cfg.n_embd * seq_len
+        return 6 * self.get_num_params(non_embedding=True) + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
 
 def model_from_checkpoint(source: str | os.PathLike | dict) -> GPT:
@@ -350,18 +351,18 @@ def model_from_checkpoint(source: str | os.PathLike | dict) -> GPT:
 BIAS_STEPS_AHEAD = 64  # steps the trainer's sampler draws and copies to the device at once
 
 
-def bias_stds(config: GPTConfig) -> torch.Tensor:
+def bias_stds(model_config: GPTConfig) -> torch.Tensor:
     """(2, d): the per-dimension std of b_Q, then of b_V, linspace(min, max, d)."""
-    return torch.stack([torch.linspace(config.std_q_min, config.std_q_max, config.head_dim),
-                        torch.linspace(config.std_v_min, config.std_v_max, config.head_dim)])
+    return torch.stack([torch.linspace(model_config.std_q_min, model_config.std_q_max, model_config.head_dim),
+                        torch.linspace(model_config.std_v_min, model_config.std_v_max, model_config.head_dim)])
 
 
-def mean_biases(config: GPTConfig) -> torch.Tensor:
+def mean_biases(model_config: GPTConfig) -> torch.Tensor:
     """E[b_Q], E[b_V] per layer, (n_layer, 2, [n_head,] d) as the sampler draws them: what evaluation uses."""
-    one_bias = (config.n_head, config.head_dim) if config.bias_per_head else (config.head_dim,)
-    out = torch.empty(config.n_layer, 2, *one_bias)
-    out[:, 0] = config.mean_q
-    out[:, 1] = config.mean_v
+    one_bias = (model_config.n_head, model_config.head_dim) if model_config.bias_per_head else (model_config.head_dim,)
+    out = torch.empty(model_config.n_layer, 2, *one_bias)
+    out[:, 0] = model_config.mean_q
+    out[:, 1] = model_config.mean_v
     return out
 
 
@@ -371,26 +372,26 @@ class BiasSampler:
     draws that many steps at once and copies them to the device in one transfer, which the next steps then index: the
     same numbers, without a host-to-device copy per step."""
 
-    def __init__(self, config: GPTConfig, seed: int, ahead: int = 1):
-        self.config, self.seed, self.ahead = config, seed, ahead
-        self.mean = mean_biases(config)[0].numpy()
-        std = bias_stds(config).numpy()
-        self.std = std[:, None, :] if config.bias_per_head else std
+    def __init__(self, model_config: GPTConfig, seed: int, ahead: int = 1):
+        self.model_config, self.seed, self.ahead = model_config, seed, ahead
+        self.mean = mean_biases(model_config)[0].numpy()
+        std = bias_stds(model_config).numpy()
+        self.std = std[:, None, :] if model_config.bias_per_head else std
         self._drawn: tuple[int, torch.Tensor] | None = None  # (first step, draws of `ahead` steps on the device)
 
     def sample(self, step: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """The (n_layer, 2, [n_head,] d) draws; None when the mode samples no bias (the forward pass reads none)."""
-        if not any(self.config.sampled_biases):
+        if not any(self.model_config.sampled_biases):
             return None
         device = torch.device(device)
         if self._drawn is None or not 0 <= step - self._drawn[0] < self.ahead or self._drawn[1].device != device:
             self._drawn = step, self._draw(range(step, step + self.ahead), device)
         return self._drawn[1][step - self._drawn[0]]
 
-    def _draw(self, steps: range, device: torch.device) -> torch.Tensor:
-        draws = np.empty((len(steps), self.config.n_layer, *self.mean.shape), dtype=np.float32)
-        for i, step in enumerate(steps):
-            for layer in range(self.config.n_layer):
+    def _draw(self, step_range: range, device: torch.device) -> torch.Tensor:
+        draws = np.empty((len(step_range), self.model_config.n_layer, *self.mean.shape), dtype=np.float32)
+        for i, step in enumerate(step_range):
+            for layer in range(self.model_config.n_layer):
                 rng = np.random.default_rng([self.seed, step, layer])
                 # rows b_Q, b_K, b_V: b_K's unused (it cancels), kept so that b_Q, b_V stay earlier runs' draws
                 draws[i, layer] = self.mean + self.std * rng.standard_normal((3, *self.mean.shape[1:]))[::2]
@@ -454,38 +455,39 @@ def evaluate(model: GPT, files: str, num_tokens: int, seq_len: int, micro_batch:
 
 
 class Trainer:
-    """The run: built once from the config (data, its validation part checked before any step; model, optimizer,
-    loader, bias sampler, objective, hooks), then `restore` (for --resume), `open_run`, `train`, `finish`. `state`
-    is what a checkpoint saves and --resume restores (run.training_state); `progress`, part of it, what changes."""
+    """The run: built in __init__ from the config (data, its validation part checked before any step; model,
+    optimizer, loader, bias sampler, objective, hooks, the step), then `restore` (for --resume), `open_run`, `train`,
+    `finish`. `training_state` is what a checkpoint saves and --resume restores; `progress`, in it, what changes."""
 
-    def __init__(self, cfg: config.RunConfig, rt: process.Runtime, log: runlog.RunLog) -> None:
-        hp = cfg.train
-        self.cfg, self.rt, self.log = cfg, rt, log
-        train_files, self.val_files, self.data_record, lines = lookup.training_data(hp, cfg.model.vocab_size,
+    def __init__(self, run_config: config.RunConfig, rt: process.Runtime, log: runlog.RunLog) -> None:
+        hp, model_config = run_config.train, run_config.model
+        self.run_config, self.rt, self.log = run_config, rt, log
+        train_files, self.val_files, self.data_record, lines = lookup.training_data(hp, model_config.vocab_size,
                                                                                      rt.is_master)
         for line in lines:
             log.line(line)
         torch.manual_seed(hp.seed)
-        self.model = GPT(cfg.model).to(rt.device)
+        self.model = GPT(model_config).to(rt.device)
         if hp.init_from and not hp.resume:
             log.line(training_state.load_initial_weights(self.model, hp.init_from))
         self.spec = optim.OPTIMIZERS[hp.optimizer]
-        self.optimizer = self.spec.build(self.model, cfg.optim, hp.grad_clip, hp.overlap_reduce)
+        self.optimizer = self.spec.build(self.model, run_config.optim, hp.grad_clip, hp.overlap_reduce)
         self.peak_settings = [{k: v for k, v in group.items() if k != "params"}  # each group's as built (lr: the peak)
                               for group in self.optimizer.param_groups]
         self.loader = loader.DistributedTokenLoader(train_files, rt.micro_batch, hp.seq_len, rank=rt.rank,
                                                     world_size=rt.world, grad_accum_steps=rt.grad_accum,
-                                                    vocab_size=cfg.model.vocab_size, align_to_eot=hp.align_to_eot,
+                                                    vocab_size=model_config.vocab_size, align_to_eot=hp.align_to_eot,
                                                     device=rt.device)
         self.attention = attention_paths.configure(  # before torch.compile, which then sees one implementation
             self.model, hp.attention_impl, device=rt.device, dtype=rt.autocast_dtype,
             compiled=hp.compile and rt.device.type == "cuda", log=log.line)
-        self.sampler = BiasSampler(cfg.model, hp.seed, ahead=BIAS_STEPS_AHEAD)
-        self.objective = variants.objective_for(cfg.model)
-        self.hooks = hooks.TrainingHooks(cfg.research, cfg.model.n_head, hp.optimizer, cfg.optim)
-        self.state = training_state.TrainingState(self.model, self.optimizer, self.peak_settings, self.loader,
-                                                  self.hooks, rt.device)
-        self.run_dir: directory.RunDirectory | None = None
+        self.sampler = BiasSampler(model_config, hp.seed, ahead=BIAS_STEPS_AHEAD)
+        self.objective = variants.objective_for(model_config)
+        self.hooks = hooks.TrainingHooks(run_config.research, model_config.n_head, hp.optimizer, run_config.optim)
+        self.training_state = training_state.TrainingState(
+            model=self.model, optimizer=self.optimizer, peak_settings=self.peak_settings, loader=self.loader,
+            hooks=self.hooks, device=rt.device)
+        self.run_directory: directory.RunDirectory | None = None
         self.checkpoint_step: int | None = None  # step of the last checkpoint written or resumed from
         self.resumed: dict | None = None  # what --resume continued from and changed
         self.first_val: tuple[int, float] | None = None  # (step, loss) of this process's first validation
@@ -493,29 +495,49 @@ class Trainer:
         self.clock = timing.TrainingClock(rt.device,
                                           rt.mfu_per_token_s(self.model.estimate_flops_per_token(hp.seq_len)))
         self.profile = timing.ProfileWindow(hp.profile_steps, rt.device)
+        self.step_model, self.no_sync, self.run_step = self.build_step()
+
+    def build_step(self) -> tuple[nn.Module, Callable, Callable]:
+        """(step_model, no_sync, run_step): the model compiled on CUDA, then in DDP unless the optimizer averages
+        gradients (nanoGPT's order); what stops an accumulating micro-step from averaging; the step, replayed from a
+        CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py). `restore` may follow: the
+        weights it loads are loaded alike on every rank, and compiling and capturing wait for the first step."""
+        rt, hp = self.rt, self.run_config.train
+        step_model: nn.Module = self.model
+        if rt.device.type == "cuda" and hp.compile:
+            step_model = torch.compile(self.model, mode=COMPILE_MODES[hp.compile_mode])
+        if rt.world > 1 and not self.spec.reduces_gradients:
+            step_model = nn.parallel.DistributedDataParallel(
+                step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
+        no_sync = self.optimizer.no_sync if self.spec.reduces_gradients else getattr(step_model, "no_sync",
+                                                                                     contextlib.nullcontext)
+        run_step = self.step_on_device if hp.compile_mode == "default" else capture.graph_step(
+            self.step_on_device, self.optimizer, rt, mode=hp.compile_mode, step_tools=self.hooks.step_tools(),
+            log_line=self.log.line)
+        return step_model, no_sync, run_step
 
     @property
     def progress(self) -> checkpoint.Progress:
-        return self.state.progress
+        return self.training_state.progress
 
     # -- checkpoints --------------------------------------------------------------------------------------------
 
     def restore(self) -> None:
         """Continue from --resume: the inverse of `save`, except that the optimizer settings of the current
         config (lr, weight decay, betas, ...) replace the saved ones, so flags given on --resume take effect."""
-        path = self.cfg.resume_from
-        for note in self.cfg.notes:
+        path = self.run_config.resume_from
+        for note in self.run_config.notes:
             self.log.line(note)
         ckpt = checkpoint.load_checkpoint(path, map_location=self.rt.device)
         for line in lookup.check_resumed_data(ckpt["config"]["data"], self.data_record, self.rt.device) + \
-                self.state.load_state_dict(ckpt, path):  # warnings on the data; the thread count replayed
+                self.training_state.load_state_dict(ckpt, path):  # warnings on the data; the thread count replayed
             self.log.line(line)
         self.checkpoint_step = self.progress.step
         if not self.state_is_finite():
             raise checkpoint.CheckpointError(f"--resume: {path} holds non-finite weights or optimizer state; resume "
                                              "from an earlier checkpoint (--keep-checkpoints K keeps "
                                              "checkpoints/step_XXXXXX.pt)")
-        changed = config.changed_settings(self.cfg, ckpt["config"])
+        changed = config.changed_settings(self.run_config, ckpt["config"])
         self.log.line(f"resumed from step {self.progress.step} of {path}"
                       + "".join(f" | {k} {old} -> {new}" for k, (old, new) in changed.items()))
         self.resumed = {"resumed_from": str(path), "step": self.progress.step, "tokens": self.progress.tokens,
@@ -532,12 +554,12 @@ class Trainer:
         """checkpoints/latest.pt (and the last --keep-checkpoints step_XXXXXX.pt), only from a finite state."""
         if not self.state_is_finite():
             self.stop_non_finite("the state after this step (weights, optimizer state or the loss they give)")
-        state = self.state.state_dict()  # a collective for sharded optimizers
+        state = self.training_state.state_dict()  # a collective for sharded optimizers
         if self.rt.is_master:
-            saved_config = {**self.cfg.to_dict(), "data": self.data_record, "preset": self.cfg.preset,
+            saved_config = {**self.run_config.to_dict(), "data": self.data_record, "preset": self.run_config.preset,
                             "attention": self.attention}
-            checkpoint.save_run_checkpoint(self.run_dir.path, checkpoint.training_checkpoint(saved_config, state),
-                                           self.cfg.train.keep_checkpoints)
+            checkpoint.save_run_checkpoint(self.run_directory.path, checkpoint.training_checkpoint(saved_config, state),
+                                           self.run_config.train.keep_checkpoints)
         if self.rt.world > 1:
             dist.barrier()
         self.checkpoint_step = self.progress.step
@@ -545,8 +567,9 @@ class Trainer:
     def stop_non_finite(self, what: str, step: int | None = None) -> None:
         """Stop every rank (exit 2), saying what exists and what to do; log.jsonl records that the run diverged."""
         step = self.progress.step if step is None else step
-        self.log.line(stop.non_finite_stop_message(what, step, self.cfg.optim.lr, self.checkpoint_step, self.resumed,
-                                                   self.run_dir.path))
+        self.log.line(stop.non_finite_stop_message(what, step, lr=self.run_config.optim.lr, resumed=self.resumed,
+                                                   checkpoint_step=self.checkpoint_step,
+                                                   run_dir=self.run_directory.path))
         self.log.record({"step": step, "diverged": what})
         raise stop.TrainingStopped(2)
 
@@ -554,43 +577,24 @@ class Trainer:
 
     def open_run(self) -> None:
         """The run directory (run.directory.open_run_directory), its config.json and the log's header."""
-        cfg, rt = self.cfg, self.rt
-        record = {**cfg.to_dict(), "layout": rt.layout(), "data": self.data_record,
-                  "preset": config.preset_report(cfg, rt.dtype_name), "attention": self.attention}
-        self.run_dir = directory.open_run_directory(cfg.train, f"{cfg.preset or 'custom'}-{cfg.train.optimizer}",
-                                                    cfg.continue_in, record, Path(__file__).read_text(), self.log, rt,
-                                                    self.progress.step)
-        self.log.line(config.preset_lines(record["preset"]))
+        run_config, hp, rt = self.run_config, self.run_config.train, self.rt
+        config_record = {**run_config.to_dict(), "layout": rt.layout(), "data": self.data_record,
+                         "preset": config.preset_report(run_config, rt.dtype_name), "attention": self.attention}
+        self.run_directory = directory.open_run_directory(run_config, rt, self.log, config_record=config_record,
+                                                          code=Path(__file__).read_text(), step=self.progress.step)
+        self.log.line(config.preset_lines(config_record["preset"]))
         if self.resumed:
             self.log.record(self.resumed)
-        self.log.line(f"model: {self.model.get_num_params():,} parameters | optimizer {cfg.train.optimizer} | "
-                      f"{cfg.train.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
-                      f"{rt.micro_batch} sequences of {cfg.train.seq_len}")
-
-    def build_step_model(self) -> None:
-        """The model as the loop calls it: compiled on CUDA (nanoGPT's order: compile, then DDP, whose no_sync then
-        acts on a plain module), wrapped in DDP when the optimizer does not average gradients itself; and the step,
-        replayed from a CUDA graph under --compile-mode reduce-overhead or max-autotune (run/capture.py)."""
-        rt, hp = self.rt, self.cfg.train
-        self.step_model: nn.Module = self.model
-        if rt.device.type == "cuda" and hp.compile:
-            self.step_model = torch.compile(self.model, mode=COMPILE_MODES[hp.compile_mode])
-        if rt.world > 1 and not self.spec.reduces_gradients:
-            self.step_model = nn.parallel.DistributedDataParallel(
-                self.step_model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None)
-        # an accumulating micro-step's backward pass averages nothing across ranks (DDP's no_sync, or the optimizer's)
-        self.no_sync = (self.optimizer.no_sync if self.spec.reduces_gradients
-                        else getattr(self.step_model, "no_sync", contextlib.nullcontext))
-        self.run_step = self.step_on_device if hp.compile_mode == "default" else capture.graph_step(
-            self.step_on_device, rt.device, rt.world, self.hooks.step_tools(), self.optimizer, hp.compile_mode,
-            self.log.line)
+        self.log.line(f"model: {self.model.get_num_params():,} parameters | optimizer {hp.optimizer} | "
+                      f"{hp.batch_tokens:,} tokens per step = {rt.world} ranks x {rt.grad_accum} micro-steps x "
+                      f"{rt.micro_batch} sequences of {hp.seq_len}")
 
     # -- one step -------------------------------------------------------------------------------------------------
 
-    def train_step(self) -> torch.Tensor:
-        """One optimizer step over grad_accum micro-batches; returns the mean training loss as a device tensor (under
-        a CUDA graph, the graph's output: read it before the next step). The host's part, then `step_on_device`."""
-        hp, rt, progress = self.cfg.train, self.rt, self.progress
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One optimizer step over grad_accum micro-batches: the host's part around `step_on_device`, whose outputs
+        it returns (under a CUDA graph, the graph's: read them before the next step)."""
+        hp, rt, progress = self.run_config.train, self.rt, self.progress
         factor = lr_factor(progress.step, hp)
         for group, values in zip(self.optimizer.param_groups, self.peak_settings):
             group["lr"] = values["lr"] * factor
@@ -600,17 +604,20 @@ class Trainer:
             x, y, chunk = self.loader.next_batch()  # chunk * micro_batch: the first row's index in the step's batch
             batches.append(self.objective.batch(x, y, chunk * rt.micro_batch, (hp.seed, progress.step)))
         self.last_batch = (*batches[-1], biases)
+        before = self.hooks.snapshot(self.model)  # what the hooks read of the weights before the step
         self.optimizer.stage_step()
-        loss = self.run_step(batches, biases)
+        outputs = self.run_step(batches, biases)
         self.optimizer.finish_step()
-        self.hooks.after_step(self.model, self.optimizer, self.before_step, progress.step + 1, factor)
+        self.hooks.after_step(self.model, self.optimizer, before, progress.step + 1, factor)
         self.optimizer.zero_grad(set_to_none=True)
         progress.step += 1
         progress.tokens += hp.batch_tokens
-        return loss
+        return outputs
 
-    def step_on_device(self, batches: list[tuple[torch.Tensor, ...]], biases: torch.Tensor | None) -> torch.Tensor:
-        """The device's part of a step (a CUDA graph captures it): forward and backward, the optimizer's update."""
+    def step_on_device(self, batches: list[tuple[torch.Tensor, ...]], biases: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device's part of a step (a CUDA graph captures it): forward and backward, the optimizer's update. It
+        returns all the host reads of it (run/capture.py): the mean loss, and with --grad-clip the norm before."""
         loss_sum = torch.zeros((), device=self.rt.device)
         for micro, (x, y) in enumerate(batches):
             with self.no_sync() if micro < len(batches) - 1 else contextlib.nullcontext(), self.rt.autocast():
@@ -618,16 +625,15 @@ class Trainer:
                 (loss / len(batches)).backward()
             loss_sum += loss.detach()
         loss = loss_sum / len(batches)
-        self.before_step = self.hooks.snapshot(self.model)  # the gradients are ready
         self.optimizer.device_step(loss if self.spec.needs_loss else None)
-        return loss
+        return loss, self.optimizer.grad_norm
 
     # -- validation and logs --------------------------------------------------------------------------------------
 
     def validate(self) -> bool:
         """Validation loss on the fixed budget (and the published single-batch estimate); True when it reaches
         --target-val-loss for the first time."""
-        hp, rt, progress = self.cfg.train, self.rt, self.progress
+        hp, rt, progress = self.run_config.train, self.rt, self.progress
         run_eval = functools.partial(evaluate, self.model, self.val_files, seq_len=hp.seq_len,
                                      micro_batch=hp.micro_batch, rank=rt.rank, world=rt.world, device=rt.device,
                                      autocast=rt.autocast())
@@ -650,13 +656,13 @@ class Trainer:
                       f"{progress.train_time_s:.1f}s of training ({progress.tokens:,} tokens)")
         return True
 
-    def log_later(self, loss: torch.Tensor) -> None:
+    def log_later(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
         """Start this log step's record: the loss averaged over ranks and the gradient norm go to the host behind an
         event (no host sync) and the hooks' fields are computed now; `write_log` finishes it a step later."""
         progress = self.progress
         scalars = [optim.distributed.all_reduce_sum(loss.float().reshape(1))[0] / self.rt.world]
-        if self.optimizer.grad_norm is not None:  # with --grad-clip: the norm before clipping
-            scalars.append(self.optimizer.grad_norm)
+        if grad_norm is not None:
+            scalars.append(grad_norm)
         fields, texts = self.hooks.log(self.model, self.optimizer, self.last_batch, progress.step)
         record = {"step": progress.step, "tokens": progress.tokens, "lr": self.optimizer.param_groups[0]["lr"],
                   **fields, "texts": texts}  # no val_loss: not measured; texts: the hooks', popped by write_log
@@ -673,7 +679,7 @@ class Trainer:
         if not math.isfinite(loss):
             self.stop_non_finite(f"the training loss ({loss})", record["step"])
         self.log.record(record)
-        self.log.line(runlog.step_line(record, texts, self.cfg.train.steps))
+        self.log.line(runlog.step_line(record, texts, self.run_config.train.steps))
 
     # -- the loop -------------------------------------------------------------------------------------------------
 
@@ -690,7 +696,7 @@ class Trainer:
         """The loop: validate when due, one optimizer step, log, checkpoint; until --steps, a reached target
         (--stop-at-target) or a stop request every rank agrees on (then checkpoint and exit 128 + signal). Between
         log steps nothing waits for the device: a log step's line is written after the next step is issued."""
-        hp, progress = self.cfg.train, self.progress
+        hp, progress = self.run_config.train, self.progress
         first = progress.step
         self.clock.start(progress.train_time_s, progress.step, progress.tokens)
         while progress.step < hp.steps:
@@ -701,12 +707,12 @@ class Trainer:
             if self.profile.opens_at(progress.step):
                 with self.clock_paused():
                     self.profile.start(progress.step)
-            loss = self.train_step()
+            loss, grad_norm = self.train_step()
             self.profile.step_done()
             self.write_log()  # the last log step's: the device has finished it while this step was issued
             signum = stop_request.agreed()
             if progress.step % hp.log_every == 0 or progress.step == hp.steps or signum:
-                self.log_later(loss)
+                self.log_later(loss, grad_norm)
             if progress.step == first + 1:
                 per_parameter = optim.optimizer_state_bytes(self.optimizer) / self.model.get_num_params()
                 self.log.line(f"optimizer state: {per_parameter:.2f} bytes per parameter on rank {self.rt.rank}")
@@ -716,7 +722,7 @@ class Trainer:
                 with self.clock_paused():
                     self.save()
                 self.log.line(f"{signal.Signals(signum).name} at step {progress.step}: checkpoint written; continue "
-                              f"with --resume {self.run_dir.path}")
+                              f"with --resume {self.run_directory.path}")
                 raise stop.TrainingStopped(128 + signum)
             if hp.checkpoint_every and progress.step % hp.checkpoint_every == 0 and progress.step < hp.steps:
                 with self.clock_paused():
@@ -729,7 +735,7 @@ class Trainer:
     def end_profile(self) -> None:
         """Close --profile-steps' window: its trace in the run directory, its summary in the logs."""
         with self.clock_paused():
-            summary = self.profile.stop(self.run_dir.path if self.rt.is_master else None)
+            summary = self.profile.stop(self.run_directory.path if self.rt.is_master else None)
             self.log.line(timing.summary_lines(summary))
             self.log.record({"step": self.progress.step, "profile": summary})
 
@@ -741,40 +747,39 @@ class Trainer:
             self.save()
         if final and progress.val_step != progress.step:
             self.validate()
-        summary = {**asdict(progress), "run_dir": str(self.run_dir.path),
+        summary = {**asdict(progress), "run_dir": str(self.run_directory.path),
                    "tokens_per_s": progress.tokens / progress.train_time_s if progress.train_time_s else None}
         self.log.line(runlog.done_line(summary, self.first_val, final))
         self.log.record({"summary": True, **summary})
-        self.log.line(runlog.next_steps(self.run_dir.path))
+        self.log.line(runlog.next_steps(self.run_directory.path))
         return summary
 
     def close(self) -> None:
         self.loader.close()
-        if self.run_dir is not None:
-            self.run_dir.release()
+        if self.run_directory is not None:
+            self.run_directory.release()
 
 
 @fileio.exits_on_filesystem_errors("--run-dir")  # while parsing; once a run is built, its own handler below
 def main(argv: list[str] | None = None, final: bool = True) -> dict:
     """Train as configured by `argv` (see --help); returns a summary dict (also the last line of log.jsonl).
     final=False ends without the final checkpoint and validation (bench.e2e)."""
-    cfg = parse_config(argv)
-    rt = process.setup_process(cfg.train)
+    run_config = parse_config(argv)
+    rt = process.setup_process(run_config.train)
     log = runlog.RunLog(rt.is_master)
     trainer = None
     try:
-        trainer = Trainer(cfg, rt, log)
-        if cfg.resume_from is not None:
+        trainer = Trainer(run_config, rt, log)
+        if run_config.resume_from is not None:
             trainer.restore()
         trainer.open_run()
-        trainer.build_step_model()
         with stop.StopRequest(rt.world) as stop_request:  # up to the final checkpoint: no signal costs it
             trainer.train(stop_request)
             summary = trainer.finish(final)
     except (directory.RunInUseError, checkpoint.CheckpointError, lookup.DataChangedError, shards.ShardError,
             attention_paths.AttentionChoiceError, OSError) as exc:  # bad input, refused before the first step (or a
         log.error(exc)  # shard read later), or the filesystem: the traceback in log.txt, one line here
-        fileio.print_error(stop.error_line(exc, trainer and trainer.run_dir, bool(cfg.resume_from)))
+        fileio.print_error(stop.error_line(exc, trainer and trainer.run_directory, bool(run_config.resume_from)))
         raise SystemExit(2) from None
     except BaseException as exc:
         if not isinstance(exc, stop.TrainingStopped):

@@ -84,22 +84,23 @@ class RelationalAttention(nn.Module):
     standard attention have nothing to act on here (the configuration refuses them).
     """
 
-    def __init__(self, config) -> None:
+    def __init__(self, model_config) -> None:
         super().__init__()
-        self.causal = config.objective == "clm"
-        self.score = nn.Sequential(nn.Linear(3, config.relational_hidden), nn.GELU(),
-                                   nn.Linear(config.relational_hidden, config.n_head))
-        self.mix = nn.Parameter(torch.empty(config.n_head))
+        self.causal = model_config.objective == "clm"
+        self.score = nn.Sequential(nn.Linear(3, model_config.relational_hidden), nn.GELU(),
+                                   nn.Linear(model_config.relational_hidden, model_config.n_head))
+        self.mix = nn.Parameter(torch.empty(model_config.n_head))
 
     @torch.no_grad()
-    def init_weights(self, config) -> None:
+    def init_weights(self, model_config) -> None:
         """Called by the model's initialisation, after its own (which reaches the score MLP first): the score MLP
         N(0, 1/fan_in), biases zero; each mixing scalar α_h = 0.02 · 0.02/√(2L) · C / H, so Σ_h α_h
         is the gain 0.02√C · 0.02/√(2L)·√C that a standard layer's W_V W_O has at the model's initialisation."""
         for layer in (self.score[0], self.score[2]):
             nn.init.normal_(layer.weight, std=layer.in_features ** -0.5)
             nn.init.zeros_(layer.bias)
-        nn.init.constant_(self.mix, 0.02 * 0.02 / math.sqrt(2 * config.n_layer) * config.n_embd / config.n_head)
+        nn.init.constant_(self.mix, 0.02 * 0.02 / math.sqrt(2 * model_config.n_layer) * model_config.n_embd
+                          / model_config.n_head)
 
     def forward(self, x: Tensor, b_q=None, b_v=None, cache=None) -> Tensor:
         if cache is not None:
@@ -160,20 +161,20 @@ class MaskedLM:
     run on any number of GPUs mask the same positions of the same data.
     """
 
-    def __init__(self, config) -> None:
-        self.mask_prob, self.mask_token = config.mask_prob, config.mask_token
+    def __init__(self, model_config) -> None:
+        self.mask_prob, self.mask_token = model_config.mask_prob, model_config.mask_token
 
     def masked_count(self, seq_len: int) -> int:
         return max(1, round(self.mask_prob * seq_len))
 
-    def positions(self, first_row: int, rows: int, seq_len: int, step_key: tuple[int, int] | None = None
+    def positions(self, first_row: int, n_rows: int, seq_len: int, step_key: tuple[int, int] | None = None
                   ) -> np.ndarray:
         """Boolean (rows, seq_len) mask of rows first_row, first_row + 1, ...: of a training step with
         step_key = (seed, step), of the validation stream with None."""
         stream = [TRAINING_MASKS, *step_key] if step_key is not None else [VALIDATION_MASKS]
         count = self.masked_count(seq_len)
-        mask = np.zeros((rows, seq_len), dtype=bool)
-        for i in range(rows):
+        mask = np.zeros((n_rows, seq_len), dtype=bool)
+        for i in range(n_rows):
             rng = np.random.default_rng([*stream, first_row + i])
             mask[i, rng.choice(seq_len, size=count, replace=False)] = True
         return mask
@@ -186,35 +187,36 @@ class MaskedLM:
         return x.masked_fill(mask, self.mask_token), torch.where(mask, x, -1)
 
 
-def objective_for(config) -> CausalLM | MaskedLM:
-    return MaskedLM(config) if config.objective == "mlm" else CausalLM()
+def objective_for(model_config) -> CausalLM | MaskedLM:
+    return MaskedLM(model_config) if model_config.objective == "mlm" else CausalLM()
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Which variants and tools can work together
 
 
-def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch: int, seq_len: int) -> str | None:
+def variant_problem(model_config, research: ResearchConfig, optimizer_name: str, micro_batch: int,
+                    seq_len: int) -> str | None:
     """Flags of the variants and research tools that cannot work together, phrased as what to change; None when
     they can."""
-    if model.objective == "mlm" and not model.mask_token < model.vocab_size:
-        return (f"--mask-token {model.mask_token} is not an id of the vocabulary (--vocab-size {model.vocab_size}): "
-                "choose an id below the vocabulary size that the data never holds")
-    if research.dynamics_every and not OPTIMIZERS[optimizer].optimizer.has_velocity:
+    if model_config.objective == "mlm" and not model_config.mask_token < model_config.vocab_size:
+        return (f"--mask-token {model_config.mask_token} is not an id of the vocabulary (--vocab-size "
+                f"{model_config.vocab_size}): choose an id below the vocabulary size that the data never holds")
+    if research.dynamics_every and not OPTIMIZERS[optimizer_name].optimizer.has_velocity:
         having = [name for name, spec in OPTIMIZERS.items() if spec.optimizer.has_velocity]
         return (f"--dynamics-every needs a velocity, which docs/evaluation.md defines for --optimizer "
-                f"{', '.join(having)}; {optimizer} has none (set --dynamics-every 0)")
-    if research.gauge_diagnostic_every and optimizer == "soap":
+                f"{', '.join(having)}; {optimizer_name} has none (set --dynamics-every 0)")
+    if research.gauge_diagnostic_every and optimizer_name == "soap":
         return ("--gauge-diagnostic-every compares one step of a fresh optimizer, and SOAP's first step only builds "
                 "its preconditioner (no motion); set --gauge-diagnostic-every 0")
-    if research.gauge == "dress" and model.bias_mode == "learned" and not model.bias_per_head:
+    if research.gauge == "dress" and model_config.bias_mode == "learned" and not model_config.bias_per_head:
         return ("--gauge dress moves each head by its own gauge, which a learned bias shared by the heads cannot "
                 "follow: add --bias-per-head")
-    if model.attention != "relational":
+    if model_config.attention != "relational":
         return None
-    if model.bias_mode != "none":
+    if model_config.bias_mode != "none":
         return "--attention relational has no queries, keys or values to bias: add --bias-mode none"
-    if model.init == "symmetric":
+    if model_config.init == "symmetric":
         return "--init symmetric sets W_K := W_Q, which --attention relational does not have: use --init normal"
     if research.dynamics_every or research.gauge != "none" or research.gauge_diagnostic_every:
         return ("--dynamics-every, --gauge and --gauge-diagnostic-every act on the heads' W_Q, W_K, W_V, W_O, which "
@@ -222,11 +224,11 @@ def variant_problem(model, research: ResearchConfig, optimizer: str, micro_batch
     # What relational attention keeps for the backward pass per micro-batch: per layer and token pair the three Gram
     # features, the score MLP's hidden layer before and after the activation, and per head the score, its softmax
     # and the masked score (fp32).
-    per_pair = 3 + 2 * model.relational_hidden + 3 * model.n_head
-    needed = 4 * model.n_layer * micro_batch * seq_len * seq_len * per_pair
+    per_pair = 3 + 2 * model_config.relational_hidden + 3 * model_config.n_head
+    needed = 4 * model_config.n_layer * micro_batch * seq_len * seq_len * per_pair
     if needed > RELATIONAL_MEMORY_LIMIT:
         return (f"--attention relational is a prototype for small models: --micro-batch {micro_batch} x "
-                f"--seq-len {seq_len} over {model.n_layer} layers would keep {needed / 2**30:.1f} GiB of score "
-                f"activations (limit {RELATIONAL_MEMORY_LIMIT / 2**30:.0f} GiB); lower --micro-batch (the batch is "
-                "kept by accumulating gradients), --seq-len or --relational-hidden")
+                f"--seq-len {seq_len} over {model_config.n_layer} layers would keep {needed / 2**30:.1f} GiB of "
+                f"score activations (limit {RELATIONAL_MEMORY_LIMIT / 2**30:.0f} GiB); lower --micro-batch (the batch "
+                "is kept by accumulating gradients), --seq-len or --relational-hidden")
     return None

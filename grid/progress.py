@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from run.log import finished, format_duration, record_problem
+from run.log import finished, format_duration, log_record_problem
 
 TAIL_BYTES = 16384  # enough for the last few records of any log.jsonl
 HEADER = ("run", "state", "step", "loss", "tok/s", "ETA", "device")
@@ -18,7 +18,7 @@ HEADER = ("run", "state", "step", "loss", "tok/s", "ETA", "device")
 
 def tail_records(path: Path, size: int = TAIL_BYTES) -> list[dict]:
     """The complete records in the last `size` bytes of a run's log.jsonl (a long log is not read whole); a line
-    that is no record (run.log.record_problem: damaged, or cut) is passed over."""
+    that is no record (run.log.log_record_problem: damaged, or cut) is passed over."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -36,7 +36,7 @@ def tail_records(path: Path, size: int = TAIL_BYTES) -> list[dict]:
             record = json.loads(line)
         except ValueError:
             continue
-        if record_problem(record) is None:
+        if log_record_problem(record) is None:
             records.append(record)
     return records
 

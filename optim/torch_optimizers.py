@@ -144,7 +144,7 @@ class SGDM(TorchOptimizer, torch.optim.SGD):
     """torch.optim.SGD with (Nesterov) momentum taking SGDMConfig's fields. With initial_velocity_std > 0 every
     momentum buffer starts at N(0, std²), drawn on the CPU from (optim_seed, the parameter's index), so every rank
     and every device draws the same (docs/optimizers.md#adamw-and-sgdm); a resumed run loads the saved buffers. The
-    trainer's configuration replaces an optim_seed of -1 by the run's seed (config.parse_config)."""
+    trainer's configuration replaces an optim_seed of -1 by the run's seed (config.parse_run_config)."""
 
     has_velocity = True
 

@@ -41,9 +41,9 @@ class CheckpointUnreadable(CheckpointError):
     damaged file, so nothing falls back from it to an older one."""
 
 
-def run_dir_of(checkpoint: str | os.PathLike) -> Path | None:
+def run_dir_of(path: str | os.PathLike) -> Path | None:
     """The run directory a checkpoint belongs to (<run>/checkpoints/FILE -> <run>); None for a file elsewhere."""
-    parent = Path(checkpoint).absolute().parent
+    parent = Path(path).absolute().parent
     return parent.parent if parent.name == "checkpoints" else None
 
 
@@ -90,24 +90,24 @@ def _without_tied_names(model: object, tied: object) -> object:
     return {name: tensor for name, tensor in model.items() if name not in tied}
 
 
-def tensor_checksum(checkpoint: dict) -> str:
+def tensor_checksum(ckpt: dict) -> str:
     """v3's checksum, one sha256 over every tensor of a checkpoint (not its other values), verified when a v3 file
     is upgraded."""
     digest = hashlib.sha256()
-    entries = {k: v for k, v in checkpoint.items() if k != "checksum"}
+    entries = {k: v for k, v in ckpt.items() if k != "checksum"}
     if "model" in entries:
         entries["model"] = _without_tied_names(entries["model"], entries.get("tied"))
     _digest(entries, digest, "", tensors_only=True)
     return digest.hexdigest()
 
 
-def entry_checksums(checkpoint: dict, strict: bool = True) -> dict[str, str]:
+def entry_checksums(ckpt: dict, strict: bool = True) -> dict[str, str]:
     """{entry: sha256} over everything a reader or a resume reads: each entry of the checkpoint but the checksum
     itself, each section of its config on its own (config.model, config.attention, ...), every value with its place
     and type and every tensor's bytes, so a mismatch names the entry that changed (docs/runs.md#checkpoints). A value
     of a type no checkpoint holds is a TypeError when strict (writing), a mismatch otherwise (reading)."""
     entries = {}
-    for key, value in checkpoint.items():
+    for key, value in ckpt.items():
         if key == "config" and isinstance(value, dict):
             entries.update({f"config.{section}": part for section, part in value.items()})
         elif key != "checksum":
@@ -157,9 +157,9 @@ def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                                              f"{CHECKPOINT_FORMAT}, v3, v2 and v1): update the code" if newer else
                                              f"not a {CHECKPOINT_FORMAT} checkpoint"),
                               reason=f"format {form}" if newer else f"not {CHECKPOINT_FORMAT}")
-    config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    saved_config = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
     missing = [key for key in ENTRIES if key not in ckpt] + [f"config.{key}" for key in CONFIG_ENTRIES
-                                                               if key not in config]
+                                                               if key not in saved_config]
     missing += [key for key in TRAINING_ENTRIES if ckpt.get("kind") == TRAINING and key not in ckpt]
     if missing:
         raise CheckpointError(f"{path}: a {form} checkpoint without {', '.join(missing)}; it was not written by "
@@ -260,13 +260,13 @@ def newer_checkpoints(run_dir: Path, step: int) -> list[str]:
     return newer
 
 
-def save_run_checkpoint(run_dir: Path, checkpoint: dict, keep: int) -> None:
+def save_run_checkpoint(run_dir: Path, ckpt: dict, keep: int) -> None:
     """A run's checkpoint: checkpoints/latest.pt and, unless keep is 0, checkpoints/step_XXXXXX.pt of its step;
     then every step file up to this step but the newest `keep` is removed (keep -1: all are kept). Step files of
     later steps (left by an earlier stretch of the run that this one replaces) are not counted."""
     folder = Path(run_dir) / "checkpoints"
-    step = checkpoint["step"]
-    save_checkpoint([folder / "latest.pt"] + [folder / f"step_{step:06d}.pt"] * bool(keep), checkpoint)
+    step = ckpt["step"]
+    save_checkpoint([folder / "latest.pt"] + [folder / f"step_{step:06d}.pt"] * bool(keep), ckpt)
     if keep >= 0:
         earlier = [p for p in run_checkpoints(run_dir) if p.name != "latest.pt" and step_of(p) <= step]
         for path in earlier[:len(earlier) - keep]:
@@ -339,25 +339,26 @@ def checkpoint_model_state(model_state: dict[str, torch.Tensor]) -> tuple[dict[s
     return state, tied
 
 
-def _checkpoint(kind: str, model_state: dict, config: dict, metrics: dict, **entries) -> dict:
-    missing = [key for key in CONFIG_ENTRIES if key not in config]
+def _checkpoint(kind: str, model_state: dict, saved_config: dict, metrics: dict, **entries) -> dict:
+    missing = [key for key in CONFIG_ENTRIES if key not in saved_config]
     if missing:
         raise ValueError(f"a checkpoint's config needs {', '.join(CONFIG_ENTRIES)}; it has no {', '.join(missing)}")
     state, tied = checkpoint_model_state(model_state)
-    return {"format": CHECKPOINT_FORMAT, "kind": kind, "step": metrics["step"], "config": config, "model": state,
-            "tied": tied, "metrics": metrics, **entries}
+    return {"format": CHECKPOINT_FORMAT, "kind": kind, "step": metrics["step"], "config": saved_config,
+            "model": state, "tied": tied, "metrics": metrics, **entries}
 
 
-def weights_checkpoint(model: nn.Module, config: dict, metrics: dict, **notes) -> dict:
-    """A checkpoint of kind weights (docs/runs.md#checkpoints): `model` with `config` (CONFIG_ENTRIES) and
+def weights_checkpoint(model: nn.Module, saved_config: dict, metrics: dict, **notes) -> dict:
+    """A checkpoint of kind weights (docs/runs.md#checkpoints): `model` with `saved_config` (CONFIG_ENTRIES) and
     `metrics` (with its "step"); `export from-hf` writes one, with a note of where it came from."""
-    return _checkpoint(WEIGHTS, model.state_dict(keep_vars=True), config, metrics, **notes)
+    return _checkpoint(WEIGHTS, model.state_dict(keep_vars=True), saved_config, metrics, **notes)
 
 
-def training_checkpoint(config: dict, state: dict) -> dict:
-    """A checkpoint of kind training, to resume from: `state` is TrainingState.state_dict() and `config` the run's
-    (CONFIG_ENTRIES)."""
-    return _checkpoint(TRAINING, state["model"], config, state["metrics"], **{k: state[k] for k in TRAINING_ENTRIES})
+def training_checkpoint(saved_config: dict, state: dict) -> dict:
+    """A checkpoint of kind training, to resume from: `state` is TrainingState.state_dict() and `saved_config` the
+    run's configuration (CONFIG_ENTRIES)."""
+    return _checkpoint(TRAINING, state["model"], saved_config, state["metrics"],
+                       **{k: state[k] for k in TRAINING_ENTRIES})
 
 
 @dataclasses.dataclass
@@ -382,15 +383,15 @@ class Progress:
         return True
 
 
-def save_checkpoint(paths: str | os.PathLike | list, checkpoint: dict) -> None:
+def save_checkpoint(paths: str | os.PathLike | list, ckpt: dict) -> None:
     """Write to each of `paths` atomically with the checksum (computed once): a failure leaves the previous
     checkpoint intact and no temporary file, and raises the OSError of the file (named, with the operation: the
     policy of docs/runs.md#filesystem-errors says it in one line), never torch's wrapper of it."""
-    checkpoint["checksum"] = entry_checksums(checkpoint)
+    ckpt["checksum"] = entry_checksums(ckpt)
     for path in map(Path, paths if isinstance(paths, list) else [paths]):
         try:
             with atomic_writer(path) as f:
-                torch.save(checkpoint, f)
+                torch.save(ckpt, f)
         except RuntimeError as exc:  # torch wraps the error of the file it writes
             if not isinstance(exc.__context__, OSError):
                 raise
@@ -423,19 +424,19 @@ def upgrade(ckpt: dict, path: Path, verify: bool) -> dict:
         ckpt["format"] = CHECKPOINT_FORMAT
         return ckpt
     if ckpt["format"] == V1_FORMAT:  # v1 -> v2
-        config = ckpt.get("config", {})
-        train = dict(config.get("train", {}))
+        saved_config = ckpt.get("config", {})
+        train = dict(saved_config.get("train", {}))
         research = {name: train.pop(name) for name in RESEARCH_FIELDS_ONCE_IN_TRAIN if name in train}
-        research = {"gauge_project_velocity": False, **research, **config.get("research", {})}
+        research = {"gauge_project_velocity": False, **research, **saved_config.get("research", {})}
         if isinstance(train.get("keep_checkpoints"), bool):
             train["keep_checkpoints"] = -int(train["keep_checkpoints"])
-        optim = dict(config.get("optim", {}))
+        optim = dict(saved_config.get("optim", {}))
         if "decay_groups" not in optim:
             switches = bool(optim.pop("decay_embeddings", False)), bool(optim.pop("decay_norms_and_biases", False))
             optim["decay_groups"] = DECAY_GROUPS_OF_SWITCHES[switches]
-        preset = config["preset"] if "preset" in config else recorded_preset(path)
-        ckpt["config"] = {**config, "train": train, "research": research, "optim": optim,
-                          "data": config.get("data"), "preset": preset}
+        preset = saved_config["preset"] if "preset" in saved_config else recorded_preset(path)
+        ckpt["config"] = {**saved_config, "train": train, "research": research, "optim": optim,
+                          "data": saved_config.get("data"), "preset": preset}
         if "optimizers" in ckpt:
             optimizers = ckpt.pop("optimizers")
             if len(optimizers) != 1:
@@ -454,9 +455,9 @@ def upgrade(ckpt: dict, path: Path, verify: bool) -> dict:
     return ckpt
 
 
-def recorded_preset(checkpoint: Path) -> str | None:
+def recorded_preset(path: Path) -> str | None:
     """The preset config.json of the checkpoint's run directory records (None: none, or no readable record)."""
-    home = run_dir_of(checkpoint)
+    home = run_dir_of(path)
     if home is None:
         return None
     try:

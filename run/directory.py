@@ -210,17 +210,19 @@ def trainer_sources(entry: str = "train_gpt") -> list[Path]:
     return sorted(found)
 
 
-def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, code: str, log: RunLog,
-                       rt: Runtime, step: int) -> RunDirectory:
-    """The directory of this run on every rank (a collective under torchrun). Rank 0 chooses it (the resumed run's
-    own, --run-dir/--run-name, or a new TIMESTAMP-kind), claims it (see RunDirectory.claim), copies the code, writes
-    config.json (`record`), opens log.txt (which starts with `code`) and log.jsonl, opens the optional trackers at
-    `step` and logs the header; the other ranks get its path. hp: the trainer's TrainConfig."""
+def open_run_directory(run_config, rt: Runtime, log: RunLog, *, config_record: dict, code: str,
+                       step: int) -> RunDirectory:
+    """The directory of the run `run_config` (config.RunConfig) describes, on every rank (a collective under
+    torchrun). Rank 0 chooses it (the resumed run's own, --run-dir/--run-name, or a new TIMESTAMP-PRESET-OPTIMIZER),
+    claims it (see RunDirectory.claim), copies the code, writes config.json (`config_record`), opens log.txt (which
+    starts with `code`) and log.jsonl, opens the optional trackers at `step` and logs the header; the other ranks get
+    its path."""
     import torch.distributed  # here: what reads a run directory (its lock, its checkpoints) imports no torch
 
-    run_dir, refusal = None, None
+    hp, continue_in, run_dir, refusal = run_config.train, run_config.continue_in, None, None
     if rt.is_master:
         try:
+            kind = f"{run_config.preset or 'custom'}-{hp.optimizer}"
             run_dir, note = RunDirectory.choose(hp.run_dir, hp.run_name, kind, continue_in)
             notes = [note] * bool(note) + run_dir.claim(new_run=continue_in is None)
         except RunInUseError as exc:
@@ -232,9 +234,9 @@ def open_run_directory(hp, kind: str, continue_in: Path | None, record: dict, co
         raise RunInUseError(box[1])
     if rt.is_master:
         run_dir.copy_code()
-        atomic_write(run_dir.path / "config.json", json.dumps(record, indent=2).encode())
+        atomic_write(run_dir.path / "config.json", json.dumps(config_record, indent=2).encode())
         log.attach(run_dir.path, code)
-        log.trackers = open_trackers(hp, run_dir.path, record, step)
+        log.trackers = open_trackers(hp, run_dir.path, config_record, step)
         for line in notes:
             log.line(line)
         gpu = f" ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else ""

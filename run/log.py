@@ -21,7 +21,7 @@ NUMBERS = ("step", "tokens", "train_loss", "val_loss", "val_step", "lr", "grad_n
            "mfu", "train_time_s", "elapsed_s")  # what the readers of log.jsonl compute with
 
 
-def record_problem(record: object) -> str | None:
+def log_record_problem(record: object) -> str | None:
     """Why a parsed log.jsonl line is no record its readers can use (not a JSON object, or a number of NUMBERS
     that is none); None when it is one."""
     if not isinstance(record, dict):
@@ -53,7 +53,7 @@ def read_log(run_dir: str | os.PathLike) -> list[dict]:
                 break
             raise DamagedFile(f"{path}: line {number} is not a JSON record ({exc.msg}); the log is damaged: restore "
                               "it, or remove the line") from exc
-        if problem := record_problem(record):
+        if problem := log_record_problem(record):
             raise DamagedFile(f"{path}: line {number} is {problem}; the log is damaged: restore it, or remove the line")
         records.append(record)
     return records
@@ -91,13 +91,13 @@ class WandbTracker:
     numbers of every log.jsonl record at its step, and the final summary. wandb is imported only here. The W&B run
     id is kept in <run>/wandb_run_id.txt, so a run resumed in its directory goes on in the same W&B run."""
 
-    def __init__(self, project: str, run_name: str, run_dir: Path, config: dict) -> None:
+    def __init__(self, project: str, run_name: str, run_dir: Path, config_record: dict) -> None:
         import wandb  # the config check made sure it is installed
 
         id_file = run_dir / "wandb_run_id.txt"
         run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(8)
         self.run = wandb.init(project=project, name=run_name or run_dir.name, id=run_id, resume="allow",
-                              dir=str(run_dir), config=config)
+                              dir=str(run_dir), config=config_record)
         id_file.write_text(run_id + "\n")
 
     def record(self, record: dict) -> None:
@@ -123,12 +123,12 @@ class TensorBoardTracker:
     same folder, and TensorBoard drops the earlier events from its resumed step on (purge_step), so no stretch of
     a curve is doubled. torch.utils.tensorboard (which needs the tensorboard package) is imported only here."""
 
-    def __init__(self, log_dir: Path, config: dict, step: int) -> None:
+    def __init__(self, log_dir: Path, config_record: dict, step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter  # the config check made sure it is installed
 
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=step or None)
         self.step = step
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2) + "\n```", step)
+        self.writer.add_text("config", "```\n" + json.dumps(config_record, indent=2) + "\n```", step)
 
     def record(self, record: dict) -> None:
         self.step = record.get("step", self.step)
@@ -141,13 +141,13 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def open_trackers(hp, run_dir: Path, config: dict, step: int) -> list:
+def open_trackers(hp, run_dir: Path, config_record: dict, step: int) -> list:
     """The trackers the flags ask for (--wandb-project, --tensorboard), opened for the run in `run_dir` at `step`."""
     trackers = []
     if hp.wandb_project:
-        trackers.append(WandbTracker(hp.wandb_project, hp.wandb_run_name, run_dir, config))
+        trackers.append(WandbTracker(hp.wandb_project, hp.wandb_run_name, run_dir, config_record))
     if hp.tensorboard:
-        trackers.append(TensorBoardTracker(Path(hp.tensorboard) / run_dir.name, config, step))
+        trackers.append(TensorBoardTracker(Path(hp.tensorboard) / run_dir.name, config_record, step))
     return trackers
 
 

@@ -106,4 +106,5 @@ def setup_process(hp) -> Runtime:
     if use_cuda:
         torch.cuda.set_device(device)
     autocast_dtype = torch.bfloat16 if use_cuda and hp.dtype == "bf16" else None
-    return Runtime(dist.get_rank() if world > 1 else 0, world, device, micro_batch, grad_accum, autocast_dtype)
+    return Runtime(rank=dist.get_rank() if world > 1 else 0, world=world, device=device, micro_batch=micro_batch,
+                   grad_accum=grad_accum, autocast_dtype=autocast_dtype)

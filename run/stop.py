@@ -36,12 +36,13 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     return bad.item() == 0
 
 
-def non_finite_stop_message(what: str, step: int, lr: float, checkpoint_step: int | None, resumed: dict | None,
+def non_finite_stop_message(what: str, step: int, *, lr: float, checkpoint_step: int | None, resumed: dict | None,
                             run_dir: Path) -> str:
     """The line a run that met a non-finite `what` at `step` stops with: what exists (no checkpoint, the unchanged
-    checkpoint it resumed from, or a finite checkpoint of its own) and what to do in each case. A resumed run that
-    diverged although it followed the advice (a lower --lr, ...) is told that its checkpoint was already on its way
-    and pointed to an earlier step file of that run."""
+    checkpoint it resumed from, or a finite checkpoint of its own in `run_dir`) and what to do in each case, given
+    --lr `lr`, the step of its last checkpoint (written or resumed from) and what --resume continued from
+    (`resumed`). A resumed run that diverged although it followed the advice (a lower --lr, ...) is told that its
+    checkpoint was already on its way and pointed to an earlier step file of that run."""
     advice = f"a lower --lr (now {lr:g}), more --warmup-steps or --grad-clip"
     if checkpoint_step is None:
         kept = (f"no checkpoint was written (the run diverged before its first); start a new run with {advice}"

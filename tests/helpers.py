@@ -300,17 +300,44 @@ V1_RESEARCH_IN_TRAIN = ("dynamics_every", "gauge", "gauge_correction", "gauge_ev
 
 
 class FakeCuda:
-    """torch.cuda's stream and graph API as StepGraph uses it, on the CPU: a capture runs the function (recording what
-    a graph would launch), a replay runs it again; `fail` makes the capture end with CUDA's error."""
+    """torch.cuda's stream and graph API as StepGraph uses it, on the CPU, for a step function wrapped by `recording`:
+    a capture runs the function once (the work that the replay following a capture does on CUDA, which here then runs
+    nothing); a later replay runs it again on the captured inputs, writes its outputs into the captured ones and, as a
+    replay runs no Python, puts back every attribute of the `frozen` objects that the run rebound (not what it
+    changed in place inside them). `fail` makes the capture end with CUDA's error."""
 
     def __init__(self, fail: bool = False) -> None:
         self.fail, self.events, self.capturing = fail, [], None
+        self.frozen: list[object] = []
+
+    def recording(self, fn):
+        """`fn` as StepGraph's step: called while capturing, it records itself, its inputs and its outputs."""
+        def step(*inputs):
+            outputs = fn(*inputs)
+            if self.capturing is not None:
+                self.capturing.fn, self.capturing.args, self.capturing.outputs = fn, inputs, outputs
+            return outputs
+        return step
 
     def install(self, monkeypatch) -> None:
+        from run.capture import tensors
+
         class Graph:
+            def __init__(graph):
+                graph.ran = True  # by the capture, until its first replay
+
             def replay(graph):
                 self.events.append("replay")
-                graph.fn(*graph.args)
+                if graph.ran:
+                    graph.ran = False
+                    return
+                kept = [(obj, dict(vars(obj))) for obj in self.frozen]
+                outputs = graph.fn(*graph.args)
+                for obj, attributes in kept:
+                    vars(obj).clear()
+                    vars(obj).update(attributes)
+                for captured, value in zip(tensors(graph.outputs), tensors(outputs), strict=True):
+                    captured.copy_(value)
 
         class Capture:
             def __init__(capture, graph, capture_error_mode):

@@ -325,7 +325,7 @@ CUDA_CALLS = [
 @pytest.mark.parametrize("impl", ["sdpa", "flex", "triton"])
 @pytest.mark.parametrize("call", CUDA_CALLS, ids=lambda c: c.describe())
 def test_cuda_paths_are_exact_in_bf16(impl: str, call: AttentionCall) -> None:
-    fn = torch.compile(attention_flex) if impl == "flex" else functools.partial(attention, impl=impl)
+    fn = torch.compile(attention_flex) if impl == "flex" else functools.partial(attend, impl=impl)
     errors = relative_errors(fn, call, device="cuda")
     assert max(errors.values()) < TOLERANCE[torch.bfloat16], errors
 

@@ -4,6 +4,8 @@ text, offline and without this repository; the tokenizer is GPT-2's; GPT-2 direc
 trips are bit-identical, the directory is as readable as the umask allows, and bad input gets a clear error."""
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -116,6 +118,28 @@ def test_prelu_export_loads_with_auto_model_and_remote_code_with_our_logits(tmp_
     loaded = export.load_exported(tmp_path / "prelu")  # and back into our GPT
     assert loaded.config.activation == "prelu" and loaded.config.bias_mode == "none"
     torch.testing.assert_close(our_logits(loaded, idx), our_logits(model, idx), rtol=1e-5, atol=1e-5)
+
+
+def test_the_remote_codes_prelu_is_the_trainers(tmp_path):
+    """modeling_symgpt.py, which an exported directory loads without this project, keeps its own copy of
+    train_gpt.FeaturePReLU: the two class definitions are the same code (docstrings aside), and a state dict moves
+    from one to the other with the same outputs."""
+    def definition(path) -> str:
+        [cls] = [node for node in ast.parse(path.read_text()).body
+                 if isinstance(node, ast.ClassDef) and node.name == "FeaturePReLU"]
+        if ast.get_docstring(cls) is not None:
+            cls.body = cls.body[1:]
+        return ast.dump(cls)
+
+    assert definition(ROOT / "train_gpt.py") == definition(export.MODELING_FILE)
+    pytest.importorskip("transformers", reason="modeling_symgpt imports transformers")
+    sys.path.insert(0, str(ROOT))
+    modeling_symgpt = importlib.import_module("modeling_symgpt")
+    ours, theirs = train_gpt.FeaturePReLU(6), modeling_symgpt.FeaturePReLU(6)
+    ours.weight.data.normal_(generator=torch.Generator().manual_seed(0))
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 3, 6, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ours(x), theirs(x)) and not torch.equal(ours(x), torch.relu(x))
 
 
 def test_the_prelu_slopes_are_per_feature_and_needed(tmp_path):

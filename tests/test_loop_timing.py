@@ -24,9 +24,9 @@ def test_a_log_line_is_written_after_the_next_step_is_issued(corpus, tmp_path, m
     train_step, write_line = train_gpt.Trainer.train_step, RunLog.line
 
     def recording_step(self):
-        loss = train_step(self)
+        loss, grad_norm = train_step(self)
         events.append(f"issued {self.progress.step} loss {loss.item():.6f}")
-        return loss
+        return loss, grad_norm
 
     def recording_line(self, text):
         if text.startswith("step ") and "| loss " in text:
@@ -79,9 +79,9 @@ def test_compile_mode_is_recorded_and_passed_to_torch_compile(corpus, tmp_path, 
         calls = []
         monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append(kwargs) or model)
         trainer.rt = dataclasses.replace(rt, device=torch.device("cuda"))  # it compiles on CUDA only
-        trainer.build_step_model()
+        _, _, run_step = trainer.build_step()
         # torch.compile tunes its kernels without CUDA graphs of its own: the trainer replays the whole step
-        assert calls == [{"mode": "max-autotune-no-cudagraphs"}] and isinstance(trainer.run_step, capture.StepGraph)
+        assert calls == [{"mode": "max-autotune-no-cudagraphs"}] and isinstance(run_step, capture.StepGraph)
     finally:
         trainer.close()
 

@@ -19,6 +19,7 @@ from optim import OPTIMIZERS
 from optim.registry import OptimizerSpec
 from run import capture
 from run.log import read_log
+from run.process import Runtime
 from tests.helpers import ROOT, FakeCuda, resume_in_new_directory, tiny_args, tiny_gpt, train_losses
 
 PAGE = ROOT / "docs" / "optimizers.md"
@@ -88,7 +89,9 @@ def test_on_a_cuda_device_stood_in_for_the_recipes_step_is_never_captured(recipe
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    run_step = capture.graph_step(step, torch.device("cuda"), 1, [], optimizer, "reduce-overhead", lines.append)
+    on_cuda = Runtime(rank=0, world=1, device=torch.device("cuda"), micro_batch=2, grad_accum=1, autocast_dtype=None)
+    run_step = capture.graph_step(step, optimizer, on_cuda, mode="reduce-overhead", step_tools=[],
+                                  log_line=lines.append)
     losses = [run_step(idx).item() for _ in range(2 + capture.WARMUP_STEPS)]
     assert run_step is step and cuda.events == [] and losses[-1] < losses[0]
     assert lines == [f"--compile-mode reduce-overhead: no CUDA graph: {optimizer.capture_problem()}; the step runs "

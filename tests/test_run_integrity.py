@@ -171,13 +171,14 @@ def test_a_resumed_run_that_diverges_despite_a_lower_lr_points_to_an_earlier_che
 def test_the_non_finite_stop_without_an_earlier_checkpoint_says_so(tmp_path):
     resumed = {"resumed_from": str(tmp_path / "run" / "checkpoints" / "latest.pt"), "step": 5,
                "changed": {"train.warmup_steps": [0, 100], "train.steps": [10, 20]}}
-    text = non_finite_stop_message("the training loss (nan)", 6, 0.01, 5, resumed, tmp_path / "run")
+    where = {"checkpoint_step": 5, "resumed": resumed, "run_dir": tmp_path / "run"}
+    text = non_finite_stop_message("the training loss (nan)", 6, lr=0.01, **where)
     assert ("diverged again with the safer settings given on --resume (train.warmup_steps 0 -> 100; also changed: "
             "train.steps 10 -> 20)") in text
     assert "resume from an earlier checkpoint, but the run kept none (--keep-checkpoints K" in text
     resumed["changed"] = {"optim.lr": [0.01, 0.1]}  # a higher lr is still the first suspect
     assert "the flags changed on --resume (optim.lr 0.01 -> 0.1) are the first suspects" in non_finite_stop_message(
-        "the training loss (nan)", 6, 0.1, 5, resumed, tmp_path / "run")
+        "the training loss (nan)", 6, lr=0.1, **where)
 
 
 # ----- a refusal by rank 0 on 2 ranks -----

@@ -196,7 +196,8 @@ def test_the_training_state_comes_back_whole_with_the_current_optimizer_settings
         model = tiny_gpt(seed, vocab_size=VOCAB, block_size=8, n_layer=1, n_head=1, n_embd=8)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         settings = [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
-        return TrainingState(model, opt, settings, Stateful(None), Stateful(None), torch.device("cpu"))
+        return TrainingState(model=model, optimizer=opt, peak_settings=settings, loader=Stateful(None),
+                             hooks=Stateful(None), device=torch.device("cpu"))
 
     saved = build(0, 1e-2)
     saved.model(torch.ones(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long))[1].backward()

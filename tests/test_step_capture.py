@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train_gpt
 from optim import OPTIMIZERS
 from run import capture
-from run.log import RunLog
+from run.log import RunLog, read_log
 from run.process import setup_process
 from tests.helpers import FakeCuda, tiny_args, train_losses
 
@@ -105,9 +105,7 @@ class OpTrace(TorchDispatchMode):
 def build_trainer(corpus, tmp_path, optimizer: str) -> train_gpt.Trainer:
     cfg = train_gpt.parse_config(run_flags(corpus, tmp_path, optimizer, optimizer, steps=20,
                                            **{"compile-mode": "reduce-overhead"}))
-    trainer = train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
-    trainer.build_step_model()
-    return trainer
+    return train_gpt.Trainer(cfg, setup_process(cfg.train), RunLog(True))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "ecd", "muon", "soap"])
@@ -192,11 +190,9 @@ def test_the_step_graph_warms_up_captures_replays_and_falls_back(monkeypatch, fa
 
     def step(x):
         seen.append((x.item(), cuda.capturing is not None))
-        if cuda.capturing is not None:  # what the graph replays: this step's function and its static input
-            cuda.capturing.fn, cuda.capturing.args = step, (x,)
         return out.copy_(x * 2)
 
-    graph = capture.StepGraph(step, torch.device("cuda"), optimizer, lines.append)
+    graph = capture.StepGraph(cuda.recording(step), torch.device("cuda"), optimizer, lines.append)
     losses = []
     for k in range(len(steady)):
         losses.append(graph(torch.tensor(float(k))).item())
@@ -216,12 +212,39 @@ def test_the_step_graph_warms_up_captures_replays_and_falls_back(monkeypatch, fa
         assert [x for x, capturing in seen if not capturing] == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_the_host_reads_only_the_outputs_of_a_replayed_step(corpus, tmp_path, monkeypatch):
+    """A replay runs no Python, so what the captured step function sets on the trainer or the optimizer keeps the
+    value of the last step that ran it, which after an eager step (SOAP's basis refresh) is no longer the one the graph
+    rewrites. With CUDA's graph API stood in for (FakeCuda: a replay reruns the step but puts back the attributes it
+    rebinds), a run that alternates replays and eager steps logs the default mode's losses and gradient norms."""
+    flags = {"steps": 9, "grad-clip": 0.05, "log-every": 1}
+    train_gpt.main(run_flags(corpus, tmp_path, "default", "soap", **flags))
+    cuda, graphs, graph_step = FakeCuda(), [], capture.graph_step
+    cuda.install(monkeypatch)
+
+    def on_cuda(fn, *args, **kwargs):
+        graph = graph_step(fn, *args, **kwargs)
+        graph.device, graph.fn = torch.device("cuda"), cuda.recording(graph.fn)
+        cuda.frozen = [fn.__self__, fn.__self__.optimizer]  # the trainer's and the optimizer's attributes
+        graphs.append(graph)
+        return graph
+
+    monkeypatch.setattr(capture, "graph_step", on_cuda)
+    train_gpt.main(run_flags(corpus, tmp_path, "graph", "soap", **flags, **{"compile-mode": "reduce-overhead"}))
+    [graph] = graphs
+    assert cuda.events[0] == "capture" and graph.replays >= 3
+    assert graph.eager_steps > capture.WARMUP_STEPS  # a basis refresh ran eagerly between replays
+    default, replayed = (read_log(tmp_path / name) for name in ("default", "graph"))
+    numbers = [[(r["train_loss"], r["grad_norm"]) for r in log if "train_loss" in r] for log in (default, replayed)]
+    assert len(numbers[0]) == 9 and numbers[1] == numbers[0]
+
+
 def test_a_run_that_cannot_be_captured_says_why_and_trains_in_the_default_mode(corpus, tmp_path):
     train_gpt.main(tiny_args(corpus, tmp_path, "gauge", steps=3, **{"val-every": 0, "compile-mode": "reduce-overhead",
                                                                      "gauge": "dress"}))
     text = (tmp_path / "gauge" / "log.txt").read_text()
-    assert ("--compile-mode reduce-overhead: no CUDA graph: --gauge dress acts on each step from the host; the step runs "
-            "in the default mode") in text
+    assert ("--compile-mode reduce-overhead: no CUDA graph: --gauge dress rewrites the weights from the host after "
+            "every step, which replayed steps have not been validated with; the step runs in the default mode") in text
     assert len(train_losses(tmp_path / "gauge")) == 3
 
 
@@ -231,7 +254,7 @@ def test_each_reason_a_step_cannot_be_captured_is_one_line(corpus, tmp_path):
     ecd = OPTIMIZERS["ecd"].build(model, cfg.optim)
     assert "--ecd-nu 0" in capture.graph_problem(1, [], ecd)
     assert "2 processes" in capture.graph_problem(2, [], ecd)
-    assert capture.graph_problem(1, ["--gauge dress"], ecd) == "--gauge dress acts on each step from the host"
+    assert capture.graph_problem(1, ["--gauge dress"], ecd).startswith("--gauge dress rewrites the weights")
     bf16 = OPTIMIZERS["soap"].build(train_gpt.GPT(cfg.model), OPTIMIZERS["soap"].config(optim_state_dtype="bf16"))
     assert capture.graph_problem(1, [], bf16) is None  # the CPU rounds to nearest: nothing seeded per step
     bf16.fused = True  # the Triton kernels round stochastically with a seed per step

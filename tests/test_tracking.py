@@ -144,9 +144,9 @@ def test_only_the_master_rank_tracks(args, tmp_path, monkeypatch):
     log = RunLog(is_master=False)
     rt = types.SimpleNamespace(is_master=False, world=2, grad_accum=1, micro_batch=2, device=torch.device("cpu"),
                                dtype_name="fp32", layout=dict)
-    trainer = types.SimpleNamespace(cfg=cfg, rt=rt, log=log, model=types.SimpleNamespace(get_num_params=lambda: 1),
-                                    data_record=None, run_dir=None, resumed=None, progress=Progress(),
-                                    attention=None)
+    trainer = types.SimpleNamespace(run_config=cfg, rt=rt, log=log, data_record=None, run_directory=None,
+                                    model=types.SimpleNamespace(get_num_params=lambda: 1), resumed=None,
+                                    progress=Progress(), attention=None)
     train_gpt.Trainer.open_run(trainer)
     log.record({"step": 1, "train_loss": 1.0})
     log.close()
